@@ -1,0 +1,122 @@
+/* ktfp8 kernel ABI: the one set of types every ISA variant implements.
+ *
+ * A "variant" (reference, avx2, avx512, avx512_bf16, amx, and the test-only *_emulated builds)
+ * provides one ktfp8_variant table.  The dispatcher (dispatch.c, baseline flags) only hands out
+ * tables whose CPU + OS requirements this machine meets, so no function here is ever called on a
+ * CPU that lacks its instructions.
+ */
+#ifndef KTFP8_ABI_H
+#define KTFP8_ABI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Element types crossing the ABI. BF16 and F16 travel as uint16 bit patterns. */
+enum ktfp8_dtype { KTFP8_F32 = 0, KTFP8_BF16 = 1, KTFP8_F16 = 2 };
+
+/* ---------------------------------------------------------------- FP8 E4M3 codec
+ * Each function handles one contiguous run of n values; the driver (fp8_codec.c) walks rows and
+ * blocks and spreads them over OpenMP threads.  Every variant must be bit-identical to
+ * fp8_codec_reference.c. */
+typedef struct ktfp8_codec_ops {
+    /* max |v| over the finite values of src (0 when there are none). */
+    float (*amax)(const void *src, int dtype, size_t n);
+    /* codes[i] = e4m3(clip(float(src[i]) / scale, -448, 448)), round-to-nearest-even;
+     * NaN -> 0x7F | sign.  scale == 1 is the plain encoder. */
+    void (*quantize)(const void *src, int dtype, size_t n, float scale, uint8_t *codes);
+    /* dst[i] = decode(codes[i]) * scale in FP32, stored as dtype (F32, or BF16 rounded to nearest
+     * even).  NaN codes (S.1111.111) decode to NaN. */
+    void (*dequantize)(const uint8_t *codes, size_t n, float scale, void *dst, int dtype);
+} ktfp8_codec_ops;
+
+/* ---------------------------------------------------------------- MoE weights
+ * Weight formats of the expert projections. */
+enum ktfp8_wformat {
+    KTFP8_FMT_FP8_CHANNEL = 0, /* e4m3 codes, one fp32 scale per output row            */
+    KTFP8_FMT_FP8_BLOCK = 1,   /* e4m3 codes, one fp32 scale per [block_n, block_k] block */
+    KTFP8_FMT_BF16 = 2         /* bf16 weights, no scale                               */
+};
+
+typedef struct ktfp8_moe_shape {
+    int64_t experts, hidden, inter;
+    int32_t format;            /* enum ktfp8_wformat */
+    int64_t block_n, block_k;  /* FP8_BLOCK only: block edges (block_k even) */
+} ktfp8_moe_shape;
+
+/* One projection of all experts as the user holds it (Hugging Face Linear layout). */
+typedef struct ktfp8_proj_src {
+    const void *w;      /* [E, out, in] uint8 codes or uint16 bf16 bits, C-contiguous */
+    const float *scale; /* per-channel [E, out]; block-wise [E, ceil(out/bn), ceil(in/bk)]; NULL for BF16 */
+} ktfp8_proj_src;
+
+/* How a variant wants its weights arranged.  Packed projection of out = N rows, in = K:
+ *   weights  [E][N_tiles][Kpad / k_pack][rows_per_tile][k_pack] elements (1 byte FP8, 2 bytes BF16)
+ *   scales   per-channel [E][N_tiles * rows_per_tile]            (fp32, times scale_mul)
+ *            block-wise  [E][N_tiles][ceil(K / block_k)][rows_per_tile]
+ * N is padded to whole tiles and K to KTFP8_K_ALIGN with zero weights (scale 0), so kernels never
+ * see a tail.  A row (or row x K-block) holding a NaN code gets a NaN scale: every path then
+ * propagates NaN exactly as a NaN weight would, even ones whose conversion maps NaN codes to a
+ * finite value. */
+#define KTFP8_K_ALIGN 32
+typedef struct ktfp8_layout {
+    int32_t rows_per_tile;   /* NB: output rows per tile (16 everywhere today) */
+    int32_t k_pack;          /* KP: consecutive K per row in one run (1, or 2 for bf16 pairs) */
+    float scale_mul;         /* folded into every packed scale (256 for the fp16 conversion trick) */
+    int32_t shuffle64;       /* 1: FP8 bytes permuted inside each 64-byte group, see moe_pack.c */
+} ktfp8_layout;
+
+/* One micro-kernel call: C[m][NB] = (A[m][K] x W_tile^T) * scale, for one NB-row tile. */
+typedef struct ktfp8_tile_job {
+    const void *w;        /* packed weights of this tile: [k / KP][NB][KP] */
+    const float *scale;   /* per-channel: [NB]; block-wise: [ceil(k / block_k)][NB] */
+    int32_t format;       /* enum ktfp8_wformat */
+    int64_t k;            /* padded K, a multiple of KTFP8_K_ALIGN */
+    int64_t block_k;      /* block-wise only: scale block b covers K [b * block_k, (b + 1) * block_k), */
+    int64_t n_kblocks;    /* b < n_kblocks, except that the last block runs on to k (the padding) */
+    const void *a;        /* [m][a_stride] activations in the variant's act_dtype, zero padded to k */
+    int64_t a_stride;     /* elements */
+    int32_t act_dtype;    /* KTFP8_F32 or KTFP8_BF16 */
+    int64_t m;
+    float *c;             /* [m][c_stride] fp32 output */
+    int64_t c_stride;     /* elements */
+    void *scratch;        /* per-thread, at least tile_scratch_bytes(k) bytes, 64-byte aligned */
+} ktfp8_tile_job;
+
+/* The MoE half of a variant: its weight layout and its one micro-kernel. */
+typedef struct ktfp8_moe_kernel {
+    ktfp8_layout layout;
+    int32_t act_dtype;                       /* KTFP8_F32 or KTFP8_BF16: what tile_matmul reads */
+    size_t (*tile_scratch_bytes)(int64_t k); /* may be NULL: no scratch */
+    void (*tile_matmul)(const ktfp8_tile_job *job);
+} ktfp8_moe_kernel;
+
+/* A variant as dispatch.c hands it out: a codec and a MoE kernel compiled for one ISA level. */
+typedef struct ktfp8_variant {
+    const char *name;
+    const ktfp8_codec_ops *codec;
+    const ktfp8_moe_kernel *moe;
+} ktfp8_variant;
+
+/* A forward call: y[T, H] (+)= sum over slots of w * expert(x). */
+typedef struct ktfp8_moe_call {
+    const ktfp8_moe_shape *shape;
+    const void *packed;            /* buffer filled by ktfp8_pack for this variant's layout */
+    int64_t tokens, top_k;
+    const void *x;                 /* [T, H] in x_dtype (F32 or BF16), C-contiguous */
+    int32_t x_dtype;
+    const int64_t *topk_ids;       /* [T, top_k]; < 0: skip this slot */
+    const float *topk_weights;     /* [T, top_k] */
+    void *y;                       /* [T, H] in x_dtype */
+    int32_t accumulate;            /* 1: add into y */
+    int32_t threads;               /* > 0 */
+    int32_t act_dtype;             /* activations given to tile_matmul; normally moe->act_dtype */
+} ktfp8_moe_call;
+
+#ifdef __cplusplus
+}
+#endif
+#endif

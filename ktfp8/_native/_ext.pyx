@@ -1,0 +1,9 @@
+# cython: language_level=3
+"""The one seam between Python and the C kernels: typed buffers in, one C call out, GIL released.
+
+No logic lives here; each .pxi below wraps one C header.  Validation happens in the Python modules
+that call these functions (ktfp8.fp8, ktfp8.moe, ...)."""
+
+include "cpu.pxi"
+include "codec.pxi"
+include "moe.pxi"
