@@ -137,6 +137,8 @@ class BuildNative(build_ext):
         ext.extra_link_args = ["-fopenmp"] + sanitize_flags()
         compiled = sorted({v for _, v, _ in units})
         print(f"ktfp8 build: ISA units compiled: {', '.join(compiled) or 'none (portable C only)'}")
+        # the baseline objects depend on the chosen macros, which timestamps cannot see
+        self.force = True
         super().build_extension(ext)
 
 
