@@ -133,6 +133,10 @@ class BuildNative(build_ext):
                 [str(src.relative_to(ROOT))], output_dir=out, include_dirs=INCLUDE,
                 macros=[("KTFP8_VARIANT", variant)], extra_postargs=common + flags)
         ext.extra_objects = objects
+        # setuptools relinks only when a listed source is newer than the .so: list the ISA units
+        # and headers too, or an edit to them alone leaves a stale extension behind.
+        ext.depends = list(ext.depends or []) + [str(s.relative_to(ROOT)) for s, _, _ in units] + [
+            str(h.relative_to(ROOT)) for h in sorted((ROOT / "include" / "ktfp8").glob("*.h"))]
         ext.define_macros = list(ext.define_macros or []) + [(m, "1") for m in macros]
         ext.extra_compile_args = common
         ext.extra_link_args = ["-fopenmp"] + sanitize_flags()

@@ -14,7 +14,6 @@ from ktfp8.moe import MoE
 
 E, TOPK, HIDDEN, INTER = 64, 8, 2048, 768
 FORMATS = ["fp8_per_channel", "fp8_block", "bf16"]
-RESULTS = []
 
 
 def _random_experts(fmt, seed=0):
@@ -56,7 +55,7 @@ def _moe(fmt, backend):
 @pytest.mark.parametrize("T", [1, 4, 64, 512])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("backend", ktfp8.available_backends())
-def test_moe_layer(benchmark, limits, backend, fmt, T):
+def test_moe_layer(benchmark, limits, moe_results, backend, fmt, T):
     if backend == "reference" and T > 4:
         pytest.skip("the portable reference is an oracle, not a contender, at prefill sizes")
     moe = _moe(fmt, backend)
@@ -80,13 +79,5 @@ def test_moe_layer(benchmark, limits, backend, fmt, T):
     info = dict(ms=seconds * 1e3, gbs=gbs, bw_fraction=gbs / limits.read_gbs, tflops=tflops,
                 peak_fraction=tflops * 1e3 / limits.compute_gflops)
     benchmark.extra_info.update(info)
-    RESULTS.append((backend, fmt, T, info))
+    moe_results.append((backend, fmt, T, info))
 
-
-def teardown_module(module):
-    if not RESULTS:
-        return
-    print("\nbackend       format           T     ms      GB/s  of-bw  TFLOP/s  of-peak")
-    for backend, fmt, T, r in RESULTS:
-        print(f"{backend:12s}  {fmt:15s} {T:4d} {r['ms']:7.2f} {r['gbs']:8.1f} {r['bw_fraction']:6.0%} "
-              f"{r['tflops']:8.3f} {r['peak_fraction']:7.0%}")
