@@ -46,7 +46,7 @@ ISA = {
     "amx": (AMX, ["AVX512", "AVX512_BF16", "AVX512_VBMI", "AMX"],
             "#include <immintrin.h>\nint f(void){_tile_zero(0);_tile_dpbf16ps(0,1,2);return 0;}"),
 }
-EMULATED_FLAGS = AVX2 + ["-DKTFP8_EMULATE_SIMD", "-DKTFP8_EMULATE_AMX"]
+EMULATED_FLAGS = AVX2 + ["-DKTFP8_EMULATE_SIMD", "-DKTFP8_EMULATE_AMX", "-Wno-psabi"]
 EMULATED_PROBE = ("#define SIMDE_ENABLE_NATIVE_ALIASES\n#include <simde/x86/avx512.h>\n"
                   "int f(float*p){__m512 a=_mm512_dpbf16_ps(_mm512_loadu_ps(p),(__m512bh)"
                   "_mm512_permutex2var_epi8(_mm512_setzero_si512(),_mm512_setzero_si512(),"

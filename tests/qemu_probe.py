@@ -11,8 +11,12 @@ import hashlib
 import json
 import sys
 
+import os
+
 import ml_dtypes
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # moe_oracle beside this file
 
 
 def fixed_floats(n):
@@ -73,6 +77,35 @@ def check_codec():
             "quantize_blockwise": digest(codes_bw, scale_bw),
             "dequantize": digest(fp8.dequantize(codes_bw, scale_bw, block=(8, 48), **kw)),
         }
+    return out
+
+
+def check_moe():
+    """NMSE of a small FP8 per-channel MoE forward, per usable variant, against the float64 oracle
+    (elementwise NumPy only, see moe_oracle.moe_fp64)."""
+    import ktfp8
+    from ktfp8 import backends
+    from moe_oracle import moe_fp64, nmse
+
+    E, H, I, K, T = 4, 40, 24, 2, 3
+    lcg = np.nan_to_num(fixed_floats(3 * E * I * H + T * H), posinf=1, neginf=-1)
+    codes = [np.clip(lcg[i * E * I * H:(i + 1) * E * I * H] * 8, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+             .view(np.uint8) for i in range(3)]
+    gate, up = (c.reshape(E, I, H) for c in codes[:2])
+    down = codes[2].reshape(E, H, I)
+    scales = [np.full((E, n, 1), s, np.float32) for n, s in ((I, 2.0 ** -9), (I, 2.0 ** -9), (H, 2.0 ** -8))]
+    experts = ktfp8.ExpertWeights("fp8_per_channel", gate, up, down, *scales)
+    x = np.clip(lcg[-T * H:], -4, 4).reshape(T, H).astype(np.float32)
+    ids = np.array([[0, 3], [2, -1], [1, 2]], np.int64)
+    weights = np.array([[0.75, 0.25], [1.0, 0.5], [0.5, 0.5]], np.float32)
+    dense = [c.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * s for c, s in zip((gate, up, down), scales)]
+    want = moe_fp64(x, ids, weights, *dense)
+    cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=I)
+    out = {}
+    for variant in backends.usable_variants():
+        moe = ktfp8.MoE(cfg, experts, backend=variant, threads=2)
+        out[variant] = nmse(moe(x, ids, weights), want)
+    out["default"] = ktfp8.MoE(cfg, experts, threads=2).backend
     return out
 
 

@@ -78,3 +78,12 @@ def test_codes_match_the_host(probe):
     assert set(ran) == set(result["backends"]["usable"]) | {"default"}
     for variant, outputs in ran.items():
         assert outputs == expected, f"{variant} under -cpu {cpu} differs from the host"
+
+
+def test_moe_forward_matches_the_fp64_oracle(probe):
+    cpu, result = probe
+    moe = result["moe"]
+    assert moe.pop("default") == expected_best(cpu)
+    assert set(moe) == set(result["backends"]["usable"])
+    for variant, error in moe.items():
+        assert error <= 2e-5, f"{variant} under -cpu {cpu}: NMSE {error:.2e}"
