@@ -166,11 +166,18 @@ class FP8SafeTensorLoader:
 
     @property
     def config(self):
-        """ktfp8.MoeConfig for this model (MoeConfig.from_hf_config of its config.json)."""
-        from .config import MoeConfig
+        """ktfp8.MoeConfig for this model: MoeConfig.from_hf_config of its config.json, with a
+        quant_config that matches the experts' format (FP8 per-channel / block-wise, or BF16)."""
+        from .config import MoeConfig, QuantConfig   # lazily: the loader itself needs no kernels
         if self.hf_config is None:
             raise ValueError(f"{self.path}: no config.json to build a MoeConfig from")
-        return MoeConfig.from_hf_config(_text_config(self.hf_config))
+        if self.format == "fp8_block":
+            quant = QuantConfig("FP8", per_channel=False, group_size=block_size_of(self.hf_config)[0])
+        elif self.format == "bf16":
+            quant = QuantConfig("BF16")
+        else:       # fp8_per_channel, and the target of quantize_experts for fp16/fp32 experts
+            quant = QuantConfig("FP8", per_channel=True)
+        return MoeConfig.from_hf_config(self.hf_config, quant_config=quant)
 
     def load_expert_tensors(self, layer):
         """(gate, up, down) weights of `layer` as stored, each [E, out, in]: memory-map views when the
@@ -284,12 +291,3 @@ class FP8SafeTensorLoader:
                                    f"{list(scale.shape)}; block {list(block)} needs {list(expected)}")
         return scale if scale.dtype == np.float32 else scale.astype(np.float32)
 
-
-def _text_config(hf_config):
-    """The language model's part of a config.json (multimodal models nest it under text_config)."""
-    expert_keys = ("num_experts", "n_routed_experts", "num_local_experts")
-    text = hf_config.get("text_config")
-    if isinstance(text, dict) and not any(k in hf_config for k in expert_keys) \
-            and any(k in text for k in expert_keys):
-        return text
-    return hf_config
