@@ -160,6 +160,14 @@ class FP8SafeTensorLoader:
         """Indices of the layers that hold routed experts, ascending."""
         return sorted(self._layers)
 
+    def tensor(self, name):
+        """Any tensor of the checkpoint by name (e.g. a router weight), as a read-only memory-map view;
+        F8_E4M3 as uint8 codes, BF16 as ml_dtypes.bfloat16."""
+        return self.checkpoint.file_of(name).memmap(name)
+
+    def tensor_names(self):
+        return self.checkpoint.names()
+
     def layer_format(self, layer):
         self._check_layer(layer)
         return self._formats[layer]

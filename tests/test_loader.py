@@ -300,7 +300,10 @@ def test_moe_matches_transformers_block(hf, tmp_path):
             want = block(x)[0]
             if hasattr(block, "shared_experts"):        # DeepSeek: shared experts are not routed experts
                 want = want - block.shared_experts(x)[0]
-            logits = (x[0] @ block.gate.weight.T).numpy()
+            router = loader.tensor(f"model.layers.{layer}.{'block_sparse_moe' if kind == 'mixtral' else 'mlp'}"
+                                   f".gate.weight")
+            np.testing.assert_array_equal(router.astype(np.float32), block.gate.weight.numpy())
+            logits = x[0].numpy() @ router.astype(np.float32).T
             bias = getattr(block.gate, "e_score_correction_bias", None)
         ids, weights = ktfp8.route(logits, cfg, correction_bias=None if bias is None else bias.numpy())
         got = ktfp8.MoE(cfg, experts)(x[0].numpy(), ids, weights)

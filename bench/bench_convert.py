@@ -1,0 +1,131 @@
+"""Conversion speed and peak memory of `python -m ktfp8.convert` on a generated BF16 MoE checkpoint,
+and the SQNR of per-channel vs block-wise FP8 on the same weights.
+
+    python bench/bench_convert.py --size-gb 2.4 --workdir /tmp/ktfp8-bench [--keep]
+
+The checkpoint is written with the safetensors library (torch bf16 tensors): Qwen3-30B-A3B-shaped
+experts (hidden 2048, moe_intermediate 768, 128 experts per layer), Gaussian rows whose scales vary by
+a log-normal factor, as trained weights' rows do, plus a few non-expert tensors, in 1 GB shards.
+Each conversion runs as a child process; peak RSS is its ru_maxrss."""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HIDDEN, INTER, EXPERTS = 2048, 768, 128
+
+
+def generate(folder, size_bytes, seed=0):
+    import torch
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    layer_bytes = 3 * EXPERTS * HIDDEN * INTER * 2
+    layers = max(1, round(size_bytes / layer_bytes))
+    weight_map, shard, shard_bytes, files = {}, {}, 0, []
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(folder / name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({k: name for k in shard})
+        shard, shard_bytes = {}, 0
+
+    def add(name, tensor):
+        nonlocal shard_bytes
+        shard[name] = tensor
+        shard_bytes += tensor.numel() * tensor.element_size()
+        if shard_bytes >= 1e9:
+            flush()
+
+    add("model.embed_tokens.weight", (torch.randn(4096, HIDDEN, generator=gen) * 0.02).bfloat16())
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        add(p + "mlp.gate.weight", (torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.02).bfloat16())
+        add(p + "self_attn.o_proj.weight", (torch.randn(HIDDEN, HIDDEN, generator=gen) * 0.02).bfloat16())
+        for e in range(EXPERTS):
+            for proj, shape in (("gate", (INTER, HIDDEN)), ("up", (INTER, HIDDEN)), ("down", (HIDDEN, INTER))):
+                rows = torch.exp(torch.randn(shape[0], 1, generator=gen) * 0.5) * 0.02
+                add(p + f"mlp.experts.{e}.{proj}_proj.weight",
+                    (torch.randn(*shape, generator=gen) * rows).bfloat16())
+    add("lm_head.weight", (torch.randn(4096, HIDDEN, generator=gen) * 0.02).bfloat16())
+    flush()
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": HIDDEN,
+              "moe_intermediate_size": INTER, "num_experts": EXPERTS, "num_experts_per_tok": 8,
+              "num_hidden_layers": layers, "norm_topk_prob": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def convert(src, dst, quant, threads, verify=False):
+    cmd = [sys.executable, "-m", "ktfp8.convert", "--input-type", "bf16", "--input-path", str(src),
+           "--output-path", str(dst), "--quant-config", quant, "--overwrite", "--max-shard-size", "1GB"]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if verify:
+        cmd += ["--verify"]
+    out, err = dst.parent / "stdout.txt", dst.parent / "stderr.txt"
+    started = time.perf_counter()
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe)
+        _, status, usage = os.wait4(proc.pid, 0)      # this child's own rusage
+    wall = time.perf_counter() - started
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"conversion failed:\n{err.read_text()}")
+    return wall, usage.ru_maxrss * 1024, out.read_text()
+
+
+def sqnr_lines(stdout):
+    return [float(l.split()[1]) for l in stdout.splitlines() if l.startswith("SQNR")]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-gb", type=float, default=2.4)
+    ap.add_argument("--workdir", default="/tmp/ktfp8-bench")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--generate-only", metavar="FOLDER", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.generate_only:
+        generate(Path(args.generate_only), args.size_gb * 1e9)
+        return
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        src = work / "bf16"
+        t = time.perf_counter()
+        # in a child: a child forked from a big parent would report the parent's pages as its peak RSS
+        subprocess.run([sys.executable, __file__, "--generate-only", str(src), "--size-gb", str(args.size_gb)],
+                       check=True)
+        size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        print(f"generated {size / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True)
+        os.sync()
+        for label, quant in (("per-channel", '{"method":"FP8","per_channel":true}'),
+                             ("block 128", '{"method":"FP8","per_channel":false,"group_size":128}')):
+            wall, peak, _ = convert(src, work / "out", quant, args.threads)
+            print(f"{label:12s} convert: {wall:6.1f} s, {size / 1e6 / wall:6.0f} MB/s of input, "
+                  f"peak RSS {peak / 1e6:.0f} MB", flush=True)
+        for label, quant in (("per-channel", '{"method":"FP8","per_channel":true}'),
+                             ("block 128", '{"method":"FP8","per_channel":false,"group_size":128}')):
+            wall, _, stdout = convert(src, work / "out", quant, args.threads, verify=True)
+            db = sqnr_lines(stdout)
+            print(f"{label:12s} --verify run {wall:6.1f} s; SQNR over {len(db)} tensors: mean "
+                  f"{statistics.mean(db):.2f} dB, min {min(db):.2f}, max {max(db):.2f}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
