@@ -9,6 +9,7 @@ import numpy as np
 from . import fp8
 
 CHUNK_BYTES = 32 << 20      # input bytes per chunk: big enough to stream, small enough to bound RSS
+CODEC_THREADS = 1           # the pool runs one chunk per core; the codec itself stays on its thread
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def _source_rows(chunk, checkpoint):
         return rows
     a, b = _block_rows(chunk.start, chunk.stop, item.src_block[0])
     scale = checkpoint.file_of(item.src_scale).read_rows(item.src_scale, a, b).astype(np.float32)
-    return fp8.dequantize(rows, scale, out_dtype=np.float32, block=item.src_block)
+    return fp8.dequantize(rows, scale, out_dtype=np.float32, block=item.src_block, threads=CODEC_THREADS)
 
 
 def run_chunk(chunk, checkpoint, writers, spec):
@@ -64,7 +65,7 @@ def run_chunk(chunk, checkpoint, writers, spec):
         return
     weights = _source_rows(chunk, checkpoint)
     block = spec.block or (128, 128)
-    codes, scale = fp8.quantize(weights, per_channel=spec.per_channel, block=block)
+    codes, scale = fp8.quantize(weights, per_channel=spec.per_channel, block=block, threads=CODEC_THREADS)
     writers[item.out].write(item.out, codes, chunk.start)
     scale_row = chunk.start if spec.per_channel else chunk.start // block[0]
     writers[item.out_scale].write(item.out_scale, np.asarray(scale, np.float32), scale_row)
@@ -87,7 +88,8 @@ def verify_chunk(chunk, checkpoint, outputs, spec):
     else:
         scale = outputs[item.out_scale].read_rows(item.out_scale,
                                                   *_block_rows(chunk.start, chunk.stop, spec.block[0]))
-    restored = fp8.dequantize(codes, scale, out_dtype=np.float32, block=spec.block or (128, 128))
+    restored = fp8.dequantize(codes, scale, out_dtype=np.float32, block=spec.block or (128, 128),
+                              threads=CODEC_THREADS)
     error = reference - restored
     return float(np.vdot(reference, reference)), float(np.vdot(error, error))
 
