@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from .convert_plan import INPUT_DTYPES, build_plan, parse_quant_config, parse_size
-from .convert_work import chunks, run_chunk, sqnr_db, verify_chunk
-from .loader import INDEX_NAME, SINGLE_NAME, Checkpoint
-from .safetensors_io import SafetensorsError, SafetensorsFile, ShardWriter, tensor_nbytes
+from .convert_work import ShardSet, chunks, run_chunk, sqnr_db, verify_chunk
+from .loader import INDEX_NAME, Checkpoint
+from .safetensors_io import SafetensorsError, SafetensorsFile, tensor_nbytes
 
 log = logging.getLogger("ktfp8.convert")
 
@@ -239,32 +239,18 @@ def _fsync_dir(path):
 
 
 # -- tensors ----------------------------------------------------------------------------------------
-def shard_file_names(count):
-    if count == 1:
-        return [SINGLE_NAME]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-
-
 def _write_shards(checkpoint, plan, spec, tmp, threads, total_in):
     """Writes every shard; returns output tensor name -> shard file name."""
-    files = shard_file_names(len(plan.shards))
-    writers, names = {}, {}
+    shards = ShardSet(tmp, plan.shards, plan.specs, metadata={"format": "pt"})
     try:
-        for file_name, tensor_names in zip(files, plan.shards):
-            writer = ShardWriter(tmp / file_name, [(n, *plan.specs[n]) for n in tensor_names],
-                                 metadata={"format": "pt"})
-            for n in tensor_names:
-                writers[n], names[n] = writer, file_name
         work = [c for item in plan.items for c in chunks(item, checkpoint, spec)]
         with Progress(total_in, "converting") as progress:
-            _run_pool(threads, work, lambda c: run_chunk(c, checkpoint, writers, spec),
+            _run_pool(threads, work, lambda c: run_chunk(c, checkpoint, shards, spec),
                       lambda c, _: progress.update(c.in_bytes))
-        for writer in set(writers.values()):
-            writer.close()
+        shards.finish()
     finally:
-        for writer in set(writers.values()):
-            writer.abort()
-    return names
+        shards.abort()
+    return shards.file_of
 
 
 def _run_pool(threads, work, fn, done):

@@ -2,11 +2,13 @@
 its input shard, copied or quantized, and written at its offset in the output shard.  Chunks are
 independent, so a thread pool runs them on every core while memory stays at a few chunks."""
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import fp8
+from .safetensors_io import ShardWriter
 
 CHUNK_BYTES = 32 << 20      # input bytes per chunk: big enough to stream, small enough to bound RSS
 CODEC_THREADS = 1           # the pool runs one chunk per core; the codec itself stays on its thread
@@ -41,6 +43,57 @@ def chunks(item, checkpoint, spec, chunk_bytes=CHUNK_BYTES):
             for a in range(0, max(rows, 1), step)]
 
 
+def shard_file_names(count):
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+class ShardSet:
+    """The output shards.  Each is created (header written) by its first write and closed (fsynced) as
+    soon as all its bytes are written, so only the shards being filled hold a file descriptor."""
+
+    def __init__(self, folder, shards, specs, metadata=None):
+        self.folder, self.metadata = folder, metadata
+        self.files = shard_file_names(len(shards))
+        self.file_of = {name: f for f, names in zip(self.files, shards) for name in names}
+        self._specs = {f: [(name, *specs[name]) for name in names] for f, names in zip(self.files, shards)}
+        self._open, self._closed = {}, set()
+        self._lock = threading.Lock()
+
+    def write(self, name, array, row_offset=0):
+        file_name = self.file_of[name]
+        with self._lock:
+            writer = self._open.get(file_name)
+            if writer is None:
+                if file_name in self._closed:
+                    raise ValueError(f"{file_name} is already complete; cannot write {name!r} again")
+                writer = self._open[file_name] = ShardWriter(self.folder / file_name, self._specs[file_name],
+                                                             self.metadata)
+        writer.write(name, array, row_offset)
+        if writer.complete:
+            with self._lock:      # several threads may see it complete: one closes it
+                mine = self._open.get(file_name) is writer
+                if mine:
+                    del self._open[file_name]
+                    self._closed.add(file_name)
+            if mine:
+                writer.close()
+
+    def finish(self):
+        """Raises unless every shard was written completely and closed."""
+        missing = [f for f in self.files if f not in self._closed]
+        if missing:
+            self.abort()
+            raise ValueError(f"output shards not completely written: {missing[:3]}")
+
+    def abort(self):
+        with self._lock:
+            for writer in self._open.values():
+                writer.abort()
+            self._open.clear()
+
+
 def _block_rows(start, stop, block_n):
     return start // block_n, -(-stop // block_n)
 
@@ -56,19 +109,19 @@ def _source_rows(chunk, checkpoint):
     return fp8.dequantize(rows, scale, out_dtype=np.float32, block=item.src_block, threads=CODEC_THREADS)
 
 
-def run_chunk(chunk, checkpoint, writers, spec):
-    """Reads, converts and writes one chunk.  `writers`: output tensor name -> ShardWriter."""
+def run_chunk(chunk, checkpoint, shards, spec):
+    """Reads, converts and writes one chunk into `shards` (a ShardSet)."""
     item = chunk.item
     if item.action == "copy":
         data = checkpoint.file_of(item.src).read_rows(item.src, chunk.start, chunk.stop)
-        writers[item.out].write(item.out, data, chunk.start)
+        shards.write(item.out, data, chunk.start)
         return
     weights = _source_rows(chunk, checkpoint)
     block = spec.block or (128, 128)
     codes, scale = fp8.quantize(weights, per_channel=spec.per_channel, block=block, threads=CODEC_THREADS)
-    writers[item.out].write(item.out, codes, chunk.start)
+    shards.write(item.out, codes, chunk.start)
     scale_row = chunk.start if spec.per_channel else chunk.start // block[0]
-    writers[item.out_scale].write(item.out_scale, np.asarray(scale, np.float32), scale_row)
+    shards.write(item.out_scale, np.asarray(scale, np.float32), scale_row)
 
 
 def verify_chunk(chunk, checkpoint, outputs, spec):

@@ -304,6 +304,12 @@ class ShardWriter:
         with self._lock:
             self._written[name] += data.nbytes
 
+    @property
+    def complete(self):
+        """True once every declared byte has been written."""
+        with self._lock:
+            return all(self._written[n] == info.nbytes for n, info in self.tensors.items())
+
     def close(self):
         """Checks that every declared byte was written, flushes to disk, closes."""
         if self._fd is None:
