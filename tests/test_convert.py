@@ -373,3 +373,20 @@ def test_console_entry_point(qwen, tmp_path):
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert FP8SafeTensorLoader(tmp_path / "o").format == "fp8_per_channel"
+
+
+def test_many_shards_with_few_file_descriptors(qwen, tmp_path):
+    """Shards are opened one after another, so a checkpoint of more shards than the process may hold
+    file descriptors still converts."""
+    import resource
+
+    def limit_fds():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, "-m", "ktfp8.convert", "--input-type", "bf16", "--input-path",
+                           str(qwen), "--output-path", str(out), "--max-shard-size", "1KB"],
+                          cwd=REPO, capture_output=True, text=True, preexec_fn=limit_fds)
+    assert proc.returncode == 0, proc.stderr
+    assert len(list(out.glob("model-*.safetensors"))) > 48
+    assert FP8SafeTensorLoader(out).format == "fp8_per_channel"
