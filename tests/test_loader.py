@@ -109,7 +109,7 @@ def test_per_channel_conversion_round_trip(hf, tmp_path, sharded):
 
 def test_block_wise_conversion_round_trip(hf, tmp_path):
     kind, _, single, _ = hf
-    out = _convert(single, tmp_path / "fp8b", BLOCK_128)
+    out = _convert(single, tmp_path / "fp8b", BLOCK_128, "bf16", "--verify")
     loader = FP8SafeTensorLoader(out)
     assert loader.format == "fp8_block"
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -168,7 +168,7 @@ def test_block_fp8_input_requantized_per_channel(hf, tmp_path, block):
     src = tmp_path / "ds_fp8"
     tensors = _write_deepseek_fp8(model, src, block)
     assert FP8SafeTensorLoader(src).format == "fp8_block"
-    out = _convert(src, tmp_path / "pc", PER_CHANNEL, "fp8")
+    out = _convert(src, tmp_path / "pc", PER_CHANNEL, "fp8", "--verify")
     with SafetensorsFile(out / "model.safetensors") as f:
         for name, t in tensors.items():
             if name.endswith("_scale_inv"):
@@ -194,7 +194,7 @@ def test_block_fp8_input_kept_bit_exact_for_the_same_block(hf, tmp_path):
     kind, model, _, _ = hf
     src = tmp_path / "ds_fp8"
     tensors = _write_deepseek_fp8(model, src, (128, 128))
-    out = _convert(src, tmp_path / "blk", BLOCK_128, "fp8")
+    out = _convert(src, tmp_path / "blk", BLOCK_128, "fp8", "--verify")
     with SafetensorsFile(out / "model.safetensors") as f:
         for name, t in tensors.items():
             assert f.read_rows(name).tobytes() == t.contiguous().view(torch.uint8).numpy().tobytes()
