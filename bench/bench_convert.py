@@ -6,7 +6,7 @@ and the SQNR of per-channel vs block-wise FP8 on the same weights.
 The checkpoint is written with the safetensors library (torch bf16 tensors): Qwen3-30B-A3B-shaped
 experts (hidden 2048, moe_intermediate 768, 128 experts per layer), Gaussian rows whose scales vary by
 a log-normal factor, as trained weights' rows do, plus a few non-expert tensors, in 1 GB shards.
-Each conversion runs as a child process; peak RSS is its ru_maxrss."""
+Each conversion runs as a child process under /usr/bin/time, which reports its peak RSS."""
 import argparse
 import json
 import os
@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 HIDDEN, INTER, EXPERTS = 2048, 768, 128
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))      # run from a checkout without installing: ktfp8 from this tree
 
 
 def generate(folder, size_bytes, seed=0):
@@ -73,16 +75,17 @@ def convert(src, dst, quant, threads, verify=False):
         cmd += ["--threads", str(threads)]
     if verify:
         cmd += ["--verify"]
-    out, err = dst.parent / "stdout.txt", dst.parent / "stderr.txt"
+    out, err, rss = (dst.parent / n for n in ("stdout.txt", "stderr.txt", "maxrss.txt"))
+    # /usr/bin/time forks the converter from a small process: a child forked from this (big) one
+    # would count our pages in its peak RSS
+    cmd = ["/usr/bin/time", "-f", "%M", "-o", str(rss)] + cmd
     started = time.perf_counter()
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe)
-        _, status, usage = os.wait4(proc.pid, 0)      # this child's own rusage
+        code = subprocess.run(cmd, stdout=fo, stderr=fe, cwd=REPO).returncode
     wall = time.perf_counter() - started
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
+    if code:
         raise SystemExit(f"conversion failed:\n{err.read_text()}")
-    return wall, usage.ru_maxrss * 1024, out.read_text()
+    return wall, int(rss.read_text().split()[-1]) * 1024, out.read_text()
 
 
 def sqnr_lines(stdout):
@@ -132,7 +135,7 @@ def main():
     try:
         src = work / "bf16"
         t = time.perf_counter()
-        # in a child: a child forked from a big parent would report the parent's pages as its peak RSS
+        # in a child, so that this process stays small
         subprocess.run([sys.executable, __file__, "--generate-only", str(src), "--size-gb", str(args.size_gb)],
                        check=True)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
@@ -145,9 +148,9 @@ def main():
                   f"peak RSS {peak / 1e6:.0f} MB", flush=True)
         for label, quant in (("per-channel", '{"method":"FP8","per_channel":true}'),
                              ("block 128", '{"method":"FP8","per_channel":false,"group_size":128}')):
-            wall, _, stdout = convert(src, work / "out", quant, args.threads, verify=True)
+            wall, peak, stdout = convert(src, work / "out", quant, args.threads, verify=True)
             db = sqnr_lines(stdout)
-            print(f"{label:12s} --verify run {wall:6.1f} s; SQNR over {len(db)} tensors: mean "
+            print(f"{label:12s} --verify run {wall:6.1f} s, peak RSS {peak / 1e6:.0f} MB; SQNR over {len(db)} tensors: mean "
                   f"{statistics.mean(db):.2f} dB, min {min(db):.2f}, max {max(db):.2f}", flush=True)
     finally:
         if not args.keep:
