@@ -148,7 +148,7 @@ def convert(args):
     checkpoint = Checkpoint(src)
     plan = build_plan(checkpoint, args.input_type, args.quant_config, args.all_linear, args.max_shard_size)
     total_in = sum(checkpoint.info(i.src).nbytes for i in plan.items)
-    log.info("%s: %d tensors (%d to quantize, %s), %.2f GB -> %d shard(s), %d threads",
+    log.info("%s: %d tensors (%d FP8 weights out, %s), %.2f GB -> %d shard(s), %d threads",
              src, len(plan.items), len(plan.quantized) + _passthrough_count(plan),
              "per-channel" if args.quant_config.per_channel else f"block {list(args.quant_config.block)}",
              total_in / 1e9, len(plan.shards), threads)

@@ -390,3 +390,20 @@ def test_many_shards_with_few_file_descriptors(qwen, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert len(list(out.glob("model-*.safetensors"))) > 48
     assert FP8SafeTensorLoader(out).format == "fp8_per_channel"
+
+
+def test_write_failure_leaves_nothing(big_input, tmp_path):
+    """A write that fails mid-run (here: a file size limit, as a full disk would) stops the run with
+    an error and removes the partial output."""
+    import resource
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)        # EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000_000, 20_000_000))
+
+    dst = tmp_path / "out"
+    proc = _start(big_input, dst, stderr=subprocess.PIPE, text=True, preexec_fn=limit_file_size)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "error: [Errno 27] File too large" in err
+    assert list(tmp_path.iterdir()) == []
