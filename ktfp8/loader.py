@@ -165,9 +165,6 @@ class FP8SafeTensorLoader:
         F8_E4M3 as uint8 codes, BF16 as ml_dtypes.bfloat16."""
         return self.checkpoint.file_of(name).memmap(name)
 
-    def tensor_names(self):
-        return self.checkpoint.names()
-
     def layer_format(self, layer):
         self._check_layer(layer)
         return self._formats[layer]
