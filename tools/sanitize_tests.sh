@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Builds a copy of ktfp8 with AddressSanitizer + UndefinedBehaviorSanitizer (KTFP8_SANITIZE) in a
+# temporary folder -- the normal in-place build and .venv are not touched -- and runs the kernel, codec
+# and driver tests against it.  Fails on any sanitizer report.
+#   tools/sanitize_tests.sh [pytest args...]      (default: the codec / MoE / property tests)
+# PYTHON picks the interpreter (default: .venv/bin/python if present, else python3).
+# KTFP8_SANITIZE_DIR=DIR builds in DIR and keeps it (to debug a finding); default: a temp folder.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=$root/.venv/bin/python; else PYTHON=python3; fi
+fi
+tests=("$@")
+[ ${#tests[@]} -gt 0 ] || tests=(tests/test_fp8_codec.py tests/test_moe.py tests/test_moe_errors.py
+                                 tests/test_properties.py tests/test_concurrency.py)
+
+if [ -n "${KTFP8_SANITIZE_DIR:-}" ]; then
+    mkdir -p "$KTFP8_SANITIZE_DIR" && work=$(cd "$KTFP8_SANITIZE_DIR" && pwd)
+else
+    work=$(mktemp -d "${TMPDIR:-/tmp}/ktfp8-sanitize.XXXXXX")
+    trap 'rm -rf "$work"' EXIT
+fi
+# tracked and untracked-but-not-ignored files: what a clean clone plus local edits would hold
+git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+    [ -e "$f" ] && printf '%s\0' "$f"
+done | xargs -0 cp --parents -t "$work"
+cd "$work"
+echo "sanitize: building in $work"
+KTFP8_SANITIZE=address,undefined "$PYTHON" setup.py -q build_ext --inplace >build.log 2>&1 || {
+    tail -40 build.log; echo "sanitize: build failed" >&2; exit 1; }
+grep "ISA units compiled" build.log || true
+ext=$(ls ktfp8/_native/_ext*.so)
+ldd "$ext" | grep -q libasan || { echo "sanitize: $ext is not linked with ASan" >&2; exit 1; }
+ldd "$ext" | grep -q libubsan || { echo "sanitize: $ext is not linked with UBSan" >&2; exit 1; }
+
+# The extension links libasan; it must be the first library loaded into python, hence LD_PRELOAD.
+# detect_leaks=0: CPython does not free everything at exit by design.
+asan=$(gcc -print-file-name=libasan.so)
+export LD_PRELOAD=$asan
+export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:strict_string_checks=1
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export PYTHONDONTWRITEBYTECODE=1
+# the sanitized copy, not an installed/editable ktfp8, must be the one imported
+where=$("$PYTHON" -c "import ktfp8._native._ext as e; print(e.__file__)")
+case "$where" in "$work"/*) ;; *) echo "sanitize: imported $where, not the sanitized build" >&2; exit 1;; esac
+
+status=0
+"$PYTHON" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tee pytest.log || status=$?
+findings=$(grep -cE "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer" pytest.log || true)
+echo "sanitize: $findings sanitizer report(s); pytest exit status $status"
+[ "$findings" -eq 0 ] && [ "$status" -eq 0 ]
