@@ -9,6 +9,7 @@ from ._native import _ext
 
 ENV_BACKEND = "KTFP8_BACKEND"
 ENV_THREADS = "KTFP8_NUM_THREADS"
+ENV_OMP_THREADS = "OMP_NUM_THREADS"
 
 
 def cpu_features():
@@ -50,18 +51,25 @@ def resolve_backend(name=None):
 
 
 def default_threads(threads=None):
-    """Thread count: `threads`, else $KTFP8_NUM_THREADS, else the cores this process may use."""
+    """Thread count: `threads`, else $KTFP8_NUM_THREADS, else OpenMP's $OMP_NUM_THREADS (its first,
+    outermost level), else the cores this process may use.  A set but invalid variable raises
+    ValueError naming it (a typo should not silently mean "all cores")."""
     if threads is None:
-        env = os.environ.get(ENV_THREADS)
-        if env:
-            try:
-                threads = int(env)
-            except ValueError:
-                raise ValueError(f"{ENV_THREADS}={env!r} is not an integer") from None
-            if threads <= 0:
-                raise ValueError(f"{ENV_THREADS}={env!r} must be a positive integer")
-            return threads
+        for var in (ENV_THREADS, ENV_OMP_THREADS):
+            env = os.environ.get(var, "").strip()
+            if env:
+                return _positive_env(var, env.split(",")[0] if var == ENV_OMP_THREADS else env)
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
     return threads
+
+
+def _positive_env(var, text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{var}={os.environ[var]!r} is not an integer") from None
+    if value <= 0:
+        raise ValueError(f"{var}={os.environ[var]!r} must be a positive integer")
+    return value

@@ -113,7 +113,8 @@ class MoeConfig:
     Routing (see ktfp8.routing.route): scoring_func "softmax" | "sigmoid"; norm_topk_prob renormalises
     the top-k weights; n_group / topk_group: grouped top-k keeps the topk_group best of n_group equal
     groups of experts (n_group = 1: no grouping); routed_scaling_factor multiplies the final weights.
-    hidden_act: only "silu". threads: None = $KTFP8_NUM_THREADS, else all cores.
+    hidden_act: only "silu". threads: None = $KTFP8_NUM_THREADS, else $OMP_NUM_THREADS, else all cores
+    (an explicit MoE(..., threads=) overrides it).
     quant_config: a QuantConfig (or a mapping of its fields); default FP8 per-channel.
 
     Every assignment is checked against the other fields and rejected (ValueError / TypeError, cfg

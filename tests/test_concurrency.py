@@ -1,0 +1,187 @@
+"""Concurrency and resources: one MoE shared by 8 Python threads, MoE objects created and dropped
+without RSS growth, and the thread count rules (threads= > config.threads > KTFP8_NUM_THREADS >
+OMP_NUM_THREADS > all cores) checked by counting the OpenMP threads a fresh process really starts."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ktfp8
+from ktfp8 import backends
+from ktfp8.moe import MoE
+from moe_oracle import make_experts, random_routing
+
+REPO = Path(__file__).resolve().parents[1]
+BACKENDS = backends.usable_variants()
+E, H, I, K = 8, 96, 80, 3
+
+
+def _config(fmt="fp8_per_channel", threads=None):
+    cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=I,
+                          threads=threads)
+    cfg.quant_config.method = "BF16" if fmt == "bf16" else "FP8"
+    cfg.quant_config.per_channel = fmt != "fp8_block"
+    if fmt == "fp8_block":
+        cfg.quant_config.group_size = 64
+    return cfg
+
+
+def _inputs(n, seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        T = int(rng.integers(1, 20))
+        ids, w = random_routing(T, E, K, seed=seed * 1000 + i, skip_fraction=0.1)
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        out.append((x.astype(ml_dtypes.bfloat16) if i % 3 == 2 else x, ids, w))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eight_threads_share_one_moe(backend):
+    """8 Python threads call one MoE for ~3 s (the GIL is released in the kernel, so the C code
+    really runs concurrently): every result is bit-identical to the serial result of that input."""
+    emulated = backend.endswith("_emulated")
+    moe = MoE(_config("fp8_block" if backend == "reference" else "fp8_per_channel"),
+              make_experts("fp8_block" if backend == "reference" else "fp8_per_channel", E, H, I, seed=4)[0],
+              backend=backend, threads=2)
+    per_thread = [_inputs(6, seed=s) for s in range(8)]
+    serial = [[moe(*args) for args in inputs] for inputs in per_thread]
+    seconds = 1.0 if emulated else 3.0
+    calls, failures = [0] * 8, []
+    start = threading.Barrier(8)
+
+    def worker(t):
+        start.wait()
+        deadline = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < deadline:
+            j = i % len(per_thread[t])
+            y = moe(*per_thread[t][j])
+            if not np.array_equal(y.view(np.uint8), serial[t][j].view(np.uint8)):
+                failures.append((t, j))
+                return
+            i += 1
+        calls[t] = i
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not failures, f"results differ from the serial run at (thread, input) {failures[:5]}"
+    assert all(c > 0 for c in calls), calls
+    print(f"{backend}: {sum(calls)} concurrent calls in {seconds} s")
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+@pytest.mark.parametrize("fmt", ["fp8_per_channel", "fp8_block", "bf16"])
+def test_create_and_drop_does_not_grow_rss(fmt):
+    """150 MoE objects (each 0.2-0.4 MB packed) built, called twice (64 tokens) and dropped: RSS
+    stays within a small slack of where it was after a warm-up, so neither packing nor a forward
+    (its ~0.1 MB of per-call buffers) leaks."""
+    experts, _ = make_experts(fmt, E, H, I, seed=5)
+    cfg = _config(fmt)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((64, H)).astype(np.float32)
+    ids, w = random_routing(64, E, K, seed=9)
+    logits = rng.standard_normal((64, E)).astype(np.float32)
+
+    def cycle(n):
+        for _ in range(n):
+            moe = MoE(cfg, experts, threads=1)
+            moe(x, ids, w)
+            moe.forward(x, router_logits=logits)
+            del moe
+
+    cycle(30)   # warm-up: allocator pools, OpenMP thread stacks, lazily imported modules
+    before = _rss_bytes()
+    cycle(150)
+    growth = _rss_bytes() - before
+    packed = MoE(cfg, experts).nbytes
+    # leaking the packed weights alone would be 150 x packed (27+ MB); allow 4 MB of noise
+    assert growth < 4 * 2 ** 20, f"RSS grew by {growth / 2 ** 20:.1f} MB over 150 MoE objects of {packed} bytes"
+
+
+_PROBE = r"""
+import json, os, sys
+import numpy as np
+import ktfp8
+from moe_oracle import make_experts, random_routing
+
+def os_threads():
+    with open("/proc/self/status") as f:
+        return int(next(l for l in f if l.startswith("Threads:")).split()[1])
+
+cfg_threads = json.loads(sys.argv[1])
+explicit = json.loads(sys.argv[2])
+cfg = ktfp8.MoeConfig(expert_num=8, num_experts_per_tok=2, hidden_size=64, intermediate_size=64,
+                      threads=cfg_threads)
+experts, _ = make_experts("fp8_per_channel", 8, 64, 64, seed=1)
+x = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+ids, w = random_routing(16, 8, 2, seed=0)
+before = os_threads()
+moe = ktfp8.MoE(cfg, experts, backend="reference", threads=explicit)
+y = moe(x, ids, w)
+# libgomp keeps its pool alive after a parallel region: n threads = the caller + n - 1 workers
+print(json.dumps({"threads": moe.threads, "pool": os_threads() - before + 1, "y": y.tobytes().hex()}))
+"""
+
+
+def _probe(env, cfg_threads=None, explicit=None):
+    full = {k: v for k, v in os.environ.items() if k not in ("KTFP8_NUM_THREADS", "OMP_NUM_THREADS")}
+    full.update(env)
+    full["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(cfg_threads), json.dumps(explicit)],
+                          env=full, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return proc
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+@pytest.mark.parametrize("env, cfg_threads, explicit, want", [
+    ({"KTFP8_NUM_THREADS": "3"}, None, None, 3),
+    ({"OMP_NUM_THREADS": "2"}, None, None, 2),
+    ({"OMP_NUM_THREADS": "3,2"}, None, None, 3),                    # nested list: the outer level
+    ({"KTFP8_NUM_THREADS": "1", "OMP_NUM_THREADS": "3"}, None, None, 1),
+    ({"KTFP8_NUM_THREADS": "1"}, 3, None, 3),                       # config.threads beats the environment
+    ({"KTFP8_NUM_THREADS": "1"}, 3, 2, 2),                          # threads= beats config.threads
+    ({}, None, None, len(os.sched_getaffinity(0))),
+])
+def test_thread_count_precedence(env, cfg_threads, explicit, want):
+    proc = _probe(env, cfg_threads, explicit)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["threads"] == want
+    assert got["pool"] == want, f"OpenMP ran {got['pool']} threads, MoE.threads is {want}"
+
+
+def test_thread_count_does_not_change_results():
+    outputs = {json.loads(_probe({"KTFP8_NUM_THREADS": str(n)}).stdout)["y"] for n in (1, 2, 3)}
+    assert len(outputs) == 1
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("KTFP8_NUM_THREADS", "0", "KTFP8_NUM_THREADS='0' must be a positive integer"),
+    ("KTFP8_NUM_THREADS", "four", "KTFP8_NUM_THREADS='four' is not an integer"),
+    ("OMP_NUM_THREADS", "-2", "OMP_NUM_THREADS='-2' must be a positive integer"),
+    ("OMP_NUM_THREADS", "many", "OMP_NUM_THREADS='many' is not an integer"),
+])
+def test_invalid_thread_variables_raise(monkeypatch, var, value, message):
+    monkeypatch.delenv("KTFP8_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv(var, value)
+    experts, _ = make_experts("fp8_per_channel", E, H, I, seed=5)
+    with pytest.raises(ValueError, match=message):
+        MoE(_config(), experts)
