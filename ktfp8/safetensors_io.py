@@ -39,6 +39,8 @@ _WRITABLE["F8_E5M2"] = {np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e5m2)}
 _WRITABLE["BF16"] = {np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)}
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024   # the limit the reference implementation enforces
+MAX_DIMS = 32                          # NumPy's limit was 32 before 2.0 (64 since)
+_INT64 = 2 ** 63                       # dims and offsets must fit NumPy's index type
 
 
 class SafetensorsError(ValueError):
@@ -109,9 +111,11 @@ def read_header(path):
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
     except (UnicodeDecodeError, ValueError) as e:
         raise SafetensorsError(f"{path}: header is not valid JSON ({e})") from None
+    except RecursionError:      # thousands of nested [ or {: no header nests more than two levels
+        raise SafetensorsError(f"{path}: header is not valid JSON (nested too deeply)") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: header must be a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise SafetensorsError(f"{path}: __metadata__ must map strings to strings")
     base = 8 + n
@@ -127,12 +131,13 @@ def _tensor_info(path, name, entry, base):
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise SafetensorsError(f"{path}: tensor {name!r}: entry must have dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}; "
                                f"known: {', '.join(DTYPES)}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise SafetensorsError(f"{path}: tensor {name!r}: shape must be a list of non-negative ints, "
-                               f"got {shape!r}")
+    if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+            or not all(_is_int(d) and 0 <= d < _INT64 for d in shape)):
+        raise SafetensorsError(f"{path}: tensor {name!r}: shape must be a list of at most {MAX_DIMS} "
+                               f"non-negative ints below 2**63, got {shape!r}")
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
         raise SafetensorsError(f"{path}: tensor {name!r}: data_offsets must be [begin, end] with "
