@@ -7,6 +7,7 @@ import numpy as np
 
 from . import backends
 from ._native import _ext
+from .config import MoeConfig
 from .experts import ExpertWeights
 
 _FORMAT_CODES = {"fp8_per_channel": 0, "fp8_block": 1, "bf16": 2}
@@ -21,6 +22,8 @@ def _expected_format(quant_config):
 
 
 def _check_matches(config, experts):
+    if not isinstance(config, MoeConfig):
+        raise TypeError(f"config must be a ktfp8.MoeConfig, got {type(config).__name__}")
     if not isinstance(experts, ExpertWeights):
         raise TypeError(f"experts must be ktfp8.ExpertWeights, got {type(experts).__name__}")
     got = (experts.expert_num, experts.hidden_size, experts.intermediate_size)

@@ -1,0 +1,441 @@
+"""The catalogue of bad inputs: every one tried at every public entry point, with the exception (or
+command-line exit status) it gets and a fragment of its message.  One table, one test per row.
+
+The README's "Errors" section is this table rendered (`PYTHONPATH=. python tests/test_bad_inputs.py`
+prints it); test_readme_table_is_current keeps the two in step."""
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Union
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ktfp8
+from ktfp8 import fp8
+from ktfp8.convert import main as convert_main
+from ktfp8.cpu import main as cpu_main
+from ktfp8.experts import ExpertWeights
+from ktfp8.loader import FP8SafeTensorLoader
+from ktfp8.safetensors_io import SafetensorsError, write_file
+
+REPO = Path(__file__).resolve().parents[1]
+E, H, I, K = 4, 64, 32, 2
+F32, BF16, U8 = np.float32, ml_dtypes.bfloat16, np.uint8
+
+
+@dataclass(frozen=True)
+class Case:
+    entry: str                       # the public entry point
+    bad: str                         # what is wrong with the input
+    run: Callable                    # run(ctx) makes the call
+    expect: Union[type, int]         # exception type, or the exit status of a command-line tool
+    message: str                     # fragment of the message (stderr for a command-line tool)
+
+
+class Ctx:
+    """Valid objects to spoil one thing of: a config, experts, a MoE, a checkpoint folder."""
+
+    def __init__(self, tmp):
+        self.tmp = tmp
+        self.cfg = self.config()
+        rng = np.random.default_rng(0)
+        self.w = {n: (rng.standard_normal(s) / 8).astype(F32)
+                  for n, s in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I)))}
+        self.experts = ktfp8.quantize_experts(self.w["gate"], self.w["up"], self.w["down"], self.cfg.quant_config)
+        self.moe = ktfp8.MoE(self.cfg, self.experts, backend="reference")
+        self.x = rng.standard_normal((3, H)).astype(F32)
+        self.ids = np.array([[0, 1], [2, -1], [3, 3]], np.int64)
+        self.tw = np.ones((3, K), F32)
+        self.ckpt = self.checkpoint(tmp / "ckpt")
+
+    @staticmethod
+    def config(**kw):
+        return ktfp8.MoeConfig(**dict(dict(expert_num=E, num_experts_per_tok=K, hidden_size=H,
+                                           intermediate_size=I), **kw))
+
+    def block_config(self, group_size):
+        cfg = self.config()
+        cfg.quant_config.per_channel = False
+        cfg.quant_config.group_size = group_size
+        return cfg
+
+    def checkpoint(self, folder):
+        """A valid FP8 per-channel checkpoint: config.json + one shard with layer 0's experts."""
+        folder.mkdir(parents=True)
+        tensors = {}
+        for e in range(E):
+            for role, codes, scale in (("gate", self.experts.gate, self.experts.gate_scale),
+                                       ("up", self.experts.up, self.experts.up_scale),
+                                       ("down", self.experts.down, self.experts.down_scale)):
+                name = f"model.layers.0.mlp.experts.{e}.{role}_proj"
+                tensors[name + ".weight"] = ("F8_E4M3", codes[e])
+                tensors[name + ".weight_scale"] = ("F32", scale[e])
+        write_file(folder / "model.safetensors", tensors)
+        (folder / "config.json").write_text(json.dumps({
+            "model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": K, "hidden_size": H,
+            "moe_intermediate_size": I}))
+        return folder
+
+    def copy(self, name):
+        import shutil
+        return Path(shutil.copytree(self.ckpt, self.tmp / name))
+
+    def experts_with(self, **changes):
+        fields = dict(format=self.experts.format, gate=self.experts.gate, up=self.experts.up,
+                      down=self.experts.down, gate_scale=self.experts.gate_scale,
+                      up_scale=self.experts.up_scale, down_scale=self.experts.down_scale, block=None)
+        fields.update(changes)
+        return ExpertWeights(**fields)
+
+    def call(self, **changes):
+        args = dict(x=self.x, topk_ids=self.ids, topk_weights=self.tw)
+        args.update(changes)
+        return self.moe(**args)
+
+
+def _truncated_shard(c):
+    folder = c.copy("truncated")
+    shard = folder / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    return FP8SafeTensorLoader(folder)
+
+
+def _bad_index(c, text):
+    folder = c.copy("index" + str(abs(hash(text)) % 10_000))
+    (folder / "model.safetensors.index.json").write_text(text)
+    return FP8SafeTensorLoader(folder)
+
+
+def _without_config(c):
+    folder = c.copy("noconfig")
+    (folder / "config.json").unlink()
+    return FP8SafeTensorLoader(folder).config
+
+
+def _convert(c, *args, input_type="fp8", out="out"):
+    argv = ["--input-type", input_type, "--input-path", str(c.ckpt), "--output-path", str(c.tmp / out)]
+    return convert_main([a for a in argv if a is not None] + list(args))
+
+
+def _non_empty(c):
+    (c.tmp / "full").mkdir(exist_ok=True)
+    (c.tmp / "full" / "mine.txt").write_text("keep")
+    return _convert(c, out="full")
+
+
+def _with_env(var, value, fn):
+    def run(c, monkeypatch):
+        monkeypatch.setenv(var, value)
+        return fn(c)
+    run.needs_env = True
+    return run
+
+
+ROUTER = lambda c: np.zeros((3, E), F32)  # noqa: E731
+cfg = Ctx.config
+
+CASES = [
+    # ---------------------------------------------------------------- MoeConfig / QuantConfig
+    Case("MoeConfig", "expert_num=0", lambda c: cfg(expert_num=0, num_experts_per_tok=1), ValueError,
+         "MoeConfig.expert_num must be >= 1"),
+    Case("MoeConfig", "hidden_size=-1", lambda c: cfg(hidden_size=-1), ValueError, "hidden_size must be >= 1"),
+    Case("MoeConfig", "num_experts_per_tok > expert_num", lambda c: cfg(num_experts_per_tok=E + 1), ValueError,
+         "num_experts_per_tok (5) must be <= expert_num (4)"),
+    Case("MoeConfig", "a bool as a size (expert_num=True)", lambda c: cfg(expert_num=True), TypeError,
+         "expert_num must be an int"),
+    Case("MoeConfig", "a float as a size (hidden_size=64.0)", lambda c: cfg(hidden_size=64.0), TypeError,
+         "hidden_size must be an int"),
+    Case("MoeConfig", "a size left out", lambda c: ktfp8.MoeConfig(E, K, H), TypeError,
+         "MoeConfig needs intermediate_size"),
+    Case("MoeConfig", "unknown scoring_func", lambda c: cfg(scoring_func="tanh"), ValueError,
+         "scoring_func must be one of 'softmax', 'sigmoid'"),
+    Case("MoeConfig", "hidden_act other than silu", lambda c: cfg(hidden_act="gelu"), ValueError,
+         "hidden_act must be one of 'silu'"),
+    Case("MoeConfig", "n_group not dividing expert_num", lambda c: cfg(n_group=3), ValueError,
+         "n_group (3) must divide expert_num (4)"),
+    Case("MoeConfig", "topk_group > n_group", lambda c: cfg(n_group=2, topk_group=3), ValueError,
+         "topk_group (3) must be <= n_group (2)"),
+    Case("MoeConfig", "routed_scaling_factor NaN", lambda c: cfg(routed_scaling_factor=math.nan), ValueError,
+         "routed_scaling_factor must be finite and > 0"),
+    Case("MoeConfig", "threads=0", lambda c: cfg(threads=0), ValueError, "MoeConfig.threads must be >= 1"),
+    Case("MoeConfig", "quant_config a string", lambda c: cfg(quant_config="FP8"), TypeError,
+         "quant_config must be a QuantConfig or a mapping"),
+    Case("MoeConfig", "routed_expert_num disagreeing with num_experts_per_tok",
+         lambda c: cfg(routed_expert_num=1), ValueError, "disagree"),
+    Case("MoeConfig (assignment)", "num_experts_per_tok = 99",
+         lambda c: setattr(cfg(), "num_experts_per_tok", 99), ValueError, "must be <= expert_num"),
+    Case("MoeConfig (assignment)", "unknown field", lambda c: setattr(cfg(), "num_expert", 8), AttributeError,
+         "MoeConfig has no field 'num_expert'"),
+    Case("QuantConfig", "method='INT4'", lambda c: ktfp8.QuantConfig("INT4"), ValueError,
+         "QuantConfig.method must be one of 'FP8', 'BF16'"),
+    Case("QuantConfig", "per_channel with group_size=128", lambda c: ktfp8.QuantConfig("FP8", True, 128),
+         ValueError, "group_size must be 0 with per_channel=True"),
+    Case("QuantConfig", "block-wise with group_size=0", lambda c: ktfp8.QuantConfig("FP8", False, 0),
+         ValueError, "group_size must be > 0"),
+    Case("QuantConfig", "per_channel='yes'", lambda c: ktfp8.QuantConfig("FP8", "yes"), TypeError,
+         "per_channel must be a bool"),
+    Case("MoeConfig.from_hf_config", "a path with no config.json",
+         lambda c: ktfp8.MoeConfig.from_hf_config(c.tmp / "nowhere"), FileNotFoundError,
+         "no Hugging Face config"),
+    Case("MoeConfig.from_hf_config", "no expert count field",
+         lambda c: ktfp8.MoeConfig.from_hf_config({"hidden_size": 8}), ValueError,
+         "has no num_experts / n_routed_experts / num_local_experts field"),
+    Case("MoeConfig.from_hf_config", "unknown topk_method",
+         lambda c: ktfp8.MoeConfig.from_hf_config({"num_experts": 4, "num_experts_per_tok": 2,
+                                                   "hidden_size": 8, "intermediate_size": 8,
+                                                   "topk_method": "random"}),
+         ValueError, "unsupported topk_method 'random'"),
+    Case("MoeConfig.from_hf_config", "an int", lambda c: ktfp8.MoeConfig.from_hf_config(42), TypeError,
+         "path_or_dict must be a dict"),
+    # ---------------------------------------------------------------- route
+    Case("route", "float64 logits", lambda c: ktfp8.route(np.zeros((3, E)), c.cfg), TypeError,
+         "router_logits must be a numpy array of float32, bfloat16 or float16, got float64"),
+    Case("route", "logits [T, E+1]", lambda c: ktfp8.route(np.zeros((3, E + 1), F32), c.cfg), ValueError,
+         "router_logits must have shape [T, expert_num=4]"),
+    Case("route", "a dict as cfg", lambda c: ktfp8.route(ROUTER(c), {"expert_num": E}), TypeError,
+         "cfg must be a ktfp8.MoeConfig"),
+    Case("route", "correction_bias of the wrong length",
+         lambda c: ktfp8.route(ROUTER(c), c.cfg, correction_bias=np.zeros(E + 1, F32)), ValueError,
+         "correction_bias must have shape [expert_num=4]"),
+    Case("route", "correction_bias with Inf",
+         lambda c: ktfp8.route(ROUTER(c), c.cfg, correction_bias=np.full(E, np.inf, F32)), ValueError,
+         "correction_bias must be finite"),
+    Case("route", "correction_bias a list", lambda c: ktfp8.route(ROUTER(c), c.cfg, correction_bias=[0] * E),
+         TypeError, "correction_bias must be None or a numpy float array"),
+    # ---------------------------------------------------------------- ktfp8.fp8
+    Case("fp8.encode", "a list", lambda c: fp8.encode([1.0]), TypeError, "x must be a numpy array"),
+    Case("fp8.encode", "int32 array", lambda c: fp8.encode(np.zeros(4, np.int32)), TypeError,
+         "x must have dtype float32, bfloat16 or float16, got int32"),
+    Case("fp8.encode", "backend='nope'", lambda c: fp8.encode(np.zeros(4, F32), backend="nope"), ValueError,
+         "backend='nope' is not compiled in this build; usable backends:"),
+    Case("fp8.encode", "backend=3", lambda c: fp8.encode(np.zeros(4, F32), backend=3), TypeError,
+         "backend must be a str"),
+    Case("fp8.encode", "threads=0", lambda c: fp8.encode(np.zeros(4, F32), threads=0), ValueError,
+         "threads must be a positive int or None"),
+    Case("fp8.encode", "KTFP8_BACKEND=nope in the environment",
+         _with_env("KTFP8_BACKEND", "nope", lambda c: fp8.encode(np.zeros(4, F32))), ValueError,
+         "KTFP8_BACKEND='nope' is not compiled"),
+    Case("fp8.encode", "KTFP8_NUM_THREADS=zero in the environment",
+         _with_env("KTFP8_NUM_THREADS", "zero", lambda c: fp8.encode(np.zeros(4, F32))), ValueError,
+         "KTFP8_NUM_THREADS='zero' is not an integer"),
+    Case("fp8.decode", "float32 codes", lambda c: fp8.decode(np.zeros(4, F32)), TypeError,
+         "codes must have dtype uint8 or float8_e4m3fn, got float32"),
+    Case("fp8.decode", "dtype=float16", lambda c: fp8.decode(np.zeros(4, U8), np.float16), ValueError,
+         "dtype must be np.float32 or ml_dtypes.bfloat16, got float16"),
+    Case("fp8.decode", "dtype='nonsense'", lambda c: fp8.decode(np.zeros(4, U8), "nonsense"), TypeError,
+         "dtype must be np.float32 or ml_dtypes.bfloat16"),
+    Case("fp8.quantize", "a 1-D array", lambda c: fp8.quantize(np.zeros(8, F32)), ValueError,
+         "w must be 2-D [out, in] or 3-D [experts, out, in]"),
+    Case("fp8.quantize", "an empty matrix", lambda c: fp8.quantize(np.zeros((0, 8), F32)), ValueError,
+         "w must not be empty"),
+    Case("fp8.quantize", "block=(0, 128)", lambda c: fp8.quantize(np.ones((4, 4), F32), False, (0, 128)),
+         ValueError, "block sizes must be positive"),
+    Case("fp8.quantize", "block='128'", lambda c: fp8.quantize(np.ones((4, 4), F32), False, "128"), TypeError,
+         "block must be an int or a pair of ints"),
+    Case("fp8.quantize", "per_channel=1", lambda c: fp8.quantize(np.ones((4, 4), F32), 1), TypeError,
+         "per_channel must be True or False"),
+    Case("fp8.dequantize", "scale of neither shape",
+         lambda c: fp8.dequantize(np.zeros((4, 8), U8), np.ones((4, 2), F32)), ValueError,
+         "scale has shape (4, 2); for codes of shape (4, 8) expected (4, 1)"),
+    Case("fp8.dequantize", "int64 scale", lambda c: fp8.dequantize(np.zeros((4, 8), U8), np.ones((4, 1), np.int64)),
+         TypeError, "scale must have dtype float32"),
+    # ---------------------------------------------------------------- quantize_experts / ExpertWeights
+    Case("quantize_experts", "quant_config without a method",
+         lambda c: ktfp8.quantize_experts(c.w["gate"], c.w["up"], c.w["down"], {"method": "FP8"}), ValueError,
+         "quant_config.method must be 'FP8' or 'BF16', got None"),
+    Case("quantize_experts", "gate 2-D",
+         lambda c: ktfp8.quantize_experts(c.w["gate"][0], c.w["up"][0], c.w["down"][0], c.cfg.quant_config),
+         ValueError, "ExpertWeights.gate must be a 3-D numpy array"),
+    Case("ExpertWeights", "format='int4'", lambda c: c.experts_with(format="int4"), ValueError,
+         "ExpertWeights.format must be one of"),
+    Case("ExpertWeights", "fp8 with float32 weights", lambda c: c.experts_with(gate=c.w["gate"]), TypeError,
+         "ExpertWeights.gate must be float8_e4m3fn or uint8 codes, got float32"),
+    Case("ExpertWeights", "up of another shape", lambda c: c.experts_with(up=c.experts.up[:, :-1]), ValueError,
+         "ExpertWeights.up has shape (4, 31, 64), expected (4, 32, 64) like gate"),
+    Case("ExpertWeights", "a scale missing", lambda c: c.experts_with(down_scale=None), TypeError,
+         "ExpertWeights.down_scale must be a float32 numpy array of shape (4, 64, 1)"),
+    Case("ExpertWeights", "a scale of the wrong shape",
+         lambda c: c.experts_with(gate_scale=np.ones((E, I, 2), F32)), ValueError,
+         "ExpertWeights.gate_scale has shape (4, 32, 2), expected (4, 32, 1)"),
+    Case("ExpertWeights", "fp8_block without block", lambda c: c.experts_with(format="fp8_block"), ValueError,
+         "fp8_block needs block=(block_n, block_k) > 0"),
+    Case("ExpertWeights", "bf16 format with uint8 weights", lambda c: c.experts_with(format="bf16"), TypeError,
+         "ExpertWeights.gate must be bfloat16 (or uint16 bits), got uint8"),
+    # ---------------------------------------------------------------- MoE construction
+    Case("MoE", "a tuple as experts", lambda c: ktfp8.MoE(c.cfg, (c.w["gate"], c.w["up"], c.w["down"])),
+         TypeError, "experts must be ktfp8.ExpertWeights, got tuple"),
+    Case("MoE", "a dict as config", lambda c: ktfp8.MoE({"expert_num": E}, c.experts), TypeError,
+         "config must be a ktfp8.MoeConfig, got dict"),
+    Case("MoE", "experts of other sizes than the config", lambda c: ktfp8.MoE(cfg(hidden_size=H + 1), c.experts),
+         ValueError, "experts hold (expert_num, hidden_size, intermediate_size) = (4, 64, 32), config says "
+                     "(4, 65, 32)"),
+    Case("MoE", "per-channel experts, block-wise config", lambda c: ktfp8.MoE(c.block_config(64), c.experts),
+         ValueError, "experts are 'fp8_per_channel' but config.quant_config asks for 'fp8_block'"),
+    Case("MoE", "block-wise experts with an odd K block",
+         lambda c: ktfp8.MoE(c.block_config(7), ktfp8.quantize_experts(
+             c.w["gate"], c.w["up"], c.w["down"], c.block_config(7).quant_config)), ValueError,
+         "block-wise FP8 needs an even K block edge"),
+    Case("MoE", "an unknown backend name",
+         lambda c: ktfp8.MoE(c.cfg, c.experts, backend="no_such_backend"), ValueError,
+         "backend='no_such_backend' is not compiled in this build; usable backends:"),
+    Case("MoE", "threads=-1", lambda c: ktfp8.MoE(c.cfg, c.experts, threads=-1), ValueError,
+         "threads must be a positive int or None, got -1"),
+    Case("MoE", "OMP_NUM_THREADS=-4 in the environment",
+         _with_env("OMP_NUM_THREADS", "-4", lambda c: ktfp8.MoE(c.cfg, c.experts)), ValueError,
+         "OMP_NUM_THREADS='-4' must be a positive integer"),
+    # ---------------------------------------------------------------- MoE call / forward
+    Case("MoE.__call__", "x float64", lambda c: c.call(x=c.x.astype(np.float64)), TypeError,
+         "x must have dtype float32 or bfloat16, got float64"),
+    Case("MoE.__call__", "x of the wrong hidden size", lambda c: c.call(x=np.zeros((3, H + 1), F32)), ValueError,
+         "x must have shape [T, 64], got (3, 65)"),
+    Case("MoE.__call__", "x non-contiguous", lambda c: c.call(x=np.zeros((3, 2 * H), F32)[:, ::2]), ValueError,
+         "x must be C-contiguous"),
+    Case("MoE.__call__", "x a list", lambda c: c.call(x=c.x.tolist()), TypeError, "x must be a numpy array"),
+    Case("MoE.__call__", "topk_ids float32", lambda c: c.call(topk_ids=c.ids.astype(F32)), TypeError,
+         "topk_ids must have dtype int32 or int64, got float32"),
+    Case("MoE.__call__", "an expert id >= expert_num", lambda c: c.call(topk_ids=c.ids + E), ValueError,
+         "topk_ids holds expert id 7 >= expert_num 4"),
+    Case("MoE.__call__", "topk_ids [T, k-1]", lambda c: c.call(topk_ids=c.ids[:, :1].copy()), ValueError,
+         "topk_ids must have shape [T, num_experts_per_tok] = (3, 2), got (3, 1)"),
+    Case("MoE.__call__", "topk_weights float64", lambda c: c.call(topk_weights=c.tw.astype(np.float64)),
+         TypeError, "topk_weights must have dtype float32, got float64"),
+    Case("MoE.__call__", "topk_weights for fewer tokens", lambda c: c.call(topk_weights=c.tw[:2].copy()),
+         ValueError, "topk_weights must have shape [T, num_experts_per_tok] = (3, 2), got (2, 2)"),
+    Case("MoE.__call__", "out of another shape", lambda c: c.call(out=np.zeros((2, H), F32)), ValueError,
+         "out must have the shape of x (3, 64), got (2, 64)"),
+    Case("MoE.__call__", "out of another dtype than x", lambda c: c.call(out=np.zeros((3, H), BF16)), TypeError,
+         "out must have dtype float32, got bfloat16"),
+    Case("MoE.__call__", "out read-only",
+         lambda c: c.call(out=np.lib.stride_tricks.as_strided(np.zeros((3, H), F32), writeable=False)),
+         ValueError, "out must be writeable"),
+    Case("MoE.__call__", "accumulate=True without out", lambda c: c.moe(c.x, c.ids, c.tw, accumulate=True),
+         ValueError, "accumulate=True needs out="),
+    Case("MoE.forward", "router_logits and topk_ids both given",
+         lambda c: c.moe.forward(c.x, c.ids, c.tw, router_logits=ROUTER(c)), ValueError,
+         "pass either router_logits= or topk_ids/topk_weights, not both"),
+    Case("MoE.forward", "neither router_logits nor topk_ids", lambda c: c.moe.forward(c.x), ValueError,
+         "forward needs topk_ids and topk_weights, or router_logits="),
+    Case("MoE.forward", "router_logits of the wrong width",
+         lambda c: c.moe.forward(c.x, router_logits=np.zeros((3, E + 2), F32)), ValueError,
+         "router_logits must have shape [T, expert_num=4]"),
+    # ---------------------------------------------------------------- moe_forward
+    Case("moe_forward", "config=None", lambda c: ktfp8.moe_forward(c.x, c.experts, c.ids, c.tw, None), TypeError,
+         "config must be a ktfp8.MoeConfig, got NoneType"),
+    Case("moe_forward", "experts of another format than the config",
+         lambda c: ktfp8.moe_forward(c.x, c.experts, c.ids, c.tw, ktfp8.MoeConfig(
+             E, K, H, I, quant_config={"method": "BF16"})), ValueError,
+         "experts are 'fp8_per_channel' but config.quant_config asks for 'bf16'"),
+    Case("moe_forward", "negative and too-large ids mixed",
+         lambda c: ktfp8.moe_forward(c.x, c.experts, np.array([[-1, 9]] * 3), c.tw, c.cfg), ValueError,
+         "topk_ids holds expert id 9 >= expert_num 4"),
+    # ---------------------------------------------------------------- FP8SafeTensorLoader
+    Case("FP8SafeTensorLoader", "a path that is not a folder",
+         lambda c: FP8SafeTensorLoader(c.ckpt / "config.json"), SafetensorsError, "not a directory"),
+    Case("FP8SafeTensorLoader", "a folder without weights",
+         lambda c: FP8SafeTensorLoader((c.tmp / "empty").mkdir() or c.tmp / "empty"), SafetensorsError,
+         "no model.safetensors.index.json and no .safetensors files"),
+    Case("FP8SafeTensorLoader", "a shard truncated mid-tensor", _truncated_shard, SafetensorsError,
+         "truncated: tensor"),
+    Case("FP8SafeTensorLoader", "an index that is not JSON", lambda c: _bad_index(c, "{weight_map"),
+         SafetensorsError, "model.safetensors.index.json: not valid JSON"),
+    Case("FP8SafeTensorLoader", "an index naming a shard in another folder",
+         lambda c: _bad_index(c, json.dumps({"weight_map": {"a": "../model.safetensors"}})), SafetensorsError,
+         "shard name '../model.safetensors' must be a plain file name"),
+    Case("FP8SafeTensorLoader.load_experts", "a layer without experts",
+         lambda c: FP8SafeTensorLoader(c.ckpt).load_experts(7), ValueError, "layer 7 has no experts"),
+    Case("FP8SafeTensorLoader.config", "no config.json", _without_config, ValueError,
+         "no config.json to build a MoeConfig from"),
+    # ---------------------------------------------------------------- python -m ktfp8.convert
+    Case("python -m ktfp8.convert", "--input-type missing",
+         lambda c: convert_main(["--input-path", str(c.ckpt), "--output-path", str(c.tmp / "o")]), 2,
+         "the following arguments are required: --input-type"),
+    Case("python -m ktfp8.convert", "--quant-config not JSON", lambda c: _convert(c, "--quant-config", "{x"), 2,
+         "not valid JSON"),
+    Case("python -m ktfp8.convert", "--quant-config with unknown keys",
+         lambda c: _convert(c, "--quant-config", '{"method":"FP8","bits":4}'), 2, "unknown keys"),
+    Case("python -m ktfp8.convert", "--threads 0", lambda c: _convert(c, "--threads", "0"), 2,
+         "must be a positive integer, got '0'"),
+    Case("python -m ktfp8.convert", "--max-shard-size 5XB", lambda c: _convert(c, "--max-shard-size", "5XB"), 2,
+         "is not like 5GB"),
+    Case("python -m ktfp8.convert", "an input folder that does not exist",
+         lambda c: convert_main(["--input-type", "bf16", "--input-path", str(c.tmp / "absent"),
+                                 "--output-path", str(c.tmp / "o")]), 1, "does not exist or is not a directory"),
+    Case("python -m ktfp8.convert", "a non-empty output folder without --overwrite", _non_empty, 1,
+         "is not empty; pass --overwrite to replace it"),
+    Case("python -m ktfp8.convert", "the output inside the input",
+         lambda c: _convert(c, out="ckpt/inner"), 1, "must be outside the input"),
+    Case("python -m ktfp8.convert", "--input-type not matching the weights",
+         lambda c: _convert(c, input_type="bf16"), 1, "already F8_E4M3; use --input-type fp8"),
+    # ---------------------------------------------------------------- python -m ktfp8.cpu
+    Case("python -m ktfp8.cpu", "an unknown option", lambda c: cpu_main(["--verbose"]), 2,
+         "unrecognized arguments: --verbose"),
+]
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    return Ctx(tmp_path_factory.mktemp("bad_inputs"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.entry}: {c.bad}" for c in CASES])
+def test_bad_input(case, ctx, capsys, monkeypatch):
+    for var in ("KTFP8_BACKEND", "KTFP8_NUM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    run = (lambda c: case.run(c, monkeypatch)) if getattr(case.run, "needs_env", False) else case.run
+    capsys.readouterr()
+    if isinstance(case.expect, int):            # a command-line tool: exit status and stderr
+        try:
+            status = run(ctx)
+        except SystemExit as e:                 # argparse exits 2 on a usage error
+            status = e.code
+        assert status == case.expect
+        assert case.message in capsys.readouterr().err
+    else:
+        with pytest.raises(case.expect, match=re.escape(case.message)):
+            run(ctx)
+
+
+def test_catalogue_is_large_and_covers_every_entry_point():
+    entries = {c.entry for c in CASES}
+    assert len(CASES) >= 40
+    for wanted in ("MoeConfig", "QuantConfig", "MoeConfig.from_hf_config", "route", "fp8.encode", "fp8.decode",
+                   "fp8.quantize", "fp8.dequantize", "quantize_experts", "ExpertWeights", "MoE", "MoE.__call__",
+                   "MoE.forward", "moe_forward", "FP8SafeTensorLoader", "python -m ktfp8.convert",
+                   "python -m ktfp8.cpu"):
+        assert wanted in entries, wanted
+
+
+def render_table():
+    """The README "Errors" section."""
+    def outcome(c):
+        if isinstance(c.expect, int):
+            return f"exit status {c.expect}"
+        return c.expect.__name__
+    lines = ["## Errors", "",
+             "Every public entry point checks its input and answers a bad one with an exception that names "
+             "the argument (command-line tools: a message on stderr and exit status 2 for a usage error, 1 for "
+             "a refused or failed run); nothing crashes, nothing is half-written. The table is the catalogue "
+             f"of bad inputs the test suite tries, one test each ({len(CASES)} cases, "
+             "`tests/test_bad_inputs.py`). `SafetensorsError` is a `ValueError`.", "",
+             "| Entry point | Bad input | Raises | Message contains |", "|---|---|---|---|"]
+    for c in CASES:
+        message = c.message.replace("|", "\\|")
+        lines.append(f"| `{c.entry}` | {c.bad} | `{outcome(c)}` | {message} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_readme_table_is_current():
+    """README.md (once merged) or docs-errors-snippet.md holds exactly render_table()."""
+    table = render_table()
+    sources = [p for p in (REPO / "README.md", REPO / "docs-errors-snippet.md") if p.exists()]
+    assert any(table in p.read_text() for p in sources), \
+        "the Errors table is stale: PYTHONPATH=. python tests/test_bad_inputs.py prints the current one"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_table())
