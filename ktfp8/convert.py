@@ -29,6 +29,7 @@ from .safetensors_io import SafetensorsError, SafetensorsFile, tensor_nbytes
 log = logging.getLogger("ktfp8.convert")
 
 PARTIAL_TAG = ".ktfp8-partial-"
+REPLACED_TAG = ".ktfp8-replaced-"      # an old output moved aside by --overwrite, deleted after the swap
 PARTIAL_MARKER = "KTFP8_CONVERSION_IN_PROGRESS"
 # Files not copied: the input's weights (replaced by ours, or stale duplicates in other formats) and
 # config.json (rewritten with a quantization_config).
@@ -171,6 +172,7 @@ def convert(args):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _remove_stale_replaced(dst)
     out_bytes = sum(os.path.getsize(dst / f) for f in set(names.values()))
     log.info("wrote %s: %d shard(s), %.2f GB; read %.2f GB in %.1f s (%.0f MB/s of input)",
              dst, len(plan.shards), out_bytes / 1e9, total_in / 1e9, elapsed, total_in / 1e6 / max(elapsed, 1e-9))
@@ -205,6 +207,26 @@ def _remove_stale_partials(dst):
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _remove_stale_replaced(dst):
+    """Deletes old outputs that a killed --overwrite run had moved aside (now that dst is in place)."""
+    for path in dst.parent.glob(f".{dst.name}{REPLACED_TAG}*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            log.info("removing %s, a replaced output left by an interrupted run", path)
+            _remove_output(path)
+
+
+def _remove_output(folder):
+    """Deletes an output folder config.json first, so that a deletion cut short (kill -9 in the
+    middle of a large rmtree) never leaves a folder that looks like a finished checkpoint."""
+    try:
+        (folder / "config.json").unlink()
+    except FileNotFoundError:
+        pass
+    _fsync_dir(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)
@@ -222,12 +244,12 @@ def _publish(tmp, dst):
         if not any(dst.iterdir()):
             dst.rmdir()
         else:
-            old = dst.parent / f".{dst.name}.ktfp8-replaced-{os.getpid()}"
+            old = dst.parent / f".{dst.name}{REPLACED_TAG}{os.getpid()}"
             os.rename(dst, old)
     os.rename(tmp, dst)
     _fsync_dir(dst.parent)
     if old is not None:
-        shutil.rmtree(old)
+        _remove_output(old)
 
 
 def _fsync_dir(path):
