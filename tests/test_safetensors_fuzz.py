@@ -10,7 +10,7 @@ import math
 import struct
 
 import numpy as np
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from fuzz_settings import budget
@@ -54,13 +54,13 @@ def _framed(header_bytes, data=b"", length=None):
 @budget(300)
 @given(data=st.binary(max_size=512))
 def test_random_bytes(tmp_path_factory, data):
-    _check_file(_write(tmp_path_factory.mktemp("raw"), data))
+    event(_check_file(_write(tmp_path_factory.mktemp("raw"), data)))
 
 
 @budget(300)
 @given(header=st.binary(max_size=256), tail=st.binary(max_size=64), slack=st.integers(-8, 8))
 def test_random_header_bytes_with_a_plausible_length(tmp_path_factory, header, tail, slack):
-    _check_file(_write(tmp_path_factory.mktemp("hdr"), _framed(header, tail, max(0, len(header) + slack))))
+    event(_check_file(_write(tmp_path_factory.mktemp("hdr"), _framed(header, tail, max(0, len(header) + slack)))))
 
 
 # ---------------------------------------------------------------------------- structured headers
@@ -124,7 +124,7 @@ def test_structured_headers(tmp_path_factory, case, extra, fill):
     header, size = case
     data = bytes([fill]) * max(0, size + extra)
     raw = json.dumps(header).encode()
-    _check_file(_write(tmp_path_factory.mktemp("json"), _framed(raw, data)))
+    event(_check_file(_write(tmp_path_factory.mktemp("json"), _framed(raw, data))))
 
 
 def _valid_file(tmp_path):
@@ -160,7 +160,7 @@ def test_mutations_of_a_valid_file(tmp_path_factory, data):
             length = data.draw(st.one_of(st.integers(0, len(raw)), st.sampled_from(
                 [MAX_HEADER_BYTES + 1, 2 ** 63, 2 ** 64 - 1])))
             raw[:8] = struct.pack("<Q", length)
-    _check_file(_write(folder, bytes(raw)))
+    event(_check_file(_write(folder, bytes(raw))))
 
 
 # ---------------------------------------------------------------------------- fixed cases the fuzzer found
