@@ -262,7 +262,7 @@ def _read_hf_config(source):
         except FileNotFoundError:
             raise FileNotFoundError(f"no Hugging Face config at {path!r} (expected a config.json file or a "
                                     f"model folder holding one)") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:   # Recursion: nested too deep
             raise ValueError(f"{path!r} is not a readable JSON config: {e}") from None
         if not isinstance(config, dict):
             raise ValueError(f"{path!r} holds a JSON {type(config).__name__}, expected an object")

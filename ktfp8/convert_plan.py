@@ -32,7 +32,7 @@ def parse_quant_config(text):
     group_size (per-channel: 0 or absent; block-wise: the block edge, default 128)."""
     try:
         raw = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:      # RecursionError: nested thousands deep
         raise ValueError(f"--quant-config is not valid JSON ({e}): {text!r}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"--quant-config must be a JSON object, got {text!r}")

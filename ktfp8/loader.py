@@ -84,7 +84,7 @@ class Checkpoint:
             return None
         try:
             return json.loads(path.read_text())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:       # RecursionError: nested thousands deep
             raise SafetensorsError(f"{path}: not valid JSON ({e})") from None
 
     def close(self):
@@ -96,7 +96,7 @@ class Checkpoint:
 def _read_index(path):
     try:
         index = json.loads(path.read_text())
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:           # RecursionError: nested thousands deep
         raise SafetensorsError(f"{path}: not valid JSON ({e})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

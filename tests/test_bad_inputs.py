@@ -111,6 +111,18 @@ def _bad_index(c, text):
     return FP8SafeTensorLoader(folder)
 
 
+def _deep_json(path):
+    path.write_text("[" * 100_000)
+    return path
+
+
+def _deep_header(c):
+    folder = c.copy("deep_header")
+    raw = b"{" + b'"a":{' * 50_000
+    (folder / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    return FP8SafeTensorLoader(folder)
+
+
 def _without_config(c):
     folder = c.copy("noconfig")
     (folder / "config.json").unlink()
@@ -190,6 +202,9 @@ CASES = [
                                                    "hidden_size": 8, "intermediate_size": 8,
                                                    "topk_method": "random"}),
          ValueError, "unsupported topk_method 'random'"),
+    Case("MoeConfig.from_hf_config", "a config.json nested 100000 deep",
+         lambda c: ktfp8.MoeConfig.from_hf_config(_deep_json(c.tmp / "deep.json")), ValueError,
+         "is not a readable JSON config"),
     Case("MoeConfig.from_hf_config", "an int", lambda c: ktfp8.MoeConfig.from_hf_config(42), TypeError,
          "path_or_dict must be a dict"),
     # ---------------------------------------------------------------- route
@@ -346,6 +361,10 @@ CASES = [
     Case("FP8SafeTensorLoader", "an index naming a shard in another folder",
          lambda c: _bad_index(c, json.dumps({"weight_map": {"a": "../model.safetensors"}})), SafetensorsError,
          "shard name '../model.safetensors' must be a plain file name"),
+    Case("FP8SafeTensorLoader", "an index nested 100000 deep", lambda c: _bad_index(c, "[" * 100_000),
+         SafetensorsError, "model.safetensors.index.json: not valid JSON"),
+    Case("FP8SafeTensorLoader", "a shard header nested 100000 deep", _deep_header, SafetensorsError,
+         "header is not valid JSON (nested too deeply)"),
     Case("FP8SafeTensorLoader.load_experts", "a layer without experts",
          lambda c: FP8SafeTensorLoader(c.ckpt).load_experts(7), ValueError, "layer 7 has no experts"),
     Case("FP8SafeTensorLoader.config", "no config.json", _without_config, ValueError,
@@ -358,6 +377,8 @@ CASES = [
          "not valid JSON"),
     Case("python -m ktfp8.convert", "--quant-config with unknown keys",
          lambda c: _convert(c, "--quant-config", '{"method":"FP8","bits":4}'), 2, "unknown keys"),
+    Case("python -m ktfp8.convert", "--quant-config nested 100000 deep",
+         lambda c: _convert(c, "--quant-config", "[" * 100_000), 2, "--quant-config is not valid JSON"),
     Case("python -m ktfp8.convert", "--threads 0", lambda c: _convert(c, "--threads", "0"), 2,
          "must be a positive integer, got '0'"),
     Case("python -m ktfp8.convert", "--max-shard-size 5XB", lambda c: _convert(c, "--max-shard-size", "5XB"), 2,
