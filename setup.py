@@ -46,12 +46,13 @@ ISA = {
     "amx": (AMX, ["AVX512", "AVX512_BF16", "AVX512_VBMI", "AMX"],
             "#include <immintrin.h>\nint f(void){_tile_zero(0);_tile_dpbf16ps(0,1,2);return 0;}"),
 }
-EMULATED_FLAGS = AVX2 + ["-DKTFP8_EMULATE_SIMD", "-DKTFP8_EMULATE_AMX"]
+EMULATED_FLAGS = AVX2 + ["-DKTFP8_EMULATE_SIMD", "-DKTFP8_EMULATE_AMX", "-Wno-psabi"]
 EMULATED_PROBE = ("#define SIMDE_ENABLE_NATIVE_ALIASES\n#include <simde/x86/avx512.h>\n"
                   "int f(float*p){__m512 a=_mm512_dpbf16_ps(_mm512_loadu_ps(p),(__m512bh)"
                   "_mm512_permutex2var_epi8(_mm512_setzero_si512(),_mm512_setzero_si512(),"
                   "_mm512_setzero_si512()),(__m512bh)_mm512_setzero_si512());_mm512_storeu_ps(p,a);return 0;}")
 EMULATED_ISAS = ("avx512", "avx512bf16", "amx")
+EMULATED_BASES = ("fp8_codec", "moe")  # kernels worth checking under emulation (not the speed probes)
 
 
 def option(name):
@@ -121,7 +122,7 @@ class BuildNative(build_ext):
             if isa in chosen:
                 units.append((src, isa, chosen[isa]))
                 macros.append(f"KTFP8_HAVE_{base_macro(base)}_{isa.upper()}")
-            if isa in EMULATED_ISAS and "emulated" in chosen:
+            if isa in EMULATED_ISAS and base in EMULATED_BASES and "emulated" in chosen:
                 units.append((src, isa + "_emulated", chosen["emulated"]))
                 macros.append(f"KTFP8_HAVE_{base_macro(base)}_{isa.upper()}_EMULATED")
 
@@ -132,16 +133,22 @@ class BuildNative(build_ext):
                 [str(src.relative_to(ROOT))], output_dir=out, include_dirs=INCLUDE,
                 macros=[("KTFP8_VARIANT", variant)], extra_postargs=common + flags)
         ext.extra_objects = objects
+        # setuptools relinks only when a listed source is newer than the .so: list the ISA units
+        # and headers too, or an edit to them alone leaves a stale extension behind.
+        ext.depends = list(ext.depends or []) + [str(s.relative_to(ROOT)) for s, _, _ in units] + [
+            str(h.relative_to(ROOT)) for h in sorted((ROOT / "include" / "ktfp8").glob("*.h"))]
         ext.define_macros = list(ext.define_macros or []) + [(m, "1") for m in macros]
         ext.extra_compile_args = common
         ext.extra_link_args = ["-fopenmp"] + sanitize_flags()
         compiled = sorted({v for _, v, _ in units})
         print(f"ktfp8 build: ISA units compiled: {', '.join(compiled) or 'none (portable C only)'}")
+        # the baseline objects depend on the chosen macros, which timestamps cannot see
+        self.force = True
         super().build_extension(ext)
 
 
 def base_macro(base):
-    return {"fp8_codec": "CODEC", "moe": "MOE"}.get(base, base.upper())
+    return {"fp8_codec": "CODEC"}.get(base, base.upper())
 
 
 def baseline_sources():

@@ -114,7 +114,8 @@ INLINE void dot_bf16(const uint16_t *w, const uint16_t *a, int64_t a_stride, con
         for (int q = 0; q < U; q++) {
             const __m512i wq = _mm512_loadu_si512((const void *)(w + 32 * (p + q)));
 #pragma GCC unroll 8
-            for (int i = 0; i < M; i++) acc[i][q] = DPBF16(acc[i][q], wq, bcast_pair(a + i * a_stride, p + q));
+            for (int i = 0; i < M; i++)
+                acc[i][q] = DPBF16(acc[i][q], wq, bcast_pair(a + i * a_stride, p + q));
         }
     }
     for (; p < p1; p++) {

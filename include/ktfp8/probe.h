@@ -1,0 +1,23 @@
+/* Roofline probes: what this machine's memory bus and vector units can do, measured in the same
+ * process as the kernels so benchmarks can report fractions of it.  The caller times each call. */
+#ifndef KTFP8_PROBE_H
+#define KTFP8_PROBE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Reads bytes (a multiple of 128) of buf once, spread over threads; returns a checksum. */
+uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads);
+/* Runs iters rounds of independent FP32 FMAs (AVX2) per thread; returns the flops done (0: no AVX2). */
+double ktfp8_probe_fma(int64_t iters, int threads);
+/* Same with vdpbf16ps (AVX-512-BF16); returns the flops done (0: not available). */
+double ktfp8_probe_dpbf16(int64_t iters, int threads);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

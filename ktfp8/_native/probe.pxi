@@ -1,0 +1,29 @@
+# Roofline probes (probe.h).
+
+from libc.stdint cimport uint64_t
+
+cdef extern from "ktfp8/probe.h":
+    uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads) nogil
+    double ktfp8_probe_fma(int64_t iters, int threads) nogil
+    double ktfp8_probe_dpbf16(int64_t iters, int threads) nogil
+
+
+def probe_read(buf, int threads):
+    """Reads the whole uint8 buffer (length a multiple of 128, 32-byte aligned) once."""
+    cdef const uint8_t[::1] b = buf
+    with nogil:
+        ktfp8_probe_read(&b[0], b.shape[0], threads)
+
+
+def probe_fma(int64_t iters, int threads):
+    """FP32 FMA flops done (0.0 when this CPU has no AVX2)."""
+    with nogil:
+        flops = ktfp8_probe_fma(iters, threads)
+    return flops
+
+
+def probe_dpbf16(int64_t iters, int threads):
+    """vdpbf16ps flops done (0.0 when this CPU has no AVX-512-BF16)."""
+    with nogil:
+        flops = ktfp8_probe_dpbf16(iters, threads)
+    return flops

@@ -1,0 +1,311 @@
+"""MoeConfig and QuantConfig: what one MoE layer is and how its experts are stored.
+
+Both are checked when built and again on every attribute assignment, so a config that exists is a
+valid one: `cfg.num_experts_per_tok = 99` on a 64-expert layer raises ValueError and leaves cfg as it was.
+"""
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+QUANT_METHODS = ("FP8", "BF16")
+DEFAULT_BLOCK = 128              # block edge of block-wise FP8 when none is given (DeepSeek-V3's)
+SCORING_FUNCS = ("softmax", "sigmoid")
+HIDDEN_ACTS = ("silu",)          # the kernels compute silu(gate) * up and nothing else
+
+
+def _as_int(owner, name, value, minimum):
+    # bool is an int subclass: `expert_num=True` is a mistake, not 1.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_bool(owner, name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{owner}.{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _as_choice(owner, name, value, choices):
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{owner}.{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+class QuantConfig:
+    """How the expert weights are stored.
+
+    method:      "FP8" (E4M3 codes + float32 scales) or "BF16".
+    per_channel: FP8 scales: True = one scale per output row; False = block-wise, one scale per
+                 group_size x group_size block (DeepSeek-V3 `weight_scale_inv`).
+    group_size:  0 when per_channel; the block edge (> 0, default 128) when block-wise.
+
+    Fields are set one at a time in KTransformers code, so `per_channel` is the mode switch and
+    carries `group_size` along when the old value no longer fits: `per_channel = True` sets
+    group_size to 0, `per_channel = False` with group_size 0 sets it to 128. `group_size` itself is
+    checked against the current mode (a block edge while per_channel is True raises ValueError),
+    so switch the mode first: `per_channel = False; group_size = 64`.
+    """
+
+    def __init__(self, method="FP8", per_channel=True, group_size=None):
+        method = _as_choice("QuantConfig", "method", method, QUANT_METHODS)
+        per_channel = _as_bool("QuantConfig", "per_channel", per_channel)
+        if group_size is None:
+            group_size = 0 if per_channel else DEFAULT_BLOCK
+        group_size = _as_int("QuantConfig", "group_size", group_size, 0)
+        _check_scale_mode(per_channel, group_size)
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "per_channel", per_channel)
+        object.__setattr__(self, "group_size", group_size)
+
+    def __setattr__(self, name, value):
+        if name == "method":
+            value = _as_choice("QuantConfig", "method", value, QUANT_METHODS)
+        elif name == "per_channel":
+            value = _as_bool("QuantConfig", "per_channel", value)
+            if value and self.group_size != 0:
+                object.__setattr__(self, "group_size", 0)
+            elif not value and self.group_size == 0:
+                object.__setattr__(self, "group_size", DEFAULT_BLOCK)
+        elif name == "group_size":
+            value = _as_int("QuantConfig", "group_size", value, 0)
+            _check_scale_mode(self.per_channel, value)
+        else:
+            raise AttributeError(f"QuantConfig has no field {name!r}; fields: method, per_channel, group_size")
+        object.__setattr__(self, name, value)
+
+    def __eq__(self, other):
+        if not isinstance(other, QuantConfig):
+            return NotImplemented
+        return vars(self) == vars(other)
+
+    __hash__ = None  # mutable
+
+    def __repr__(self):
+        return f"QuantConfig(method={self.method!r}, per_channel={self.per_channel}, group_size={self.group_size})"
+
+
+def _check_scale_mode(per_channel, group_size):
+    if per_channel and group_size != 0:
+        raise ValueError(f"QuantConfig.group_size must be 0 with per_channel=True (one scale per output row), "
+                         f"got {group_size}; set per_channel = False first for block-wise scales")
+    if not per_channel and group_size <= 0:
+        raise ValueError(f"QuantConfig.group_size must be > 0 (the block edge, e.g. {DEFAULT_BLOCK}) with "
+                         f"per_channel=False, got {group_size}; set per_channel = True for per-channel scales")
+
+
+_MOE_FIELDS = ("expert_num", "num_experts_per_tok", "hidden_size", "intermediate_size", "scoring_func",
+               "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor", "hidden_act", "threads",
+               "quant_config")
+
+
+class MoeConfig:
+    """One MoE layer: sizes, routing rule, activation, threads and weight format.
+
+    expert_num, num_experts_per_tok (alias routed_expert_num), hidden_size, intermediate_size: the sizes.
+    Routing (see ktfp8.routing.route): scoring_func "softmax" | "sigmoid"; norm_topk_prob renormalises
+    the top-k weights; n_group / topk_group: grouped top-k keeps the topk_group best of n_group equal
+    groups of experts (n_group = 1: no grouping); routed_scaling_factor multiplies the final weights.
+    hidden_act: only "silu". threads: None = $KTFP8_NUM_THREADS, else all cores.
+    quant_config: a QuantConfig (or a mapping of its fields); default FP8 per-channel.
+
+    Every assignment is checked against the other fields and rejected (ValueError / TypeError, cfg
+    unchanged) if the result would be invalid; so when shrinking, lower num_experts_per_tok before
+    expert_num and topk_group before n_group.
+    """
+
+    def __init__(self, expert_num, num_experts_per_tok=None, hidden_size=None, intermediate_size=None, *,
+                 scoring_func="softmax", norm_topk_prob=True, n_group=1, topk_group=1,
+                 routed_scaling_factor=1.0, hidden_act="silu", threads=None, quant_config=None,
+                 routed_expert_num=None):
+        if routed_expert_num is not None:
+            if num_experts_per_tok is not None and num_experts_per_tok != routed_expert_num:
+                raise ValueError(f"MoeConfig: num_experts_per_tok={num_experts_per_tok!r} and its alias "
+                                 f"routed_expert_num={routed_expert_num!r} disagree")
+            num_experts_per_tok = routed_expert_num
+        given = dict(expert_num=expert_num, num_experts_per_tok=num_experts_per_tok, hidden_size=hidden_size,
+                     intermediate_size=intermediate_size)
+        missing = [name for name, value in given.items() if value is None]
+        if missing:
+            raise TypeError(f"MoeConfig needs {', '.join(missing)}")
+        values = {name: _check_moe_field(name, value) for name, value in dict(
+            given, scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group,
+            topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, hidden_act=hidden_act,
+            threads=threads, quant_config=QuantConfig() if quant_config is None else quant_config).items()}
+        _check_moe_combination(values)
+        for name in _MOE_FIELDS:
+            object.__setattr__(self, name, values[name])
+
+    @property
+    def routed_expert_num(self):
+        """KTransformers' name for num_experts_per_tok (experts chosen per token)."""
+        return self.num_experts_per_tok
+
+    def __setattr__(self, name, value):
+        if name == "routed_expert_num":
+            name = "num_experts_per_tok"
+        if name not in _MOE_FIELDS:
+            raise AttributeError(f"MoeConfig has no field {name!r}; fields: {', '.join(_MOE_FIELDS)}")
+        value = _check_moe_field(name, value)
+        _check_moe_combination(dict(vars(self), **{name: value}))
+        object.__setattr__(self, name, value)
+
+    def __eq__(self, other):
+        if not isinstance(other, MoeConfig):
+            return NotImplemented
+        return vars(self) == vars(other)
+
+    __hash__ = None  # mutable
+
+    def __repr__(self):
+        return "MoeConfig(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in _MOE_FIELDS) + ")"
+
+    @classmethod
+    def from_hf_config(cls, path_or_dict, **overrides):
+        """MoeConfig from a Hugging Face config: a dict, a PretrainedConfig, a config.json path or a
+        model folder holding one. Multimodal configs are read from their `text_config` (or
+        `language_config`). `overrides` (threads=..., quant_config=...) replace or add constructor arguments.
+
+        Qwen2-MoE / Qwen3-MoE: num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob;
+        softmax top-k. Mixtral: num_local_experts, intermediate_size; softmax top-k, always
+        renormalised. DeepSeek-V2: n_routed_experts, softmax; topk_method "greedy" (no groups) or
+        "group_limited_greedy" (n_group, topk_group; group score = best expert);
+        routed_scaling_factor, norm_topk_prob. DeepSeek-V3: sigmoid, topk_method "noaux_tc" (group score
+        = sum of the two best biased scores). A field the file leaves out takes the default of that
+        family's reference code (e.g. DeepSeek-V3: norm_topk_prob True, routed_scaling_factor 2.5).
+        Note: transformers' DeepseekV2 ignores norm_topk_prob while DeepSeek's own code honours it; every
+        released V2 checkpoint sets it to false, where both agree.
+        """
+        fields = _fields_from_hf(_read_hf_config(path_or_dict))
+        fields.update(overrides)
+        return cls(**fields)
+
+
+MOEConfig = MoeConfig  # KTransformers' spelling
+
+
+def _check_moe_field(name, value):
+    if name in ("expert_num", "num_experts_per_tok", "hidden_size", "intermediate_size", "n_group", "topk_group"):
+        return _as_int("MoeConfig", name, value, 1)
+    if name == "scoring_func":
+        return _as_choice("MoeConfig", name, value, SCORING_FUNCS)
+    if name == "hidden_act":
+        return _as_choice("MoeConfig", name, value, HIDDEN_ACTS)
+    if name == "norm_topk_prob":
+        return _as_bool("MoeConfig", name, value)
+    if name == "routed_scaling_factor":
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise TypeError(f"MoeConfig.routed_scaling_factor must be a number, got {type(value).__name__} {value!r}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"MoeConfig.routed_scaling_factor must be finite and > 0, got {value!r}")
+        return float(value)
+    if name == "threads":
+        return None if value is None else _as_int("MoeConfig", name, value, 1)
+    if name == "quant_config":
+        if isinstance(value, QuantConfig):
+            return value
+        if isinstance(value, Mapping):
+            return QuantConfig(**value)
+        raise TypeError(f"MoeConfig.quant_config must be a QuantConfig or a mapping of its fields, "
+                        f"got {type(value).__name__}")
+    raise AssertionError(name)
+
+
+def _check_moe_combination(v):
+    E, k, G, g = v["expert_num"], v["num_experts_per_tok"], v["n_group"], v["topk_group"]
+    if k > E:
+        raise ValueError(f"MoeConfig.num_experts_per_tok ({k}) must be <= expert_num ({E})")
+    if E % G:
+        raise ValueError(f"MoeConfig.n_group ({G}) must divide expert_num ({E})")
+    if g > G:
+        raise ValueError(f"MoeConfig.topk_group ({g}) must be <= n_group ({G})")
+    if g * (E // G) < k:
+        raise ValueError(f"MoeConfig: grouped top-k keeps topk_group * expert_num / n_group = {g} * {E} / {G} "
+                         f"= {g * (E // G)} experts, fewer than num_experts_per_tok ({k})")
+
+
+# --- Hugging Face config.json -> MoeConfig fields -------------------------------------------------
+
+_EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+# Routing values each family's reference code uses when config.json leaves the field out.
+_FAMILY_DEFAULTS = {
+    "qwen2_moe": {"norm_topk_prob": False},
+    "qwen3_moe": {"norm_topk_prob": False},
+    "deepseek_v2": {"norm_topk_prob": False, "routed_scaling_factor": 1.0, "topk_method": "greedy"},
+    "deepseek_v3": {"norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+                    "topk_method": "noaux_tc"},
+}
+_TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
+
+
+def _read_hf_config(source):
+    if hasattr(source, "to_dict") and callable(source.to_dict):   # a transformers PretrainedConfig
+        source = source.to_dict()
+    if isinstance(source, Mapping):
+        config = dict(source)
+    elif isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no Hugging Face config at {path!r} (expected a config.json file or a "
+                                    f"model folder holding one)") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path!r} is not a readable JSON config: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path!r} holds a JSON {type(config).__name__}, expected an object")
+    else:
+        raise TypeError(f"path_or_dict must be a dict, a transformers config or a path, got {type(source).__name__}")
+    if not any(key in config for key in _EXPERT_COUNT_KEYS):
+        for key in ("text_config", "language_config"):
+            if isinstance(config.get(key), Mapping):
+                return dict(config[key])
+    return config
+
+
+def _fields_from_hf(config):
+    family = config.get("model_type")
+    defaults = _FAMILY_DEFAULTS.get(family, {})
+
+    def get(key, default=None):
+        value = config.get(key)
+        return defaults.get(key, default) if value is None else value
+
+    def need(*keys):
+        for key in keys:
+            if config.get(key) is not None:
+                return config[key]
+        raise ValueError(f"Hugging Face config (model_type {family!r}) has no {' / '.join(keys)} field")
+
+    topk_method = get("topk_method")
+    scoring_func = get("scoring_func", _TOPK_METHOD_SCORING.get(topk_method, "softmax"))
+    n_group, topk_group = get("n_group", 1), get("topk_group", 1)
+    if topk_method == "greedy":
+        n_group = topk_group = 1
+    elif topk_method in _TOPK_METHOD_SCORING:
+        if scoring_func != _TOPK_METHOD_SCORING[topk_method]:
+            raise ValueError(f"Hugging Face config: topk_method {topk_method!r} needs scoring_func "
+                             f"{_TOPK_METHOD_SCORING[topk_method]!r}, got {scoring_func!r}")
+    elif topk_method is not None:
+        raise ValueError(f"Hugging Face config: unsupported topk_method {topk_method!r} "
+                         f"(known: greedy, group_limited_greedy, noaux_tc)")
+    # Mixtral's router always renormalises its top-k; its configs have no norm_topk_prob.
+    norm_topk_prob = True if family == "mixtral" else get("norm_topk_prob", True)
+    return dict(
+        expert_num=need(*_EXPERT_COUNT_KEYS),
+        num_experts_per_tok=need("num_experts_per_tok"),
+        hidden_size=need("hidden_size"),
+        intermediate_size=need("moe_intermediate_size", "intermediate_size"),
+        scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=get("routed_scaling_factor", 1.0), hidden_act=get("hidden_act", "silu"))

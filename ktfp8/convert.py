@@ -1,0 +1,399 @@
+"""python -m ktfp8.convert (console script ktfp8-convert): a Hugging Face safetensors checkpoint in BF16 /
+FP16 / FP32, or block-wise FP8, to FP8 E4M3 with per-channel (or block-wise) scales.
+
+    python -m ktfp8.convert --input-type bf16 --input-path IN --output-path OUT \\
+        --quant-config '{"method": "FP8", "per_channel": true}' [--all-linear] [--verify]
+
+Safety: the input is only read; the output is built in a hidden temporary folder next to OUT and
+renamed into place at the very end (config.json is written last), so an interrupted run leaves no
+folder that looks like a finished checkpoint; a non-empty OUT is replaced only with --overwrite."""
+import argparse
+import concurrent.futures as cf
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .convert_plan import INPUT_DTYPES, build_plan, parse_quant_config, parse_size
+from .convert_work import ShardSet, chunks, run_chunk, sqnr_db, verify_chunk
+from .loader import INDEX_NAME, Checkpoint
+from .safetensors_io import SafetensorsError, SafetensorsFile, tensor_nbytes
+
+log = logging.getLogger("ktfp8.convert")
+
+PARTIAL_TAG = ".ktfp8-partial-"
+PARTIAL_MARKER = "KTFP8_CONVERSION_IN_PROGRESS"
+# Files not copied: the input's weights (replaced by ours, or stale duplicates in other formats) and
+# config.json (rewritten with a quantization_config).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".gguf", ".h5", ".msgpack", ".ckpt")
+_SKIP_FILES = ("config.json", INDEX_NAME, "pytorch_model.bin.index.json")
+_SKIP_DIRS = (".git", ".cache")
+VERIFY_WORST = 10
+
+
+class ConvertError(Exception):
+    """A refusal or failure explained to the user (exit status 1)."""
+
+
+def _quant_config_arg(text):
+    try:
+        return parse_quant_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _size_arg(text):
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _threads_arg(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="ktfp8-convert", description="Convert a Hugging Face safetensors checkpoint to FP8 E4M3 with "
+        "per-channel (compressed-tensors) or block-wise (DeepSeek-V3 style) scales.")
+    p.add_argument("--input-type", required=True, choices=sorted(INPUT_DTYPES),
+                   help="dtype of the weights to quantize; fp8 = block-wise FP8 with weight_scale_inv")
+    p.add_argument("--input-path", "--input-bf16-hf-path", dest="input_path", required=True,
+                   help="input model folder (read only)")
+    p.add_argument("--output-path", "--output-fp8-hf-path", dest="output_path", required=True,
+                   help="output model folder (must not exist or be empty, unless --overwrite)")
+    p.add_argument("--quant-config", type=_quant_config_arg, default=parse_quant_config('{"method":"FP8"}'),
+                   help='JSON, e.g. \'{"method":"FP8","per_channel":true}\' (default) or '
+                        '\'{"method":"FP8","per_channel":false,"group_size":128}\' for 128x128 blocks')
+    p.add_argument("--all-linear", action="store_true",
+                   help="quantize every Linear of the decoder layers, not only expert projections "
+                        "(routers, embeddings and lm_head stay as they are)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--threads", type=_threads_arg, default=None,
+                   help="worker threads (default: $KTFP8_NUM_THREADS, else all cores)")
+    p.add_argument("--max-shard-size", type=_size_arg, default=parse_size("5GB"),
+                   help="largest output shard, e.g. 5GB (default), 500MB, 2GiB")
+    p.add_argument("--verify", action="store_true",
+                   help="re-read the output, print each quantized tensor's SQNR (dB) and the worst ones, "
+                        "check copied tensors byte for byte")
+    p.add_argument("--verify-min-sqnr", type=float, default=20.0, metavar="DB",
+                   help="with --verify: fail (and write nothing) if a tensor's SQNR is below DB (default 20)")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    _setup_logging()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)   # clean up on kill -TERM too
+    try:
+        convert(args)
+        return 0
+    except KeyboardInterrupt:
+        log.error("interrupted; nothing was written to %s", args.output_path)
+        return 130
+    except (ConvertError, SafetensorsError, ValueError, OSError) as e:
+        log.error("error: %s", e)
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (it may be replaced after setup, e.g. by pytest)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+def _setup_logging():
+    if not log.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("ktfp8-convert: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def convert(args):
+    from .backends import default_threads
+    src, dst = Path(args.input_path), Path(args.output_path)
+    _check_paths(src, dst, args.overwrite)
+    threads = default_threads(args.threads)
+    checkpoint = Checkpoint(src)
+    plan = build_plan(checkpoint, args.input_type, args.quant_config, args.all_linear, args.max_shard_size)
+    total_in = sum(checkpoint.info(i.src).nbytes for i in plan.items)
+    log.info("%s: %d tensors (%d FP8 weights out, %s), %.2f GB -> %d shard(s), %d threads",
+             src, len(plan.items), len(plan.quantized) + _passthrough_count(plan),
+             "per-channel" if args.quant_config.per_channel else f"block {list(args.quant_config.block)}",
+             total_in / 1e9, len(plan.shards), threads)
+    _remove_stale_partials(dst)
+    tmp = dst.parent / f".{dst.name}{PARTIAL_TAG}{os.getpid()}"
+    tmp.mkdir()
+    (tmp / PARTIAL_MARKER).write_text("ktfp8.convert is writing this folder; it is incomplete.\n")
+    try:
+        started = time.monotonic()
+        names = _write_shards(checkpoint, plan, args.quant_config, tmp, threads, total_in)
+        elapsed = time.monotonic() - started
+        if args.verify:
+            _verify(checkpoint, plan, args.quant_config, tmp, names, threads, args.verify_min_sqnr)
+        _copy_other_files(src, tmp, set(checkpoint.weight_map.values()))
+        _write_index(plan, names, tmp)
+        _write_config(checkpoint, plan, tmp)     # last: a folder without config.json is no checkpoint
+        (tmp / PARTIAL_MARKER).unlink()
+        _fsync_dir(tmp)
+        _publish(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    out_bytes = sum(os.path.getsize(dst / f) for f in set(names.values()))
+    log.info("wrote %s: %d shard(s), %.2f GB; read %.2f GB in %.1f s (%.0f MB/s of input)",
+             dst, len(plan.shards), out_bytes / 1e9, total_in / 1e9, elapsed, total_in / 1e6 / max(elapsed, 1e-9))
+
+
+def _passthrough_count(plan):
+    return sum(1 for i in plan.items if i.action == "copy" and i.out_dtype == "F8_E4M3")
+
+
+# -- folders ----------------------------------------------------------------------------------------
+def _check_paths(src, dst, overwrite):
+    if not src.is_dir():
+        raise ConvertError(f"input folder {src} does not exist or is not a directory")
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents or d in s.parents:
+        raise ConvertError(f"output {dst} must be outside the input {src} (and not contain it)")
+    if dst.exists() or dst.is_symlink():
+        if not dst.is_dir():
+            raise ConvertError(f"output {dst} exists and is not a directory")
+        if any(dst.iterdir()) and not overwrite:
+            raise ConvertError(f"output folder {dst} is not empty; pass --overwrite to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _remove_stale_partials(dst):
+    """Deletes temporary folders of earlier runs for the same output that were killed (their pid is gone)."""
+    for path in dst.parent.glob(f".{dst.name}{PARTIAL_TAG}*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if not (pid.isdigit() and (path / PARTIAL_MARKER).is_file()) or _alive(int(pid)):
+            continue
+        log.info("removing %s, left by an interrupted run", path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _publish(tmp, dst):
+    """Moves the finished folder into place; an existing (checked, --overwrite) one is swapped out first."""
+    old = None
+    if dst.exists():
+        if not any(dst.iterdir()):
+            dst.rmdir()
+        else:
+            old = dst.parent / f".{dst.name}.ktfp8-replaced-{os.getpid()}"
+            os.rename(dst, old)
+    os.rename(tmp, dst)
+    _fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- tensors ----------------------------------------------------------------------------------------
+def _write_shards(checkpoint, plan, spec, tmp, threads, total_in):
+    """Writes every shard; returns output tensor name -> shard file name."""
+    shards = ShardSet(tmp, plan.shards, plan.specs, metadata={"format": "pt"})
+    try:
+        work = [c for item in plan.items for c in chunks(item, checkpoint, spec)]
+        with Progress(total_in, "converting") as progress:
+            _run_pool(threads, work, lambda c: run_chunk(c, checkpoint, shards, spec),
+                      lambda c, _: progress.update(c.in_bytes))
+        shards.finish()
+    finally:
+        shards.abort()
+    return shards.file_of
+
+
+def _run_pool(threads, work, fn, done):
+    """Runs fn over `work` on `threads` threads with a bounded number in flight (bounded memory);
+    calls done(item, result) in the calling thread; the first error cancels the rest."""
+    pending, results = {}, iter(work)
+    with cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ktfp8-convert") as pool:
+        try:
+            while True:
+                while len(pending) < 2 * threads:
+                    unit = next(results, None)
+                    if unit is None:
+                        break
+                    pending[pool.submit(fn, unit)] = unit
+                if not pending:
+                    return
+                finished, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                for future in finished:
+                    done(pending.pop(future), future.result())
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+
+
+def _verify(checkpoint, plan, spec, tmp, names, threads, min_db):
+    outputs = {}
+    files = {f: SafetensorsFile(tmp / f) for f in set(names.values())}
+    for n, f in names.items():
+        outputs[n] = files[f]
+    sums = {item.out: [0.0, 0.0] for item in plan.items}
+    work = [c for item in plan.items for c in chunks(item, checkpoint, spec)]
+    total = sum(c.in_bytes for c in work)
+
+    def add(chunk, energies):
+        acc = sums[chunk.item.out]
+        acc[0] += energies[0]
+        acc[1] += energies[1]
+        progress.update(chunk.in_bytes)
+
+    with Progress(total, "verifying") as progress:
+        _run_pool(threads, work, lambda c: verify_chunk(c, checkpoint, outputs, spec), add)
+    for f in files.values():
+        f.close()
+    copied_bad = [i.out for i in plan.items if i.action == "copy" and sums[i.out][1] != 0]
+    results = sorted(((sqnr_db(*sums[i.out]), i.out) for i in plan.quantized),
+                     key=lambda r: (not math.isnan(r[0]), r[0]))
+    for db, name in sorted(results, key=lambda r: _natural(r[1])):
+        print(f"SQNR {db:7.2f} dB  {name}")
+    print(f"worst {min(VERIFY_WORST, len(results))} of {len(results)} quantized tensors:")
+    for db, name in results[:VERIFY_WORST]:
+        print(f"  {db:7.2f} dB  {name}")
+    print(f"copied tensors: {sum(1 for i in plan.items if i.action == 'copy')} checked, "
+          f"{len(copied_bad)} differ")
+    sys.stdout.flush()
+    low = [name for db, name in results if not db >= min_db]
+    if copied_bad or low:
+        raise ConvertError(f"verification failed: {len(low)} tensor(s) below {min_db} dB SQNR "
+                           f"{low[:3]}, {len(copied_bad)} copied tensor(s) differ {copied_bad[:3]}")
+
+
+def _natural(name):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+# -- other files -----------------------------------------------------------------------------------
+def _copy_other_files(src, tmp, weight_files):
+    """Copies tokenizer, generation config, code, docs, ... unchanged (symlinks are followed, as in a
+    Hugging Face cache snapshot); skips the input's weights, which the output replaces, and weight
+    files of other formats, which would be stale unquantized duplicates."""
+    for root, dirs, files in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+        rel = Path(root).relative_to(src)
+        for name in sorted(files):
+            top = rel == Path(".")
+            if top and (name in _SKIP_FILES or name in weight_files):
+                continue
+            if name.endswith(_WEIGHT_SUFFIXES):
+                log.info("not copied (weights in another format, or not in the checkpoint): %s", rel / name)
+                continue
+            (tmp / rel).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(root) / name, tmp / rel / name)
+
+
+def _write_index(plan, names, tmp):
+    if len(plan.shards) == 1:
+        return
+    total = sum(tensor_nbytes(*plan.specs[n]) for n in names)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(names.items()))}
+    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_config(checkpoint, plan, tmp):
+    config = checkpoint.hf_config()
+    if config is None:
+        log.info("the input has no config.json; writing one with only the quantization_config")
+        config = {}
+    config["quantization_config"] = plan.quantization_config
+    path = tmp / "config.json"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+# -- progress ---------------------------------------------------------------------------------------
+class Progress:
+    """tqdm bar on a terminal, else a log line every 10% (or 30 s)."""
+
+    def __init__(self, total, what):
+        self.total, self.what, self.done = total, what, 0
+        self.started = self.last_log = time.monotonic()
+        self.next_percent = 10
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=what)
+            except ImportError:
+                pass
+
+    def update(self, nbytes):
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            return
+        now = time.monotonic()
+        percent = 100 * self.done / self.total if self.total else 100
+        quiet = now - self.started < 2 and percent < 100        # no chatter for quick runs
+        if not quiet and (percent >= self.next_percent or now - self.last_log >= 30):
+            rate = self.done / 1e6 / max(now - self.started, 1e-9)
+            log.info("%s: %3.0f%% (%.2f of %.2f GB, %.0f MB/s)", self.what, percent, self.done / 1e9,
+                     self.total / 1e9, rate)
+            self.last_log = now
+            while self.next_percent <= percent:
+                self.next_percent += 10
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""What `python -m ktfp8.convert` writes: which tensors are quantized, output names, dtypes and shapes,
+their order and shards, and the config.json `quantization_config`.  Pure bookkeeping, no tensor data."""
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .loader import EXPERT_RE, block_size_of
+from .safetensors_io import SafetensorsError, tensor_nbytes
+
+INPUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp8": "F8_E4M3"}
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+SCALE_DTYPES = ("F32", "BF16", "F16")
+_DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
+_ROUTERS = ("gate", "router", "shared_expert_gate")
+_HEADS = ("lm_head", "head")
+_EMBEDDINGS = ("wte", "wpe", "word_embeddings")
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """Target format: per-channel (block None) or block-wise with block = (block_n, block_k)."""
+    per_channel: bool
+    block: Optional[Tuple[int, int]] = None
+
+
+def parse_quant_config(text):
+    """--quant-config JSON -> QuantSpec.  Keys: method ("FP8"), per_channel (bool, default true),
+    group_size (per-channel: 0 or absent; block-wise: the block edge, default 128)."""
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--quant-config is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--quant-config must be a JSON object, got {text!r}")
+    unknown = set(raw) - {"method", "per_channel", "group_size"}
+    if unknown:
+        raise ValueError(f"--quant-config: unknown keys {sorted(unknown)}; allowed: method, per_channel, "
+                         f"group_size")
+    if raw.get("method", "FP8") != "FP8":
+        raise ValueError(f"--quant-config: method must be \"FP8\", got {raw.get('method')!r}")
+    per_channel = raw.get("per_channel", True)
+    if not isinstance(per_channel, bool):
+        raise ValueError(f"--quant-config: per_channel must be true or false, got {per_channel!r}")
+    group = raw.get("group_size", 0 if per_channel else 128)
+    if isinstance(group, bool) or not isinstance(group, int):
+        raise ValueError(f"--quant-config: group_size must be an integer, got {group!r}")
+    if per_channel:
+        if group != 0:
+            raise ValueError(f"--quant-config: per_channel needs group_size 0 (one scale per row), got {group}")
+        return QuantSpec(True)
+    if group <= 0:
+        raise ValueError(f"--quant-config: block-wise (per_channel false) needs group_size > 0, got {group}")
+    return QuantSpec(False, (group, group))
+
+
+def parse_size(text):
+    """'5GB', '500MB', '2GiB', '1000' -> bytes (decimal units like Hugging Face; KiB/MiB/GiB binary)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m and m[2].upper()
+    if not m or unit not in _SIZE_UNITS:
+        raise ValueError(f"size {text!r} is not like 5GB, 500MB, 2GiB or a byte count")
+    size = int(float(m[1]) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return size
+
+
+@dataclass(frozen=True)
+class Item:
+    """One input tensor and what becomes of it.  action: "copy" (bytes unchanged), "quantize" (float ->
+    FP8), "requantize" (block FP8 + weight_scale_inv -> FP8 of the target format)."""
+    action: str
+    src: str
+    out: str
+    out_dtype: str
+    shape: Tuple[int, ...]
+    src_scale: Optional[str] = None          # weight_scale_inv of a block-wise FP8 input
+    src_block: Optional[Tuple[int, int]] = None
+    out_scale: Optional[str] = None          # weight_scale (per-channel) or weight_scale_inv (block-wise)
+    scale_shape: Tuple[int, ...] = ()
+
+    def outputs(self):
+        specs = [(self.out, self.out_dtype, self.shape)]
+        if self.out_scale:
+            specs.append((self.out_scale, "F32", self.scale_shape))
+        return specs
+
+
+@dataclass
+class Plan:
+    items: list           # Item, in output order
+    shards: list          # [[output tensor name, ...] per shard]
+    specs: dict           # output tensor name -> (dtype, shape)
+    ignore: list          # Linear modules left unquantized
+    quantization_config: dict
+
+    @property
+    def quantized(self):
+        return [i for i in self.items if i.action != "copy"]
+
+
+def _module(name):
+    return name[: -len(".weight")]
+
+
+def is_linear_weight(name, info):
+    """A 2-D `.weight` that is not an embedding: what a Linear layer stores."""
+    if not name.endswith(".weight") or len(info.shape) != 2:
+        return False
+    last = _module(name).rsplit(".", 1)[-1]
+    return "embed" not in last and last not in _EMBEDDINGS
+
+
+def _all_linear_target(name):
+    """--all-linear quantizes decoder-layer Linears except routers (kept precise, and engines expect
+    them unquantized) and output heads."""
+    last = _module(name).rsplit(".", 1)[-1]
+    return bool(_DECODER_LAYER.search(name)) and last not in _ROUTERS and last not in _HEADS
+
+
+def _scale_shape(shape, spec):
+    out, inn = shape
+    if spec.per_channel:
+        return (out, 1)
+    return (math.ceil(out / spec.block[0]), math.ceil(inn / spec.block[1]))
+
+
+def _quantized_item(action, name, info, spec, **extra):
+    scale_name = name + ("_scale" if spec.per_channel else "_scale_inv")
+    return Item(action, name, name, "F8_E4M3", info.shape, out_scale=scale_name,
+                scale_shape=_scale_shape(info.shape, spec), **extra)
+
+
+def _classify(checkpoint, input_type, spec, all_linear, hf_config):
+    """Items in input order; input weight_scale_inv tensors are consumed by their weight's item."""
+    items, consumed = [], set()
+    in_block = block_size_of(hf_config) if input_type == "fp8" else None
+    for name in checkpoint.names():
+        info = checkpoint.info(name)
+        if info.dtype == "F8_E4M3" and name.endswith(".weight"):
+            items.append(_fp8_item(checkpoint, name, info, input_type, spec, in_block, consumed))
+            continue
+        expert = EXPERT_RE.match(name)
+        wanted = (expert is not None and expert["kind"] == "weight") or \
+            (all_linear and is_linear_weight(name, info) and _all_linear_target(name))
+        if not wanted:
+            items.append(Item("copy", name, name, info.dtype, info.shape))
+            continue
+        expected = INPUT_DTYPES[input_type]
+        if info.dtype not in FLOAT_DTYPES or (input_type != "fp8" and info.dtype != expected):
+            raise SafetensorsError(f"tensor {name!r} is {info.dtype}, but --input-type {input_type} "
+                                   f"expects {expected} weights")
+        if len(info.shape) != 2:
+            raise SafetensorsError(f"tensor {name!r} has shape {list(info.shape)}; a Linear weight is 2-D")
+        items.append(_quantized_item("quantize", name, info, spec))
+    return [i for i in items if i.src not in consumed]
+
+
+def _fp8_item(checkpoint, name, info, input_type, spec, in_block, consumed):
+    if input_type != "fp8":
+        raise SafetensorsError(f"tensor {name!r} is already F8_E4M3; use --input-type fp8 for a "
+                               f"block-wise FP8 checkpoint")
+    scale_name = name + "_scale_inv"
+    if scale_name not in checkpoint:
+        other = "a per-channel weight_scale (already the target format)" \
+            if name + "_scale" in checkpoint else "no weight_scale_inv"
+        raise SafetensorsError(f"tensor {name!r} is F8_E4M3 with {other}; --input-type fp8 reads "
+                               f"block-wise FP8 (weight + weight_scale_inv)")
+    scale = checkpoint.info(scale_name)
+    expected = (math.ceil(info.shape[0] / in_block[0]), math.ceil(info.shape[1] / in_block[1])) \
+        if len(info.shape) == 2 else None
+    if scale.shape != expected or scale.dtype not in SCALE_DTYPES:
+        raise SafetensorsError(f"tensor {scale_name!r} is {scale.dtype} {list(scale.shape)}; weight_block_size "
+                               f"{list(in_block)} needs F32 {list(expected or ())} for weight "
+                               f"{list(info.shape)}")
+    if not spec.per_channel and spec.block == in_block:     # already the target format: keep it bit-exact
+        return Item("copy", name, name, info.dtype, info.shape)
+    consumed.add(scale_name)
+    return _quantized_item("requantize", name, info, spec, src_scale=scale_name, src_block=in_block)
+
+
+def _sort_key(name):
+    """Natural order, with each layer's experts grouped per projection (gate weights of all experts,
+    then their scales, ...), so a loader can map a whole stack with one view."""
+    m = EXPERT_RE.match(name)
+    if m:
+        name = f"{m['stack']}.{m['proj']}.{m['kind']}.{m['expert']}"
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _units(items):
+    """Runs of output tensors to keep in one shard when they fit: an expert stack of one projection
+    and kind (weights, or scales), or one tensor."""
+    units, current, current_key = [], [], None
+    for name, dtype, shape in sorted((s for item in items for s in item.outputs()),
+                                     key=lambda s: _sort_key(s[0])):
+        m = EXPERT_RE.match(name)
+        key = (m["stack"], m["proj"], m["kind"]) if m else None
+        if key is None or key != current_key:
+            if current:
+                units.append(current)
+            current = []
+        current.append((name, dtype, shape))
+        current_key = key
+    if current:
+        units.append(current)
+    return units
+
+
+def _assign_shards(units, max_bytes):
+    shards, current, size = [], [], 0
+
+    def close():
+        nonlocal current, size
+        if current:
+            shards.append(current)
+        current, size = [], 0
+
+    for unit in units:
+        unit_bytes = sum(tensor_nbytes(d, s) for _, d, s in unit)
+        if size + unit_bytes > max_bytes:
+            close()
+        for name, dtype, shape in unit:       # a unit larger than a shard is split between tensors
+            nbytes = tensor_nbytes(dtype, shape)
+            if current and size + nbytes > max_bytes:
+                close()
+            current.append(name)
+            size += nbytes
+    close()
+    return shards or [[]]
+
+
+def quantization_config(spec, ignore):
+    """config.json `quantization_config`: compressed-tensors float-quantized channel-wise weights, or
+    the DeepSeek-V3 block-wise FP8 form (`ignored_layers` is read by vLLM and by transformers)."""
+    if not spec.per_channel:
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(spec.block), "ignored_layers": ignore}
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None, "output_activations": None}},
+            "ignore": ignore, "kv_cache_scheme": None}
+
+
+def build_plan(checkpoint, input_type, spec, all_linear, max_shard_bytes):
+    hf_config = checkpoint.hf_config() or {}
+    items = _classify(checkpoint, input_type, spec, all_linear, hf_config)
+    if input_type == "fp8" and not any(i.src_scale or i.out_dtype == "F8_E4M3" and i.action == "copy"
+                                       for i in items):
+        raise SafetensorsError(f"{checkpoint.folder}: --input-type fp8, but no F8_E4M3 weights with "
+                               f"weight_scale_inv were found")
+    if not any(i.out_dtype == "F8_E4M3" for i in items):
+        raise SafetensorsError(f"{checkpoint.folder}: found no weights to quantize (no expert projections"
+                               f"{'' if all_linear else '; --all-linear selects every Linear'})")
+    items.sort(key=lambda i: _sort_key(i.out))
+    specs = {name: (dtype, shape) for item in items for name, dtype, shape in item.outputs()}
+    quantized = {_module(i.out) for i in items if i.out_dtype == "F8_E4M3"}
+    ignore = sorted({_module(i.out) for i in items
+                     if i.action == "copy" and is_linear_weight(i.out, checkpoint.info(i.src))} - quantized,
+                    key=_sort_key)
+    shards = _assign_shards(_units(items), max_shard_bytes)
+    return Plan(items, shards, specs, ignore, quantization_config(spec, ignore))

@@ -1,0 +1,156 @@
+"""The data path of `python -m ktfp8.convert`: each tensor is cut into row chunks; a chunk is read from
+its input shard, copied or quantized, and written at its offset in the output shard.  Chunks are
+independent, so a thread pool runs them on every core while memory stays at a few chunks."""
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import fp8
+from .safetensors_io import ShardWriter
+
+CHUNK_BYTES = 32 << 20      # input bytes per chunk: big enough to stream, small enough to bound RSS
+CODEC_THREADS = 1           # the pool runs one chunk per core; the codec itself stays on its thread
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows [start, stop) of one plan Item."""
+    item: object
+    start: int
+    stop: int
+    in_bytes: int
+
+
+def _rows(shape):
+    return shape[0] if shape else 1
+
+
+def chunks(item, checkpoint, spec, chunk_bytes=CHUNK_BYTES):
+    """The row chunks of `item`; for block-wise scales a chunk starts on a block boundary of the input
+    and of the output, so every chunk owns whole scale rows."""
+    info = checkpoint.info(item.src)
+    rows = _rows(info.shape)
+    align = 1
+    if item.src_block:
+        align = math.lcm(align, item.src_block[0])
+    if item.action != "copy" and not spec.per_channel:
+        align = math.lcm(align, spec.block[0])
+    row_bytes = info.nbytes // rows if rows else 0
+    step = max(align, (chunk_bytes // max(row_bytes, 1)) // align * align)
+    return [Chunk(item, a, min(a + step, rows), min(step, rows - a) * row_bytes)
+            for a in range(0, max(rows, 1), step)]
+
+
+def shard_file_names(count):
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+class ShardSet:
+    """The output shards.  Each is created (header written) by its first write and closed (fsynced) as
+    soon as all its bytes are written, so only the shards being filled hold a file descriptor."""
+
+    def __init__(self, folder, shards, specs, metadata=None):
+        self.folder, self.metadata = folder, metadata
+        self.files = shard_file_names(len(shards))
+        self.file_of = {name: f for f, names in zip(self.files, shards) for name in names}
+        self._specs = {f: [(name, *specs[name]) for name in names] for f, names in zip(self.files, shards)}
+        self._open, self._closed = {}, set()
+        self._lock = threading.Lock()
+
+    def write(self, name, array, row_offset=0):
+        file_name = self.file_of[name]
+        with self._lock:
+            writer = self._open.get(file_name)
+            if writer is None:
+                if file_name in self._closed:
+                    raise ValueError(f"{file_name} is already complete; cannot write {name!r} again")
+                writer = self._open[file_name] = ShardWriter(self.folder / file_name, self._specs[file_name],
+                                                             self.metadata)
+        writer.write(name, array, row_offset)
+        if writer.complete:
+            with self._lock:      # several threads may see it complete: one closes it
+                mine = self._open.get(file_name) is writer
+                if mine:
+                    del self._open[file_name]
+                    self._closed.add(file_name)
+            if mine:
+                writer.close()
+
+    def finish(self):
+        """Raises unless every shard was written completely and closed."""
+        missing = [f for f in self.files if f not in self._closed]
+        if missing:
+            self.abort()
+            raise ValueError(f"output shards not completely written: {missing[:3]}")
+
+    def abort(self):
+        with self._lock:
+            for writer in self._open.values():
+                writer.abort()
+            self._open.clear()
+
+
+def _block_rows(start, stop, block_n):
+    return start // block_n, -(-stop // block_n)
+
+
+def _source_rows(chunk, checkpoint):
+    """The input rows of a quantize/requantize chunk as float (dequantized for a block FP8 input)."""
+    item = chunk.item
+    rows = checkpoint.file_of(item.src).read_rows(item.src, chunk.start, chunk.stop)
+    if item.action == "quantize":
+        return rows
+    a, b = _block_rows(chunk.start, chunk.stop, item.src_block[0])
+    scale = checkpoint.file_of(item.src_scale).read_rows(item.src_scale, a, b).astype(np.float32)
+    return fp8.dequantize(rows, scale, out_dtype=np.float32, block=item.src_block, threads=CODEC_THREADS)
+
+
+def run_chunk(chunk, checkpoint, shards, spec):
+    """Reads, converts and writes one chunk into `shards` (a ShardSet)."""
+    item = chunk.item
+    if item.action == "copy":
+        data = checkpoint.file_of(item.src).read_rows(item.src, chunk.start, chunk.stop)
+        shards.write(item.out, data, chunk.start)
+        return
+    weights = _source_rows(chunk, checkpoint)
+    block = spec.block or (128, 128)
+    codes, scale = fp8.quantize(weights, per_channel=spec.per_channel, block=block, threads=CODEC_THREADS)
+    shards.write(item.out, codes, chunk.start)
+    scale_row = chunk.start if spec.per_channel else chunk.start // block[0]
+    shards.write(item.out_scale, np.asarray(scale, np.float32), scale_row)
+
+
+def verify_chunk(chunk, checkpoint, outputs, spec):
+    """(signal energy, error energy) of the chunk's written values against the input, in float64;
+    for a copied tensor (0, 0) when the bytes match and (0, inf) when they do not.
+    `outputs`: output tensor name -> SafetensorsFile of the written shard."""
+    item = chunk.item
+    if item.action == "copy":
+        src = checkpoint.file_of(item.src).read_rows(item.src, chunk.start, chunk.stop)
+        dst = outputs[item.out].read_rows(item.out, chunk.start, chunk.stop)
+        same = src.reshape(-1).view(np.uint8).tobytes() == dst.reshape(-1).view(np.uint8).tobytes()
+        return 0.0, 0.0 if same else math.inf
+    reference = np.asarray(_source_rows(chunk, checkpoint), dtype=np.float64)
+    codes = outputs[item.out].read_rows(item.out, chunk.start, chunk.stop)
+    if spec.per_channel:
+        scale = outputs[item.out_scale].read_rows(item.out_scale, chunk.start, chunk.stop)
+    else:
+        scale = outputs[item.out_scale].read_rows(item.out_scale,
+                                                  *_block_rows(chunk.start, chunk.stop, spec.block[0]))
+    restored = fp8.dequantize(codes, scale, out_dtype=np.float32, block=spec.block or (128, 128),
+                              threads=CODEC_THREADS)
+    error = reference - restored
+    return float(np.vdot(reference, reference)), float(np.vdot(error, error))
+
+
+def sqnr_db(signal, error):
+    """10 log10(signal / error); inf for an exact result, nan for an all-zero or non-finite input."""
+    if error == 0:
+        return math.inf
+    if not (signal > 0 and math.isfinite(signal) and math.isfinite(error)):
+        return math.nan
+    return 10.0 * math.log10(signal / error)

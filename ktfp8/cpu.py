@@ -1,0 +1,80 @@
+"""`python -m ktfp8.cpu`: what this CPU, this OS and this build can run, and one verdict line."""
+import argparse
+import json
+import sys
+
+from . import backends
+
+# (report name, key in cpu_features())
+FLAGS = [("avx2", "avx2"), ("fma", "fma"), ("f16c", "f16c"), ("avx512f", "avx512f"),
+         ("avx512bw", "avx512bw"), ("avx512vl", "avx512vl"), ("avx512_bf16", "avx512_bf16"),
+         ("avx512_vnni", "avx512_vnni"), ("avx512_vbmi", "avx512_vbmi"), ("amx_tile", "amx_tile"),
+         ("amx_bf16", "amx_bf16")]
+FULL = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi")
+
+
+def report():
+    """Everything the text and JSON reports show, as one dict."""
+    f = backends.cpu_features()
+    usable = backends.available_backends()
+    missing = [name for name in FULL if not f[name]]
+    if not f["os_avx512"] and not missing:
+        missing = ["OS support for ZMM state (XCR0)"]
+    if not missing:
+        verdict = "✅ Your CPU supports full AVX512 (F/BF16/VBMI) – FP8 MoE will work!"
+    else:
+        verdict = (f"⚠️ Your CPU lacks {', '.join(missing)} – FP8 MoE will run on the "
+                   f"'{usable[0]}' fallback (correct, slower than the AVX-512-BF16 path).")
+    return {
+        "cpu": f["brand"] or f["vendor"],
+        "vendor": f["vendor"],
+        "flags": {name: bool(f[key]) for name, key in FLAGS},
+        "os_support": {"avx_state": bool(f["os_avx"]), "avx512_state": bool(f["os_avx512"]),
+                       "amx_tile_state": bool(f["os_amx"])},
+        "compiled_variants": backends.compiled_variants(),
+        "usable_backends": usable,
+        "selected_backend": backends.resolve_backend(None) if _env_ok() else usable[0],
+        "verdict": verdict,
+    }
+
+
+def _env_ok():
+    try:
+        backends.resolve_backend(None)
+        return True
+    except ValueError:
+        return False
+
+
+def _mark(ok):
+    return "✅" if ok else "❌"
+
+
+def print_report(r, out=sys.stdout):
+    print(f"CPU: {r['cpu']}", file=out)
+    print("Instruction sets (CPUID):", file=out)
+    for name, ok in r["flags"].items():
+        print(f"  {_mark(ok)} {name}", file=out)
+    print("OS support (XCR0):", file=out)
+    for name, ok in r["os_support"].items():
+        print(f"  {_mark(ok)} {name}", file=out)
+    print(f"Compiled variants: {', '.join(r['compiled_variants'])}", file=out)
+    print(f"Usable backends (best first): {', '.join(r['usable_backends'])}", file=out)
+    print(f"Selected backend: {r['selected_backend']}", file=out)
+    print(r["verdict"], file=out)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ktfp8.cpu", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    r = report()
+    if args.json:
+        print(json.dumps(r, indent=2, ensure_ascii=False))
+    else:
+        print_report(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""FP8 E4M3 codec: encode / decode and per-channel or block-wise quantize / dequantize.
+
+E4M3 here is "e4m3fn" (bias 7, max 448, no infinities, NaN = S.1111.111).  Rounding is
+round-to-nearest-even with saturation to +-448; +-Inf saturates to +-448; NaN stays NaN with its
+sign (0x7F / 0xFF).  Codes are returned as ``uint8``; ``ml_dtypes.float8_e4m3fn`` codes are accepted
+wherever codes are read.  Every function is bit-identical across backends and thread counts.
+
+Float inputs are ``float32``, ``ml_dtypes.bfloat16`` or ``float16`` NumPy arrays.  Non-contiguous
+inputs are copied to C order first (the result is the same; only the copy costs).  Every function
+takes the keyword arguments ``backend`` (a name from ``ktfp8.available_backends()``; default: the
+``KTFP8_BACKEND`` environment variable, else the best one) and ``threads`` (default:
+``KTFP8_NUM_THREADS``, else all cores); the GIL is released while the C code runs.
+
+Scales follow DeepSeek-V3's ``weight_scale_inv``: ``w ~= decode(code) * scale`` with
+``scale = amax / 448`` over the finite values of the row or block; a row or block with no finite
+nonzero value gets ``scale = 1``.  (When ``amax / 448`` underflows to zero, i.e. amax < 3.2e-43,
+the smallest positive float32 is used instead so that ``w / scale`` stays finite.)
+"""
+import ml_dtypes
+import numpy as np
+
+from ._native import _ext
+from .backends import default_threads, resolve_backend
+
+# dtype -> code understood by the C side (enum ktfp8_dtype)
+_FLOAT_INPUTS = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.float16): 2}
+_FLOAT_OUTPUTS = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1}
+_CODE_DTYPES = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))
+_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+
+
+def encode(x, *, backend=None, threads=None):
+    """E4M3 codes (uint8, shape of `x`) of a float32 / bfloat16 / float16 array, without scaling.
+    Equal to ``np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)``."""
+    x, dtype_code = _float_array(x, "x")
+    backend, threads = resolve_backend(backend), default_threads(threads)
+    codes = np.empty(x.shape, np.uint8)
+    if codes.size:
+        _ext.codec_encode(backend, x, dtype_code, codes, threads)
+    return codes
+
+
+def decode(codes, dtype=np.float32, *, backend=None, threads=None):
+    """The values of E4M3 `codes` (uint8 or float8_e4m3fn, any shape) as float32 or bfloat16,
+    exact for every code; NaN codes give NaN."""
+    codes = _codes_array(codes, "codes")
+    out_dtype = _output_dtype(dtype, "dtype")
+    backend, threads = resolve_backend(backend), default_threads(threads)
+    out = np.empty(codes.shape, out_dtype)
+    if out.size:
+        _ext.codec_decode(backend, codes, _as_bits(out), _FLOAT_OUTPUTS[out_dtype], threads)
+    return out
+
+
+def quantize(w, per_channel=True, block=(128, 128), *, backend=None, threads=None):
+    """Quantizes a 2-D ``[out, in]`` matrix or a 3-D ``[experts, out, in]`` stack to E4M3.
+
+    Returns ``(codes, scale)``: codes uint8 of the shape of `w`; scale float32 of shape
+    ``[..., out, 1]`` (per-channel) or ``[..., ceil(out / block[0]), ceil(in / block[1])]``
+    (block-wise; blocks at the right and bottom edges are cut short).  The codes equal
+    ``ml_dtypes.float8_e4m3fn(clip(float32(w) / scale, -448, 448))`` with the division in float32."""
+    w, dtype_code = _float_array(w, "w")
+    _check_matrix_shape(w, "w")
+    per_channel = _check_bool(per_channel, "per_channel")
+    bn, bk = _block(block)
+    backend, threads = resolve_backend(backend), default_threads(threads)
+    mats, rows, cols = _as_3d(w.shape)
+    if per_channel:
+        bn, bk = 1, cols
+    codes = np.empty(w.shape, np.uint8)
+    scale = np.empty(w.shape[:-2] + (-(-rows // bn), -(-cols // bk)), np.float32)
+    _ext.codec_quantize_blocks(backend, w, dtype_code, (mats, rows, cols, bn, bk), codes, scale, threads)
+    return codes, scale
+
+
+def dequantize(codes, scale, out_dtype=np.float32, block=(128, 128), *, backend=None, threads=None):
+    """``decode(codes) * scale`` for codes from `quantize` (2-D or 3-D), computed in float32 and
+    returned as `out_dtype` (float32 or bfloat16, rounded to nearest even).  A `scale` of shape
+    ``[..., out, 1]`` is per-channel; any other shape must be the block-wise
+    ``[..., ceil(out / block[0]), ceil(in / block[1])]``."""
+    codes = _codes_array(codes, "codes")
+    _check_matrix_shape(codes, "codes")
+    out_dtype = _output_dtype(out_dtype, "out_dtype")
+    bn, bk = _block(block)
+    scale = _scale_array(scale, "scale")
+    backend, threads = resolve_backend(backend), default_threads(threads)
+    mats, rows, cols = _as_3d(codes.shape)
+    lead = codes.shape[:-2]
+    blockwise_shape = lead + (-(-rows // bn), -(-cols // bk))
+    if scale.shape == lead + (rows, 1):
+        bn, bk = 1, cols
+    elif scale.shape != blockwise_shape:
+        raise ValueError(f"scale has shape {scale.shape}; for codes of shape {codes.shape} expected "
+                         f"{lead + (rows, 1)} (per-channel) or {blockwise_shape} (block-wise, block={(bn, bk)})")
+    out = np.empty(codes.shape, out_dtype)
+    _ext.codec_dequantize_blocks(backend, codes, scale, (mats, rows, cols, bn, bk), _as_bits(out),
+                                 _FLOAT_OUTPUTS[out_dtype], threads)
+    return out
+
+
+# ---------------------------------------------------------------------------- validation helpers
+
+def _c_order(a):
+    # np.ascontiguousarray would turn a 0-d array into 1-d; 0-d arrays are contiguous anyway.
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _float_array(a, name):
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array (float32, bfloat16 or float16), got {type(a).__name__}")
+    if a.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {a.dtype}")
+    return _c_order(a), _FLOAT_INPUTS[a.dtype]
+
+
+def _codes_array(a, name):
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array of uint8 or float8_e4m3fn codes, got {type(a).__name__}")
+    if a.dtype not in _CODE_DTYPES:
+        raise TypeError(f"{name} must have dtype uint8 or float8_e4m3fn, got {a.dtype}")
+    return _c_order(a).view(np.uint8)
+
+
+def _scale_array(a, name):
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a float32 numpy array, got {type(a).__name__}")
+    if a.dtype not in _SCALE_DTYPES:
+        raise TypeError(f"{name} must have dtype float32 (or bfloat16 / float16), got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _output_dtype(dtype, name):
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be np.float32 or ml_dtypes.bfloat16, got {dtype!r}") from None
+    if dt not in _FLOAT_OUTPUTS:
+        raise ValueError(f"{name} must be np.float32 or ml_dtypes.bfloat16, got {dt}")
+    return dt
+
+
+def _as_bits(out):
+    """The float32 array itself, or a bfloat16 array viewed as its uint16 bit patterns."""
+    return out.view(np.uint16) if out.dtype == np.dtype(ml_dtypes.bfloat16) else out
+
+
+def _check_matrix_shape(a, name):
+    if a.ndim not in (2, 3):
+        raise ValueError(f"{name} must be 2-D [out, in] or 3-D [experts, out, in], got shape {a.shape}")
+    if a.size == 0:
+        raise ValueError(f"{name} must not be empty, got shape {a.shape}")
+
+
+def _as_3d(shape):
+    return (shape[0] if len(shape) == 3 else 1), shape[-2], shape[-1]
+
+
+def _check_bool(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _block(block):
+    """(block_out, block_in) from an int or a pair of ints, both positive."""
+    pair = (block, block) if isinstance(block, (int, np.integer)) else block
+    try:
+        bn, bk = pair
+    except (TypeError, ValueError):
+        raise TypeError(f"block must be an int or a pair of ints (block_out, block_in), got {block!r}") from None
+    for v in (bn, bk):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"block must be an int or a pair of ints (block_out, block_in), got {block!r}")
+    if bn <= 0 or bk <= 0:
+        raise ValueError(f"block sizes must be positive, got block={block!r}")
+    return int(bn), int(bk)

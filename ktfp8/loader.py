@@ -1,0 +1,298 @@
+"""FP8SafeTensorLoader: the routed experts of a Hugging Face checkpoint folder, memory-mapped.
+
+Reads single-file and sharded (`model.safetensors.index.json`) folders, recognises expert naming of
+DeepSeek/Qwen (`mlp.experts.{e}.{gate,up,down}_proj`) and Mixtral (`block_sparse_moe.experts.{e}.w1/w3/w2`)
+under any prefix (`model.`, `model.language_model.`, ...), and the weight formats
+fp8_per_channel (`weight_scale` [N] or [N, 1]), fp8_block (`weight_scale_inv`), bf16 / fp16 / fp32."""
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .experts import ExpertWeights
+from .safetensors_io import SafetensorsError, SafetensorsFile
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+EXPERT_RE = re.compile(
+    r"^(?P<stack>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts)"
+    r"\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
+    r"\.(?P<kind>weight|weight_scale|weight_scale_inv)$")
+ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+ROLES = ("gate", "up", "down")
+FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+SCALE_DTYPES = ("F32", "BF16", "F16")
+DEFAULT_BLOCK = (128, 128)
+
+
+class Checkpoint:
+    """Tensor name -> (shard file, header entry) for a checkpoint folder; files open lazily, once."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise SafetensorsError(f"{self.folder}: not a directory (expected a Hugging Face model folder)")
+        index = self.folder / INDEX_NAME
+        if index.is_file():
+            self.index_path = index
+            self.weight_map = _read_index(index)
+        else:
+            self.index_path = None
+            files = [self.folder / SINGLE_NAME] if (self.folder / SINGLE_NAME).is_file() else \
+                sorted(self.folder.glob("*.safetensors"))
+            if not files:
+                raise SafetensorsError(f"{self.folder}: no {INDEX_NAME} and no .safetensors files")
+            self.weight_map = {}
+            for path in files:
+                for name in SafetensorsFile(path).tensors:
+                    if name in self.weight_map:
+                        raise SafetensorsError(f"{self.folder}: tensor {name!r} is in both "
+                                               f"{self.weight_map[name]} and {path.name}")
+                    self.weight_map[name] = path.name
+        self._files = {}
+        for name, file_name in self.weight_map.items():      # validates every header and entry now
+            if name not in self.file(file_name):
+                raise SafetensorsError(f"{self.folder / file_name}: tensor {name!r} is missing from this "
+                                       f"shard (the index lists it there)")
+
+    def file(self, file_name) -> SafetensorsFile:
+        f = self._files.get(file_name)
+        if f is None:
+            f = self._files[file_name] = SafetensorsFile(self.folder / file_name)
+        return f
+
+    def names(self):
+        return list(self.weight_map)
+
+    def __contains__(self, name):
+        return name in self.weight_map
+
+    def file_of(self, name) -> SafetensorsFile:
+        if name not in self.weight_map:
+            raise SafetensorsError(f"{self.folder}: no tensor named {name!r} in this checkpoint")
+        return self.file(self.weight_map[name])
+
+    def info(self, name):
+        return self.file_of(name).info(name)
+
+    def hf_config(self):
+        path = self.folder / "config.json"
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except ValueError as e:
+            raise SafetensorsError(f"{path}: not valid JSON ({e})") from None
+
+    def close(self):
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _read_index(path):
+    try:
+        index = json.loads(path.read_text())
+    except ValueError as e:
+        raise SafetensorsError(f"{path}: not valid JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise SafetensorsError(f"{path}: needs a 'weight_map' object mapping tensor names to file names")
+    for file_name in set(weight_map.values()):
+        if Path(file_name).name != file_name:
+            raise SafetensorsError(f"{path}: shard name {file_name!r} must be a plain file name")
+        if not (path.parent / file_name).is_file():
+            raise SafetensorsError(f"{path.parent / file_name}: shard listed in {path.name} is missing")
+    return weight_map
+
+
+@dataclass
+class ExpertStack:
+    """The expert tensors of one layer: prefix (e.g. 'model.layers.3.mlp.experts') and
+    tensors[(role, kind)] = {expert index: tensor name}, role in gate/up/down, kind weight/weight_scale/..."""
+    prefix: str
+    tensors: dict = field(default_factory=dict)
+
+    def kinds(self):
+        return {kind for _, kind in self.tensors}
+
+
+def expert_stacks(names):
+    """{layer: ExpertStack} for the routed-expert tensors among `names`."""
+    layers = {}
+    for name in names:
+        m = EXPERT_RE.match(name)
+        if m is None:
+            continue
+        stack = layers.setdefault(int(m["layer"]), ExpertStack(m["stack"]))
+        if stack.prefix != m["stack"]:
+            raise SafetensorsError(f"layer {m['layer']} has experts under two prefixes: "
+                                   f"{stack.prefix!r} and {m['stack']!r}")
+        stack.tensors.setdefault((ROLE[m["proj"]], m["kind"]), {})[int(m["expert"])] = name
+    return layers
+
+
+def block_size_of(hf_config):
+    """quantization_config.weight_block_size of a block-wise FP8 config.json (default 128 x 128)."""
+    q = (hf_config or {}).get("quantization_config") or {}
+    block = q.get("weight_block_size") or DEFAULT_BLOCK
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
+    return tuple(block)
+
+
+class FP8SafeTensorLoader:
+    """Experts of a Hugging Face checkpoint folder: `.format`, `.moe_layers()`, `.load_experts(layer)`
+    (memory-mapped ExpertWeights), `.config` (ktfp8 MoeConfig from config.json)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.checkpoint = Checkpoint(self.path)
+        self.hf_config = self.checkpoint.hf_config()
+        self._layers = expert_stacks(self.checkpoint.names())
+        self._formats = {layer: self._layer_format(layer) for layer in self._layers}
+        self.format = self._overall_format()
+
+    def moe_layers(self):
+        """Indices of the layers that hold routed experts, ascending."""
+        return sorted(self._layers)
+
+    def tensor(self, name):
+        """Any tensor of the checkpoint by name (e.g. a router weight), as a read-only memory-map view;
+        F8_E4M3 as uint8 codes, BF16 as ml_dtypes.bfloat16."""
+        return self.checkpoint.file_of(name).memmap(name)
+
+    def layer_format(self, layer):
+        self._check_layer(layer)
+        return self._formats[layer]
+
+    @property
+    def config(self):
+        """ktfp8.MoeConfig for this model: MoeConfig.from_hf_config of its config.json, with a
+        quant_config that matches the experts' format (FP8 per-channel / block-wise, or BF16)."""
+        from .config import MoeConfig, QuantConfig   # lazily: the loader itself needs no kernels
+        if self.hf_config is None:
+            raise ValueError(f"{self.path}: no config.json to build a MoeConfig from")
+        if self.format == "fp8_block":
+            quant = QuantConfig("FP8", per_channel=False, group_size=block_size_of(self.hf_config)[0])
+        elif self.format == "bf16":
+            quant = QuantConfig("BF16")
+        else:       # fp8_per_channel, and the target of quantize_experts for fp16/fp32 experts
+            quant = QuantConfig("FP8", per_channel=True)
+        return MoeConfig.from_hf_config(self.hf_config, quant_config=quant)
+
+    def load_expert_tensors(self, layer):
+        """(gate, up, down) weights of `layer` as stored, each [E, out, in]: memory-map views when the
+        experts lie at equal distances in one shard (as HF and ktfp8 write them), else stacked copies."""
+        return tuple(self._stack(layer, role, "weight") for role in ROLES)
+
+    def load_experts(self, layer) -> ExpertWeights:
+        """The experts of `layer` as ExpertWeights (fp8_per_channel, fp8_block or bf16), memory-mapped.
+        fp16/fp32 checkpoints are not FP8 or BF16: convert them first (python -m ktfp8.convert)."""
+        fmt = self.layer_format(layer)
+        weights = self.load_expert_tensors(layer)
+        if fmt == "bf16":
+            return ExpertWeights("bf16", *weights)
+        if fmt in ("fp16", "fp32"):
+            raise ValueError(f"{self.path}: layer {layer} experts are {fmt}; load_experts returns FP8 or BF16 "
+                             f"experts: convert the checkpoint with `python -m ktfp8.convert`, or quantize "
+                             f"load_expert_tensors({layer}) with ktfp8.quantize_experts")
+        if fmt == "fp8_per_channel":
+            scales = [self._per_channel_scale(layer, role, w) for role, w in zip(ROLES, weights)]
+            return ExpertWeights(fmt, *weights, *scales)
+        block = block_size_of(self.hf_config)
+        scales = [self._block_scale(layer, role, w, block) for role, w in zip(ROLES, weights)]
+        return ExpertWeights(fmt, *weights, *scales, block=block)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _check_layer(self, layer):
+        if layer not in self._layers:
+            raise ValueError(f"layer {layer!r} has no experts in {self.path}; MoE layers: {self.moe_layers()}")
+
+    def _names(self, layer, role, kind):
+        stack = self._layers[layer]
+        experts = stack.tensors.get((role, kind))
+        if not experts:
+            raise SafetensorsError(f"{self.path}: layer {layer} has no {role} expert {kind} tensors "
+                                   f"under {stack.prefix}")
+        count = max(len(stack.tensors.get((r, "weight"), {})) for r in ROLES)
+        missing = [e for e in range(count) if e not in experts]
+        if missing or len(experts) != count:
+            raise SafetensorsError(f"{self.path}: layer {layer}: {role} {kind} missing for experts "
+                                   f"{missing[:8] or sorted(set(experts) - set(range(count)))[:8]}")
+        return [experts[e] for e in range(count)]
+
+    def _stack(self, layer, role, kind):
+        names = self._names(layer, role, kind)
+        files = {self.checkpoint.weight_map[n] for n in names}
+        infos = [self.checkpoint.info(n) for n in names]
+        if any(i.shape != infos[0].shape or i.dtype != infos[0].dtype for i in infos):
+            raise SafetensorsError(f"{self.path}: layer {layer} {role} {kind}: experts differ in shape "
+                                   f"or dtype ({infos[0].name}: {infos[0].dtype} {list(infos[0].shape)})")
+        if len(files) == 1:
+            view = self.checkpoint.file_of(names[0]).stacked_memmap(names)
+            if view is not None:
+                return view
+        return np.stack([self.checkpoint.file_of(n).memmap(n) for n in names])
+
+    def _layer_format(self, layer):
+        stack = self._layers[layer]
+        dtypes = {self.checkpoint.info(n).dtype
+                  for role in ROLES for n in stack.tensors.get((role, "weight"), {}).values()}
+        if len(dtypes) != 1:
+            raise SafetensorsError(f"{self.path}: layer {layer} expert weights have dtypes {sorted(dtypes)}; "
+                                   f"expected one")
+        dtype = dtypes.pop()
+        if dtype in FLOAT_FORMATS:
+            return FLOAT_FORMATS[dtype]
+        if dtype != "F8_E4M3":
+            raise SafetensorsError(f"{self.path}: layer {layer} expert weights are {dtype}; supported: "
+                                   f"F8_E4M3, BF16, F16, F32")
+        if "weight_scale_inv" in stack.kinds():
+            return "fp8_block"
+        if "weight_scale" in stack.kinds():
+            return "fp8_per_channel"
+        raise SafetensorsError(f"{self.path}: layer {layer} experts are F8_E4M3 without weight_scale or "
+                               f"weight_scale_inv tensors")
+
+    def _overall_format(self):
+        formats = set(self._formats.values())
+        if len(formats) == 1:
+            return formats.pop()
+        if formats:
+            return "mixed"      # layer_format(layer) tells each layer's
+        names = self.checkpoint.names()
+        if any(n.endswith(".weight_scale_inv") for n in names):
+            return "fp8_block"
+        if any(n.endswith(".weight_scale") for n in names):
+            return "fp8_per_channel"
+        dtypes = [self.checkpoint.info(n).dtype for n in names if n.endswith(".weight")]
+        floats = [d for d in dtypes if d in FLOAT_FORMATS]
+        return FLOAT_FORMATS[max(set(floats), key=floats.count)] if floats else "unknown"
+
+    def _per_channel_scale(self, layer, role, weights):
+        scale = self._stack(layer, role, "weight_scale")
+        E, out, _ = weights.shape
+        dtype = self.checkpoint.info(self._names(layer, role, "weight_scale")[0]).dtype
+        if dtype not in SCALE_DTYPES:
+            raise SafetensorsError(f"{self.path}: layer {layer} {role} weight_scale is {dtype}; expected "
+                                   f"F32 (or BF16/F16, widened)")
+        if scale.shape == (E, out):
+            scale = scale[..., None]
+        if scale.shape != (E, out, 1):
+            raise SafetensorsError(f"{self.path}: layer {layer} {role} weight_scale has per-expert shape "
+                                   f"{list(scale.shape[1:])}; per-channel needs [{out}] or [{out}, 1]")
+        return scale if scale.dtype == np.float32 else scale.astype(np.float32)
+
+    def _block_scale(self, layer, role, weights, block):
+        scale = self._stack(layer, role, "weight_scale_inv")
+        E, out, inn = weights.shape
+        expected = (E, -(-out // block[0]), -(-inn // block[1]))
+        if scale.shape != expected:
+            raise SafetensorsError(f"{self.path}: layer {layer} {role} weight_scale_inv has shape "
+                                   f"{list(scale.shape)}; block {list(block)} needs {list(expected)}")
+        return scale if scale.dtype == np.float32 else scale.astype(np.float32)
+

@@ -1,0 +1,151 @@
+"""MoE: routed experts packed once for one kernel backend, then run many times.
+
+Also the classes with the names KTransformers users know (AMXFP8PerChannel_MOE, AMXFP8_MOE,
+AMXBF16_MOE): present when this CPU runs the native AVX-512-BF16 path or better, else None."""
+import ml_dtypes
+import numpy as np
+
+from . import backends
+from ._native import _ext
+from .experts import ExpertWeights
+
+_FORMAT_CODES = {"fp8_per_channel": 0, "fp8_block": 1, "bf16": 2}
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_ACT_DTYPES = {"float32": 0, "bfloat16": 1}
+
+
+def _expected_format(quant_config):
+    if quant_config.method == "BF16":
+        return "bf16"
+    return "fp8_per_channel" if quant_config.per_channel else "fp8_block"
+
+
+def _check_matches(config, experts):
+    if not isinstance(experts, ExpertWeights):
+        raise TypeError(f"experts must be ktfp8.ExpertWeights, got {type(experts).__name__}")
+    got = (experts.expert_num, experts.hidden_size, experts.intermediate_size)
+    want = (config.expert_num, config.hidden_size, config.intermediate_size)
+    if got != want:
+        raise ValueError(f"experts hold (expert_num, hidden_size, intermediate_size) = {got}, "
+                         f"config says {want}")
+    fmt = _expected_format(config.quant_config)
+    if experts.format != fmt:
+        raise ValueError(f"experts are {experts.format!r} but config.quant_config asks for {fmt!r}")
+    if fmt == "fp8_block":
+        if experts.block[1] % 2:
+            raise ValueError(f"block-wise FP8 needs an even K block edge, got block={experts.block}")
+        if tuple(experts.block) != (config.quant_config.group_size,) * 2:
+            raise ValueError(f"experts use block {tuple(experts.block)}, config.quant_config.group_size "
+                             f"is {config.quant_config.group_size}")
+
+
+def _as_c_array(name, a, dtypes, ndim):
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+    return a
+
+
+class MoE:
+    """Routed experts of one layer, packed for `backend` (default: the best this CPU runs).
+
+    y = moe(x, topk_ids, topk_weights): x float32 or bfloat16 [T, hidden_size]; topk_ids int32/int64
+    [T, num_experts_per_tok] (ids < 0 are skipped); topk_weights float32 [T, num_experts_per_tok]."""
+
+    def __init__(self, config, experts, backend=None, threads=None):
+        _check_matches(config, experts)
+        self.config = config
+        self.backend = backends.resolve_backend(backend)
+        self.threads = backends.default_threads(threads if threads is not None else config.threads)
+        self._act_dtype = _ext.moe_act_dtype(self.backend)
+        fmt = experts.format
+        block = experts.block or (0, 0)
+        self._shape = (experts.expert_num, experts.hidden_size, experts.intermediate_size,
+                       _FORMAT_CODES[fmt], int(block[0]), int(block[1]))
+        bits = np.uint16 if fmt == "bf16" else np.uint8
+        proj = [np.ascontiguousarray(p).view(bits) for p in (experts.gate, experts.up, experts.down)]
+        scales = (experts.gate_scale, experts.up_scale, experts.down_scale)
+        self._packed = _ext.moe_pack(self.backend, self._shape, *proj, *scales, self.threads)
+
+    @property
+    def nbytes(self):
+        """Resident bytes of the packed weights (FP8: about one byte per weight)."""
+        return self._packed.nbytes
+
+    def __call__(self, x, topk_ids, topk_weights, out=None, accumulate=False):
+        cfg = self.config
+        x = _as_c_array("x", x, (np.dtype(np.float32), _BF16), 2)
+        if x.shape[1] != cfg.hidden_size:
+            raise ValueError(f"x must have shape [T, {cfg.hidden_size}], got {x.shape}")
+        T, k = x.shape[0], cfg.num_experts_per_tok
+        topk_ids = _as_c_array("topk_ids", topk_ids, (np.dtype(np.int32), np.dtype(np.int64)), 2)
+        topk_weights = _as_c_array("topk_weights", topk_weights, (np.dtype(np.float32),), 2)
+        for name, a in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if a.shape != (T, k):
+                raise ValueError(f"{name} must have shape [T, num_experts_per_tok] = {(T, k)}, got {a.shape}")
+        if T and topk_ids.max() >= cfg.expert_num:
+            raise ValueError(f"topk_ids holds expert id {int(topk_ids.max())} >= expert_num {cfg.expert_num}")
+        if out is None:
+            if accumulate:
+                raise ValueError("accumulate=True needs out= (the array to add into)")
+            out = np.empty_like(x)
+        else:
+            out = _as_c_array("out", out, (x.dtype,), 2)
+            if out.shape != x.shape:
+                raise ValueError(f"out must have the shape of x {x.shape}, got {out.shape}")
+            if not out.flags.writeable:
+                raise ValueError("out must be writeable")
+        ids = topk_ids.astype(np.int64, copy=False)
+        x_bits = x.view(np.uint16) if x.dtype == _BF16 else x
+        out_bits = out.view(np.uint16) if out.dtype == _BF16 else out
+        _ext.moe_forward(self.backend, self._shape, self._packed, x_bits, ids, topk_weights, out_bits,
+                         bool(accumulate), self.threads, self._act_dtype)
+        return out
+
+    def forward(self, x, topk_ids=None, topk_weights=None, *, router_logits=None, correction_bias=None,
+                out=None, accumulate=False):
+        """Like __call__; with router_logits= the experts are chosen by ktfp8.route first."""
+        if router_logits is not None:
+            if topk_ids is not None or topk_weights is not None:
+                raise ValueError("pass either router_logits= or topk_ids/topk_weights, not both")
+            from .routing import route
+            topk_ids, topk_weights = route(router_logits, self.config, correction_bias=correction_bias)
+        elif topk_ids is None or topk_weights is None:
+            raise ValueError("forward needs topk_ids and topk_weights, or router_logits=")
+        return self(x, topk_ids, topk_weights, out=out, accumulate=accumulate)
+
+    def __repr__(self):
+        return (f"MoE(backend={self.backend!r}, experts={self._shape[0]}, hidden={self._shape[1]}, "
+                f"intermediate={self._shape[2]}, nbytes={self.nbytes})")
+
+
+def moe_forward(x, experts, topk_ids, topk_weights, config, backend=None, out=None, accumulate=False):
+    """Functional form: packs `experts` for this call, then runs it (prefer MoE for repeated calls)."""
+    return MoE(config, experts, backend=backend)(x, topk_ids, topk_weights, out=out, accumulate=accumulate)
+
+
+def _native_class(name, fmt, doc):
+    """A KTransformers-named class bound to one weight format, using AMX where the CPU has it and
+    the AVX-512-BF16 path otherwise; None when neither is available."""
+    usable = [b for b in ("amx", "avx512_bf16") if b in backends.available_backends()]
+    if not usable:
+        return None
+
+    def __init__(self, config, experts, threads=None):
+        if experts.format != fmt:
+            raise ValueError(f"{name} takes {fmt!r} experts, got {experts.format!r}")
+        MoE.__init__(self, config, experts, backend=usable[0], threads=threads)
+
+    return type(name, (MoE,), {"__init__": __init__, "__doc__": doc})
+
+
+AMXFP8PerChannel_MOE = _native_class("AMXFP8PerChannel_MOE", "fp8_per_channel",
+                                     "FP8 E4M3 experts with one fp32 scale per output row.")
+AMXFP8_MOE = _native_class("AMXFP8_MOE", "fp8_block", "FP8 E4M3 experts with block-wise scales.")
+AMXBF16_MOE = _native_class("AMXBF16_MOE", "bf16", "BF16 experts.")
+_HAS_FP8_PERCHANNEL_SUPPORT = AMXFP8PerChannel_MOE is not None

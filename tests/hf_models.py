@@ -1,0 +1,100 @@
+"""Tiny random Hugging Face MoE models (Qwen3-MoE, DeepSeek-V3, Mixtral) written by `save_pretrained`,
+for the checkpoint tests.  Sizes are small but not multiples of 128, so block-wise tails are exercised."""
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+HIDDEN = 160
+MOE_INTER = 96
+EXPERTS = 4
+
+# per model: (config class, model class, config kwargs, layers with routed experts,
+#             expert tensor name of (layer, expert, role))
+MODELS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
+        num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=True), [0, 1],
+        "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16), [1],
+        "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=MOE_INTER, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=2),
+        [0, 1], "model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight"),
+}
+MIXTRAL_ROLE = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def build_model(kind, seed=0):
+    """The random transformers model (float32, eval mode) of `kind`."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config_cls, model_cls, kwargs, _, _ = MODELS[kind]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**kwargs)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():       # init std 0.02 everywhere; make expert rows differ in scale like trained ones
+        for name, p in model.named_parameters():
+            if "experts" in name and p.ndim == 3:
+                p.mul_(torch.exp(torch.randn(p.shape[0], p.shape[1], 1)))
+    return model
+
+
+def save_model(model, path, max_shard_size=None, dtype="bfloat16"):
+    import torch
+    model = model.to(getattr(torch, dtype))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def expert_name(kind, layer, expert, role):
+    template = MODELS[kind][4]
+    return template.format(l=layer, e=expert, role=role, w=MIXTRAL_ROLE[role])
+
+
+def moe_layers(kind):
+    return MODELS[kind][3]
+
+
+def read_experts(folder, kind, layer, role):
+    """Expert weights [E, out, in] of `role` read with the safetensors library (the oracle), float32."""
+    import torch
+    from safetensors.torch import load_file
+    tensors = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(folder, f)))
+    names = []
+    e = 0
+    while expert_name(kind, layer, e, role) in tensors:
+        names.append(expert_name(kind, layer, e, role))
+        e += 1
+    return torch.stack([tensors[n].float() for n in names]).numpy()
+
+
+def folder_digest(folder):
+    """{relative path: (sha256, size, mtime_ns)} of every file under `folder`."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            path = os.path.join(root, f)
+            st = os.stat(path)
+            with open(path, "rb") as fh:
+                digest = hashlib.sha256(fh.read()).hexdigest()
+            out[os.path.relpath(path, folder)] = (digest, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def sqnr_db(reference, approx):
+    reference = np.asarray(reference, np.float64)
+    err = reference - np.asarray(approx, np.float64)
+    return 10 * np.log10(np.sum(reference ** 2) / np.sum(err ** 2))

@@ -1,0 +1,91 @@
+"""Independent oracle for MoE tests: weights quantized with ml_dtypes, the layer computed in float64."""
+import ml_dtypes
+import numpy as np
+
+from ktfp8.experts import ExpertWeights
+
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+def quantize_per_channel(w):
+    """[E, out, in] float32 -> (codes uint8, scale float32 [E, out, 1]), with ml_dtypes."""
+    scale = (np.abs(w).max(axis=-1, keepdims=True) / 448).astype(np.float32)
+    scale[scale == 0] = 1
+    codes = np.clip(w / scale, -448, 448).astype(E4M3).view(np.uint8)
+    return codes, scale
+
+
+def quantize_block(w, block):
+    """[E, out, in] -> (codes, scale [E, ceil(out/b), ceil(in/b)]) with square blocks of edge `block`."""
+    E, n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    scale = np.ones((E, nb, kb), np.float32)
+    codes = np.empty(w.shape, np.uint8)
+    for i in range(nb):
+        for j in range(kb):
+            tile = w[:, i * block:(i + 1) * block, j * block:(j + 1) * block]
+            s = (np.abs(tile).max(axis=(1, 2)) / 448).astype(np.float32)
+            s[s == 0] = 1
+            scale[:, i, j] = s
+            codes[:, i * block:(i + 1) * block, j * block:(j + 1) * block] = \
+                np.clip(tile / s[:, None, None], -448, 448).astype(E4M3).view(np.uint8)
+    return codes, scale
+
+
+def dequantize(codes, scale, block=None):
+    """float64 weights from codes and per-channel or block scales."""
+    v = codes.view(E4M3).astype(np.float64)
+    if block is None:
+        return v * scale
+    full = np.repeat(np.repeat(scale.astype(np.float64), block, axis=1), block, axis=2)
+    return v * full[:, :v.shape[1], :v.shape[2]]
+
+
+def make_experts(fmt, E, H, I, seed=0, block=64):
+    """(ExpertWeights, float64 (gate, up, down) they stand for)."""
+    rng = np.random.default_rng(seed)
+    gate = (rng.standard_normal((E, I, H)) / np.sqrt(H)).astype(np.float32)
+    up = (rng.standard_normal((E, I, H)) / np.sqrt(H)).astype(np.float32)
+    down = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
+    if fmt == "bf16":
+        ws = [a.astype(ml_dtypes.bfloat16) for a in (gate, up, down)]
+        return ExpertWeights("bf16", *ws), [a.astype(np.float64) for a in ws]
+    if fmt == "fp8_per_channel":
+        q = [quantize_per_channel(a) for a in (gate, up, down)]
+        ew = ExpertWeights(fmt, q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1])
+        return ew, [dequantize(c, s) for c, s in q]
+    q = [quantize_block(a, block) for a in (gate, up, down)]
+    ew = ExpertWeights(fmt, q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1], block=(block, block))
+    return ew, [dequantize(c, s, block) for c, s in q]
+
+
+def moe_fp64(x, topk_ids, topk_weights, gate, up, down):
+    """y[t] = sum_s w[t,s] * down_e @ (silu(gate_e @ x_t) * (up_e @ x_t)), float64, ids < 0 skipped.
+    Elementwise products and sums only (no BLAS), so it also runs under an emulated CPU."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for s in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, s])
+            if e < 0:
+                continue
+            g = (gate[e] * x[t]).sum(axis=1)
+            u = (up[e] * x[t]).sum(axis=1)
+            h = g / (1 + np.exp(-g)) * u
+            y[t] += float(topk_weights[t, s]) * (down[e] * h).sum(axis=1)
+    return y
+
+
+def random_routing(T, E, k, seed=0, skip_fraction=0.0):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int64).reshape(T, k)
+    if skip_fraction:
+        ids[rng.random((T, k)) < skip_fraction] = -1
+    weights = rng.random((T, k)).astype(np.float32)
+    return ids, weights
+
+
+def nmse(got, want):
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    return float(((got - want) ** 2).sum() / max((want ** 2).sum(), 1e-300))

@@ -1,0 +1,307 @@
+"""MoeConfig / QuantConfig: defaults, validation on construction and assignment, from_hf_config.
+
+from_hf_config is checked against config dicts and files written by transformers' own config classes,
+so the field names are the ones real checkpoints use."""
+import copy
+import json
+
+import numpy as np
+import pytest
+
+import ktfp8
+from ktfp8 import MOEConfig, MoeConfig, QuantConfig
+
+SIZES = dict(expert_num=64, num_experts_per_tok=8, hidden_size=2048, intermediate_size=768)
+
+
+def test_defaults_match_api():
+    cfg = MoeConfig(64, 8, 2048, 768)
+    assert (cfg.expert_num, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size) == (64, 8, 2048, 768)
+    assert (cfg.scoring_func, cfg.norm_topk_prob, cfg.n_group, cfg.topk_group) == ("softmax", True, 1, 1)
+    assert cfg.routed_scaling_factor == 1.0 and cfg.hidden_act == "silu" and cfg.threads is None
+    assert cfg.quant_config == QuantConfig("FP8", True, 0)
+    assert MOEConfig is MoeConfig and ktfp8.QuantConfig is QuantConfig
+
+
+def test_each_config_owns_its_quant_config():
+    a, b = MoeConfig(**SIZES), MoeConfig(**SIZES)
+    a.quant_config.method = "BF16"
+    assert b.quant_config.method == "FP8"
+
+
+def test_routed_expert_num_alias():
+    cfg = MoeConfig(64, hidden_size=2048, intermediate_size=768, routed_expert_num=6)
+    assert cfg.num_experts_per_tok == 6 and cfg.routed_expert_num == 6
+    cfg.routed_expert_num = 4
+    assert cfg.num_experts_per_tok == 4
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        cfg.routed_expert_num = 65
+    assert MoeConfig(64, 6, 2048, 768, routed_expert_num=6).num_experts_per_tok == 6
+    with pytest.raises(ValueError, match="routed_expert_num"):
+        MoeConfig(64, 6, 2048, 768, routed_expert_num=8)
+    with pytest.raises(TypeError, match="num_experts_per_tok"):
+        MoeConfig(64, hidden_size=2048, intermediate_size=768)
+
+
+@pytest.mark.parametrize("changes, error, field", [
+    (dict(num_experts_per_tok=65), ValueError, "num_experts_per_tok"),
+    (dict(expert_num=0), ValueError, "expert_num"),
+    (dict(hidden_size=-1), ValueError, "hidden_size"),
+    (dict(intermediate_size=0), ValueError, "intermediate_size"),
+    (dict(num_experts_per_tok=0), ValueError, "num_experts_per_tok"),
+    (dict(expert_num=True), TypeError, "expert_num"),
+    (dict(hidden_size=2048.0), TypeError, "hidden_size"),
+    (dict(intermediate_size="768"), TypeError, "intermediate_size"),
+    (dict(n_group=3), ValueError, "n_group"),
+    (dict(n_group=0), ValueError, "n_group"),
+    (dict(n_group=4, topk_group=5), ValueError, "topk_group"),
+    (dict(n_group=8, topk_group=0), ValueError, "topk_group"),
+    (dict(n_group=16, topk_group=1), ValueError, "grouped top-k"),   # 1 group of 4 experts < top-8
+    (dict(scoring_func="relu"), ValueError, "scoring_func"),
+    (dict(scoring_func=None), ValueError, "scoring_func"),
+    (dict(norm_topk_prob=1), TypeError, "norm_topk_prob"),
+    (dict(routed_scaling_factor=0.0), ValueError, "routed_scaling_factor"),
+    (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor"),
+    (dict(routed_scaling_factor=True), TypeError, "routed_scaling_factor"),
+    (dict(hidden_act="gelu"), ValueError, "hidden_act"),
+    (dict(threads=0), ValueError, "threads"),
+    (dict(threads=2.0), TypeError, "threads"),
+    (dict(quant_config="FP8"), TypeError, "quant_config"),
+    (dict(quant_config=dict(method="INT4")), ValueError, "method"),
+])
+def test_invalid_values_raise_at_construction_and_assignment(changes, error, field):
+    with pytest.raises(error, match=field):
+        MoeConfig(**dict(SIZES, **changes))
+    cfg = MoeConfig(**SIZES)
+    before = repr(cfg)
+    with pytest.raises(error, match=field):
+        for name, value in changes.items():   # the last assignment of a combination fails
+            setattr(cfg, name, value)
+    # A rejected assignment leaves nothing behind but the valid assignments before it.
+    if len(changes) == 1:
+        assert repr(cfg) == before
+
+
+def test_valid_assignments_take_effect():
+    cfg = MoeConfig(**SIZES)
+    cfg.n_group, cfg.topk_group, cfg.scoring_func = 8, 4, "sigmoid"
+    cfg.routed_scaling_factor = 2            # ints are accepted and stored as float
+    cfg.expert_num = np.int64(256)          # numpy integers too, stored as int
+    cfg.threads = 3
+    assert (cfg.n_group, cfg.topk_group, cfg.scoring_func) == (8, 4, "sigmoid")
+    assert type(cfg.routed_scaling_factor) is float and type(cfg.expert_num) is int and cfg.expert_num == 256
+    cfg.quant_config = {"method": "FP8", "per_channel": False}
+    assert cfg.quant_config == QuantConfig("FP8", False, 128)
+
+
+def test_unknown_field_is_rejected():
+    cfg = MoeConfig(**SIZES)
+    with pytest.raises(AttributeError, match="num_expert_per_tok"):
+        cfg.num_expert_per_tok = 4
+    with pytest.raises(AttributeError, match="bits"):
+        cfg.quant_config.bits = 8
+
+
+def test_copies_and_equality():
+    cfg = MoeConfig(**SIZES, scoring_func="sigmoid", n_group=8, topk_group=4)
+    dup = copy.deepcopy(cfg)
+    assert dup == cfg and dup.quant_config is not cfg.quant_config
+    dup.quant_config.per_channel = False
+    assert dup != cfg
+
+
+# --- QuantConfig ----------------------------------------------------------------------------------
+
+def test_quant_config_construction():
+    assert QuantConfig() == QuantConfig("FP8", True, 0)
+    assert QuantConfig(per_channel=False).group_size == 128
+    assert QuantConfig("FP8", False, 64).group_size == 64
+    assert QuantConfig("BF16").method == "BF16"
+
+
+@pytest.mark.parametrize("kwargs, error, field", [
+    (dict(method="fp8"), ValueError, "method"),
+    (dict(method="INT8"), ValueError, "method"),
+    (dict(per_channel=True, group_size=128), ValueError, "group_size"),
+    (dict(per_channel=False, group_size=0), ValueError, "group_size"),
+    (dict(per_channel=False, group_size=-128), ValueError, "group_size"),
+    (dict(per_channel=1), TypeError, "per_channel"),
+    (dict(per_channel=False, group_size=128.0), TypeError, "group_size"),
+])
+def test_quant_config_invalid(kwargs, error, field):
+    with pytest.raises(error, match=field):
+        QuantConfig(**kwargs)
+
+
+def test_quant_config_ktransformers_assignment_order():
+    """The field-by-field idiom works in its natural order, both ways, and the mode switch
+    (per_channel) brings group_size along; an explicit contradiction still raises."""
+    q = MoeConfig(**SIZES).quant_config
+    q.method, q.per_channel, q.group_size = "FP8", True, 0
+    assert q == QuantConfig("FP8", True, 0)
+    q.per_channel = False                      # block-wise, default block 128
+    assert q.group_size == 128
+    q.group_size = 64
+    assert q == QuantConfig("FP8", False, 64)
+    q.per_channel = True                       # back to per-channel: the block edge no longer applies
+    q.group_size = 0
+    assert q == QuantConfig("FP8", True, 0)
+    with pytest.raises(ValueError, match="per_channel = False first"):
+        q.group_size = 128                     # a block edge while per-channel
+    assert q == QuantConfig("FP8", True, 0)
+    q.per_channel = False
+    with pytest.raises(ValueError, match="group_size"):
+        q.group_size = 0                       # block-wise without a block
+    assert q == QuantConfig("FP8", False, 128)
+    with pytest.raises(ValueError, match="method"):
+        q.method = "AMXINT4"
+    assert q.method == "FP8"
+
+
+# --- from_hf_config -------------------------------------------------------------------------------
+
+HEADS = dict(num_attention_heads=4, num_key_value_heads=4)   # transformers checks hidden % heads
+
+
+def _hf_configs():
+    """(family, transformers config, expected MoeConfig fields) for tiny configs of each family."""
+    t = pytest.importorskip("transformers")
+    sizes = dict(hidden_size=48, num_experts_per_tok=3, **HEADS)
+    cases = [
+        ("qwen2_moe", t.Qwen2MoeConfig(num_experts=12, moe_intermediate_size=20, intermediate_size=99,
+                                       norm_topk_prob=False, **sizes),
+         dict(expert_num=12, intermediate_size=20, scoring_func="softmax", norm_topk_prob=False)),
+        ("qwen3_moe", t.Qwen3MoeConfig(num_experts=16, moe_intermediate_size=24, intermediate_size=99,
+                                       norm_topk_prob=True, **sizes),
+         dict(expert_num=16, intermediate_size=24, scoring_func="softmax", norm_topk_prob=True)),
+        ("mixtral", t.MixtralConfig(num_local_experts=8, intermediate_size=40, **sizes),
+         dict(expert_num=8, intermediate_size=40, scoring_func="softmax", norm_topk_prob=True)),
+        ("deepseek_v3", t.DeepseekV3Config(n_routed_experts=32, moe_intermediate_size=16, intermediate_size=99,
+                                           n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                                           norm_topk_prob=True, **sizes),
+         dict(expert_num=32, intermediate_size=16, scoring_func="sigmoid", norm_topk_prob=True, n_group=4,
+              topk_group=2, routed_scaling_factor=1.5)),
+    ]
+    if hasattr(t, "DeepseekV2Config"):
+        cases += [
+            ("deepseek_v2 greedy", t.DeepseekV2Config(n_routed_experts=16, moe_intermediate_size=16, n_group=4,
+                                                      topk_group=2, topk_method="greedy", **sizes),
+             dict(expert_num=16, intermediate_size=16, scoring_func="softmax", norm_topk_prob=False)),
+            ("deepseek_v2 grouped", t.DeepseekV2Config(n_routed_experts=16, moe_intermediate_size=16, n_group=4,
+                                                       topk_group=2, topk_method="group_limited_greedy",
+                                                       routed_scaling_factor=16.0, **sizes),
+             dict(expert_num=16, intermediate_size=16, scoring_func="softmax", norm_topk_prob=False,
+                  n_group=4, topk_group=2, routed_scaling_factor=16.0)),
+        ]
+    return cases
+
+
+def _expected(fields):
+    return MoeConfig(**dict(dict(num_experts_per_tok=3, hidden_size=48), **fields))
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_from_hf_config_families(case, tmp_path):
+    cases = _hf_configs()
+    if case >= len(cases):
+        pytest.skip("DeepseekV2Config not in this transformers")
+    family, hf, fields = cases[case]
+    expected = _expected(fields)
+    assert MoeConfig.from_hf_config(hf.to_dict()) == expected, family
+    assert MoeConfig.from_hf_config(hf) == expected, family             # the config object itself
+    hf.save_pretrained(tmp_path)
+    assert MoeConfig.from_hf_config(tmp_path) == expected, family       # a model folder
+    assert MoeConfig.from_hf_config(str(tmp_path / "config.json")) == expected, family
+
+
+def test_from_hf_config_original_deepseek_fields():
+    """DeepSeek's own config.json spells scoring_func / topk_method out (transformers' classes do not)."""
+    v3 = dict(model_type="deepseek_v3", n_routed_experts=256, num_experts_per_tok=8, hidden_size=7168,
+              moe_intermediate_size=2048, intermediate_size=18432, n_group=8, topk_group=4,
+              routed_scaling_factor=2.5, scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+              hidden_act="silu")
+    cfg = MoeConfig.from_hf_config(v3)
+    assert (cfg.expert_num, cfg.intermediate_size, cfg.scoring_func, cfg.n_group, cfg.topk_group) == \
+        (256, 2048, "sigmoid", 8, 4)
+    assert cfg.routed_scaling_factor == 2.5 and cfg.norm_topk_prob
+    v2 = dict(model_type="deepseek_v2", n_routed_experts=160, num_experts_per_tok=6, hidden_size=5120,
+              moe_intermediate_size=1536, n_group=8, topk_group=3, routed_scaling_factor=16.0,
+              scoring_func="softmax", topk_method="group_limited_greedy", norm_topk_prob=False)
+    cfg = MoeConfig.from_hf_config(v2)
+    assert (cfg.expert_num, cfg.scoring_func, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob) == \
+        (160, "softmax", 8, 3, False)
+    with pytest.raises(ValueError, match="topk_method"):
+        MoeConfig.from_hf_config(dict(v2, topk_method="noaux_tc"))      # sigmoid method, softmax scores
+    with pytest.raises(ValueError, match="topk_method"):
+        MoeConfig.from_hf_config(dict(v2, topk_method="mystery"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"])
+def test_from_hf_config_missing_routing_fields_take_family_defaults(family):
+    """A config.json that leaves routing fields out routes as the family's reference code does:
+    compared with transformers' config class defaults for the same sizes."""
+    t = pytest.importorskip("transformers")
+    count_key, inter_key, cls = {
+        "qwen2_moe": ("num_experts", "moe_intermediate_size", "Qwen2MoeConfig"),
+        "qwen3_moe": ("num_experts", "moe_intermediate_size", "Qwen3MoeConfig"),
+        "mixtral": ("num_local_experts", "intermediate_size", "MixtralConfig"),
+        "deepseek_v2": ("n_routed_experts", "moe_intermediate_size", "DeepseekV2Config"),
+        "deepseek_v3": ("n_routed_experts", "moe_intermediate_size", "DeepseekV3Config"),
+    }[family]
+    if not hasattr(t, cls):
+        pytest.skip(f"{cls} not in this transformers")
+    sizes = {count_key: 64, inter_key: 32, "num_experts_per_tok": 4, "hidden_size": 48}
+    minimal = dict(sizes, model_type=family)
+    reference = getattr(t, cls)(**sizes, **HEADS).to_dict()
+    assert MoeConfig.from_hf_config(minimal) == MoeConfig.from_hf_config(reference)
+
+
+def test_from_hf_config_nested_text_config():
+    t = pytest.importorskip("transformers")
+    text = dict(num_experts=16, num_experts_per_tok=4, hidden_size=32, moe_intermediate_size=24)
+    if hasattr(t, "Qwen3VLMoeConfig"):
+        cfg = MoeConfig.from_hf_config(t.Qwen3VLMoeConfig(text_config=text).to_dict())
+    else:
+        cfg = MoeConfig.from_hf_config(dict(model_type="some_vl", vision_config={}, text_config=text))
+    assert (cfg.expert_num, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size) == (16, 4, 32, 24)
+    cfg = MoeConfig.from_hf_config(dict(model_type="deepseek_vl_v2", language_config=dict(
+        text, model_type="deepseek_v2", topk_method="greedy")))
+    assert cfg.expert_num == 16 and cfg.n_group == 1
+
+
+def test_from_hf_config_overrides():
+    hf = dict(num_experts=16, num_experts_per_tok=4, hidden_size=32, moe_intermediate_size=24)
+    cfg = MoeConfig.from_hf_config(hf, threads=2, quant_config=QuantConfig("BF16"))
+    assert cfg.threads == 2 and cfg.quant_config.method == "BF16"
+
+
+@pytest.mark.parametrize("drop, field", [("num_experts", "num_experts / n_routed_experts / num_local_experts"),
+                                         ("num_experts_per_tok", "num_experts_per_tok"),
+                                         ("hidden_size", "hidden_size"),
+                                         ("moe_intermediate_size", "moe_intermediate_size / intermediate_size")])
+def test_from_hf_config_missing_fields(drop, field):
+    hf = dict(model_type="qwen3_moe", num_experts=16, num_experts_per_tok=4, hidden_size=32,
+              moe_intermediate_size=24)
+    del hf[drop]
+    with pytest.raises(ValueError, match=field):
+        MoeConfig.from_hf_config(hf)
+
+
+def test_from_hf_config_bad_values_and_sources(tmp_path):
+    hf = dict(num_experts=16, num_experts_per_tok=4, hidden_size=32, moe_intermediate_size=24)
+    with pytest.raises(ValueError, match="hidden_act"):
+        MoeConfig.from_hf_config(dict(hf, hidden_act="gelu"))
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        MoeConfig.from_hf_config(dict(hf, num_experts_per_tok=17))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        MoeConfig.from_hf_config(tmp_path)                              # a folder without config.json
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        MoeConfig.from_hf_config(tmp_path / "nowhere.json")
+    (tmp_path / "broken.json").write_text("{\"num_experts\": 16,")
+    with pytest.raises(ValueError, match="JSON"):
+        MoeConfig.from_hf_config(tmp_path / "broken.json")
+    (tmp_path / "list.json").write_text(json.dumps([hf]))
+    with pytest.raises(ValueError, match="list"):
+        MoeConfig.from_hf_config(tmp_path / "list.json")
+    with pytest.raises(TypeError, match="path_or_dict"):
+        MoeConfig.from_hf_config(42)

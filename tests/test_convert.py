@@ -1,0 +1,409 @@
+"""python -m ktfp8.convert: output layout (shards, index, config.json for other engines, copied files),
+determinism, --verify, and every safety rule (input untouched, output refused / replaced, malformed
+inputs, interrupted runs)."""
+import fcntl
+import json
+import os
+import pty
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from hf_models import build_model, folder_digest, save_model
+from ktfp8.convert import main as convert
+from ktfp8.loader import FP8SafeTensorLoader
+from ktfp8.safetensors_io import SafetensorsFile, write_file
+
+REPO = Path(__file__).resolve().parents[1]
+PER_CHANNEL = '{"method":"FP8","per_channel":true}'
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """A tiny Qwen3-MoE bf16 checkpoint (sharded) with tokenizer-like extra files, and its model."""
+    root = tmp_path_factory.mktemp("qwen")
+    model = build_model("qwen3_moe")
+    folder = save_model(model, root / "bf16", max_shard_size="100KB")
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": 32}')
+    (folder / "extra").mkdir()
+    (folder / "extra" / "notes.txt").write_text("kept as is\n")
+    (folder / "pytorch_model.bin").write_bytes(b"stale weights")
+    return folder
+
+
+def run(src, dst, *extra, input_type="bf16"):
+    return convert(["--input-type", input_type, "--input-path", str(src), "--output-path", str(dst), *extra])
+
+
+def _tensors(folder):
+    out = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with SafetensorsFile(path) as f:
+            for name in f.tensors:
+                out[name] = (f.info(name).dtype, f.read_rows(name).tobytes())
+    return out
+
+
+def test_output_layout_and_copied_files(qwen, tmp_path, capsys):
+    out = tmp_path / "fp8"
+    assert run(qwen, out, "--max-shard-size", "150KB", "--threads", "2") == 0
+    files = sorted(p.name for p in out.iterdir())
+    assert "pytorch_model.bin" not in files and not any(f.startswith(".") for f in files)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (qwen / name).read_bytes()
+    assert (out / "extra" / "notes.txt").read_text() == "kept as is\n"
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 2
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    for shard in shards:
+        with SafetensorsFile(shard) as f:
+            data = sum(t.nbytes for t in f.tensors.values())
+            assert data <= 150_000 or len(f.tensors) == 1, shard.name
+            assert f.metadata == {"format": "pt"}
+            assert all(index["weight_map"][n] == shard.name for n in f.tensors)
+    written = _tensors(out)
+    assert set(index["weight_map"]) == set(written)
+    assert index["metadata"]["total_size"] == sum(len(b) for _, b in written.values())
+    original = _tensors(qwen)
+    for name, (dtype, raw) in original.items():
+        if ".experts." in name:
+            assert written[name][0] == "F8_E4M3" and name + "_scale" in written
+        else:
+            assert written[name] == (dtype, raw), name         # copied byte for byte
+    assert len(written) == len(original) + sum(".experts." in n for n in original)
+
+
+def test_config_is_read_by_compressed_tensors(qwen, tmp_path):
+    ct = pytest.importorskip("compressed_tensors")
+    out = tmp_path / "fp8"
+    assert run(qwen, out) == 0
+    config = json.loads((out / "config.json").read_text())
+    original = json.loads((qwen / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k != "quantization_config"} == original
+    q = ct.QuantizationConfig.model_validate(config["quantization_config"])
+    assert q.quant_method == "compressed-tensors" and q.format == "float-quantized"
+    weights = q.config_groups["group_0"].weights
+    assert (weights.num_bits, weights.type, weights.strategy, weights.symmetric, weights.dynamic) == \
+        (8, "float", "channel", True, False)
+    assert q.config_groups["group_0"].input_activations is None
+    assert q.config_groups["group_0"].targets == ["Linear"]
+    linears = {n[:-7] for n, (_, shape) in _shapes(qwen).items() if n.endswith(".weight") and len(shape) == 2
+               and "embed" not in n}
+    experts = {n for n in linears if ".experts." in n}
+    assert set(q.ignore) == linears - experts          # every Linear but the experts is left as is
+    assert "lm_head" in q.ignore and "model.layers.0.mlp.gate" in q.ignore
+
+
+def test_all_linear(qwen, tmp_path):
+    ct = pytest.importorskip("compressed_tensors")
+    out = tmp_path / "fp8"
+    assert run(qwen, out, "--all-linear") == 0
+    q = ct.QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())
+                                             ["quantization_config"])
+    assert sorted(q.ignore) == ["lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    written = _tensors(out)
+    assert written["model.layers.0.self_attn.q_proj.weight"][0] == "F8_E4M3"
+    assert written["model.layers.0.self_attn.q_proj.weight_scale"][0] == "F32"
+    assert written["model.embed_tokens.weight"][0] == "BF16" and written["lm_head.weight"][0] == "BF16"
+    assert "model.layers.0.input_layernorm.weight_scale" not in written
+
+
+def test_block_wise_config(qwen, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "blk"
+    assert run(qwen, out, "--quant-config", '{"method":"FP8","per_channel":false,"group_size":64}') == 0
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert {k: q[k] for k in ("quant_method", "fmt", "activation_scheme", "weight_block_size")} == \
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}
+    parsed = transformers.FineGrainedFP8Config.from_dict(dict(q))
+    assert list(parsed.weight_block_size) == [64, 64]
+    assert "lm_head" in parsed.modules_to_not_convert
+    with SafetensorsFile(next(out.glob("*.safetensors"))) as f:
+        assert f.info("model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv").shape == (2, 3)  # 96x160
+    assert FP8SafeTensorLoader(out).load_experts(0).block == (64, 64)
+
+
+def _shapes(folder):
+    out = {}
+    for path in Path(folder).glob("*.safetensors"):
+        with SafetensorsFile(path) as f:
+            out.update({n: (t.dtype, t.shape) for n, t in f.tensors.items()})
+    return out
+
+
+def test_threads_do_not_change_the_output(qwen, tmp_path):
+    assert run(qwen, tmp_path / "t1", "--threads", "1") == 0
+    assert run(qwen, tmp_path / "t2", "--threads", "2") == 0
+    a, b = folder_digest(tmp_path / "t1"), folder_digest(tmp_path / "t2")
+    assert {k: v[0] for k, v in a.items()} == {k: v[0] for k, v in b.items()}
+
+
+def test_verify_reports_sqnr(qwen, tmp_path, capsys):
+    assert run(qwen, tmp_path / "v", "--verify") == 0
+    out = capsys.readouterr().out
+    lines = [l for l in out.splitlines() if l.startswith("SQNR")]
+    assert len(lines) == 2 * 3 * 4                      # 2 layers x 3 projections x 4 experts
+    values = [float(l.split()[1]) for l in lines]
+    assert all(28 < v < 40 for v in values)
+    assert "worst 10 of 24 quantized tensors:" in out and "0 differ" in out
+    assert run(qwen, tmp_path / "v2", "--verify", "--verify-min-sqnr", "60") == 1
+    assert not (tmp_path / "v2").exists()
+    assert "verification failed: 24 tensor(s) below 60.0 dB" in capsys.readouterr().err
+
+
+def test_input_is_never_modified(qwen, tmp_path):
+    before = folder_digest(qwen)
+    assert run(qwen, tmp_path / "a", "--verify", "--all-linear") == 0
+    assert folder_digest(qwen) == before
+    for bad_out in (qwen, qwen / "inside"):
+        assert run(qwen, bad_out, "--overwrite") == 1
+    assert run(qwen.parent, tmp_path / "b", "--overwrite") == 1       # input contains no checkpoint
+    assert folder_digest(qwen) == before
+
+
+def test_output_folder_rules(qwen, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert run(qwen, out) == 1
+    assert "not empty; pass --overwrite" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["keep.txt"]
+    assert run(qwen, out, "--overwrite") == 0
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run(qwen, empty) == 0 and (empty / "config.json").exists()
+    (tmp_path / "file").write_text("x")
+    assert run(qwen, tmp_path / "file", "--overwrite") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "out"]   # no temp folders left
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("{nope", "not valid JSON"),
+    ('["FP8"]', "must be a JSON object"),
+    ('{"method":"INT4"}', "method must be"),
+    ('{"per_channel":"yes"}', "per_channel must be true or false"),
+    ('{"per_channel":true,"group_size":128}', "per_channel needs group_size 0"),
+    ('{"per_channel":false,"group_size":0}', "needs group_size > 0"),
+    ('{"method":"FP8","bits":8}', "unknown keys"),
+])
+def test_malformed_quant_config(qwen, tmp_path, capsys, bad, message):
+    with pytest.raises(SystemExit) as exit_info:
+        run(qwen, tmp_path / "o", "--quant-config", bad)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-shard-size", "5XB"], "is not like 5GB"),
+    (["--threads", "0"], "positive integer"),
+    (["--input-type", "int8"], "invalid choice"),
+])
+def test_bad_options(qwen, tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        convert(["--input-type", "bf16", "--input-path", str(qwen), "--output-path", str(tmp_path / "o"), *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def _copy_folder(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _expect_error(src, tmp_path, capsys, message, input_type="bf16"):
+    assert run(src, tmp_path / "o", input_type=input_type) == 1
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not (tmp_path / "o").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".o")] == []
+
+
+def test_missing_and_truncated_files(qwen, tmp_path, capsys):
+    index = json.loads((qwen / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    missing = _copy_folder(qwen, tmp_path / "missing")
+    (missing / shard).unlink()
+    _expect_error(missing, tmp_path, capsys, f"{shard}: shard listed in model.safetensors.index.json is missing")
+
+    truncated = _copy_folder(qwen, tmp_path / "truncated")
+    raw = (truncated / shard).read_bytes()
+    (truncated / shard).write_bytes(raw[:-100])
+    _expect_error(truncated, tmp_path, capsys, "truncated")
+
+    bad_header = _copy_folder(qwen, tmp_path / "header")
+    (bad_header / shard).write_bytes(raw[:8] + b"!" + raw[9:])
+    _expect_error(bad_header, tmp_path, capsys, "header is not valid JSON")
+
+    no_tensor = _copy_folder(qwen, tmp_path / "no_tensor")
+    victim = next(n for n, f in index["weight_map"].items() if f == shard)
+    index["weight_map"]["model.layers.1.mlp.experts.9.up_proj.weight"] = shard
+    (no_tensor / "model.safetensors.index.json").write_text(json.dumps(index))
+    _expect_error(no_tensor, tmp_path, capsys, "'model.layers.1.mlp.experts.9.up_proj.weight' is missing from "
+                  "this shard")
+    assert victim
+
+    nothing = tmp_path / "nothing"
+    nothing.mkdir()
+    _expect_error(nothing, tmp_path, capsys, "no model.safetensors.index.json and no .safetensors files")
+    _expect_error(tmp_path / "absent", tmp_path, capsys, "does not exist")
+
+
+def test_unsupported_and_unexpected_dtypes(qwen, tmp_path, capsys):
+    _expect_error(qwen, tmp_path, capsys, "is BF16, but --input-type fp32 expects F32", input_type="fp32")
+    _expect_error(qwen, tmp_path, capsys, "--input-type fp8, but no F8_E4M3 weights", input_type="fp8")
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    raw = np.zeros((4, 8), np.uint8)
+    write_file(folder / "model.safetensors", {"model.layers.0.mlp.experts.0.gate_proj.weight": ("U8", raw)})
+    _expect_error(folder, tmp_path, capsys, "is U8, but --input-type bf16 expects BF16")
+    header = json.dumps({"x": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0")
+    _expect_error(folder, tmp_path, capsys, "unsupported dtype 'F4'")
+    fp8 = {"model.layers.0.mlp.experts.0.gate_proj.weight": ("F8_E4M3", np.zeros((4, 8), np.uint8)),
+           "model.layers.0.mlp.experts.0.gate_proj.weight_scale": ("F32", np.ones((4, 1), np.float32))}
+    write_file(folder / "model.safetensors", fp8)
+    _expect_error(folder, tmp_path, capsys, "already F8_E4M3; use --input-type fp8")
+    _expect_error(folder, tmp_path, capsys, "per-channel weight_scale (already the target format)",
+                  input_type="fp8")
+    no_experts = {"model.layers.0.self_attn.q_proj.weight": ("BF16", np.zeros((4, 8), ml_dtypes.bfloat16))}
+    write_file(folder / "model.safetensors", no_experts)
+    _expect_error(folder, tmp_path, capsys, "found no weights to quantize")
+
+
+@pytest.fixture(scope="module")
+def big_input(tmp_path_factory):
+    """~200 MB of bf16 experts: a conversion that takes long enough to be interrupted."""
+    folder = tmp_path_factory.mktemp("big") / "in"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    block = rng.standard_normal((1024, 2048), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    shapes = {"gate": block, "up": block, "down": block.reshape(2048, 1024)}
+    tensors = {f"model.layers.0.mlp.experts.{e}.{p}_proj.weight": ("BF16", shapes[p])
+               for e in range(16) for p in ("gate", "up", "down")}
+    write_file(folder / "model.safetensors", tensors, metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 16}))
+    return folder
+
+
+def _start(src, dst, **kwargs):
+    cmd = [sys.executable, "-m", "ktfp8.convert", "--input-type", "bf16", "--input-path", str(src),
+           "--output-path", str(dst), "--threads", "1"]
+    return subprocess.Popen(cmd, cwd=REPO, **kwargs)
+
+
+def _wait_for_partial_shard(proc, parent, name):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        shards = list(parent.glob(f".{name}.ktfp8-partial-*/*.safetensors"))
+        if shards and shards[0].stat().st_size > 10_000_000:
+            return
+        assert proc.poll() is None, "the conversion ended before it could be interrupted"
+        time.sleep(0.005)
+    pytest.fail("no partial output appeared")
+
+
+def test_killed_conversion_leaves_nothing_that_looks_finished(big_input, tmp_path):
+    dst = tmp_path / "out"
+    proc = _start(big_input, dst, stderr=subprocess.DEVNULL)
+    _wait_for_partial_shard(proc, tmp_path, "out")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not dst.exists()
+    leftovers = list(tmp_path.glob(".out.ktfp8-partial-*"))
+    assert len(leftovers) == 1
+    assert not (leftovers[0] / "config.json").exists() and (leftovers[0] / "KTFP8_CONVERSION_IN_PROGRESS").exists()
+    # the next run cleans up after the dead one and finishes
+    assert run(big_input, dst, "--threads", "2") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert FP8SafeTensorLoader(dst).load_experts(0).expert_num == 16
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
+def test_interrupted_conversion_cleans_up(big_input, tmp_path, sig, code):
+    dst = tmp_path / "out"
+    proc = _start(big_input, dst, stderr=subprocess.PIPE, text=True)
+    _wait_for_partial_shard(proc, tmp_path, "out")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert "interrupted" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_bar_on_a_terminal(qwen, tmp_path):
+    pytest.importorskip("tqdm")
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # a 100-column terminal
+    proc = subprocess.Popen([sys.executable, "-m", "ktfp8.convert", "--input-type", "bf16", "--input-path",
+                             str(qwen), "--output-path", str(tmp_path / "o")], cwd=REPO, stderr=slave,
+                            stdout=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait() == 0
+    text = b"".join(chunks).decode(errors="replace")
+    assert "converting: 100%|" in text
+
+
+def test_console_entry_point(qwen, tmp_path):
+    import tomllib
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["ktfp8-convert"] == "ktfp8.convert:main"
+    proc = subprocess.run([sys.executable, "-m", "ktfp8.convert", "--input-bf16-hf-path", str(qwen),
+                           "--output-fp8-hf-path", str(tmp_path / "o"), "--input-type", "bf16"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert FP8SafeTensorLoader(tmp_path / "o").format == "fp8_per_channel"
+
+
+def test_many_shards_with_few_file_descriptors(qwen, tmp_path):
+    """Shards are opened one after another, so a checkpoint of more shards than the process may hold
+    file descriptors still converts."""
+    import resource
+
+    def limit_fds():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, "-m", "ktfp8.convert", "--input-type", "bf16", "--input-path",
+                           str(qwen), "--output-path", str(out), "--max-shard-size", "1KB"],
+                          cwd=REPO, capture_output=True, text=True, preexec_fn=limit_fds)
+    assert proc.returncode == 0, proc.stderr
+    assert len(list(out.glob("model-*.safetensors"))) > 48
+    assert FP8SafeTensorLoader(out).format == "fp8_per_channel"
+
+
+def test_write_failure_leaves_nothing(big_input, tmp_path):
+    """A write that fails mid-run (here: a file size limit, as a full disk would) stops the run with
+    an error and removes the partial output."""
+    import resource
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)        # EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000_000, 20_000_000))
+
+    dst = tmp_path / "out"
+    proc = _start(big_input, dst, stderr=subprocess.PIPE, text=True, preexec_fn=limit_file_size)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "error: [Errno 27] File too large" in err
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,47 @@
+"""`python -m ktfp8.cpu` / tools/check_cpu_features.py: the same report, from CPUID, exit status 0."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import ktfp8
+from ktfp8 import backends, cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args):
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_module_and_tool_print_the_same_report():
+    text = run("-m", "ktfp8.cpu")
+    assert text == run("tools/check_cpu_features.py")
+    for flag in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
+                 "avx512_vbmi", "amx_tile", "amx_bf16"):
+        assert any(line.strip()[2:].strip() == flag for line in text.splitlines()), flag
+    assert f"Usable backends (best first): {', '.join(ktfp8.available_backends())}" in text
+    assert f"Compiled variants: {', '.join(ktfp8.compiled_variants())}" in text
+    assert text.rstrip().splitlines()[-1] == cpu.report()["verdict"]
+
+
+def test_json_report_agrees_with_cpuid():
+    r = json.loads(run("-m", "ktfp8.cpu", "--json"))
+    f = ktfp8.cpu_features()
+    assert r["flags"]["avx2"] == bool(f["avx2"]) and r["flags"]["avx512f"] == bool(f["avx512f"])
+    assert r["usable_backends"] == ktfp8.available_backends()
+    assert r["compiled_variants"] == backends.compiled_variants()
+
+
+def test_verdict_names_what_is_missing():
+    r = cpu.report()
+    f = ktfp8.cpu_features()
+    full = all(f[k] for k in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi")) and f["os_avx512"]
+    if full:
+        assert r["verdict"] == "✅ Your CPU supports full AVX512 (F/BF16/VBMI) – FP8 MoE will work!"
+    else:
+        assert "lacks" in r["verdict"] and f"'{ktfp8.available_backends()[0]}' fallback" in r["verdict"]
+        for name in ("avx512f", "avx512_bf16", "avx512_vbmi"):
+            assert (name in r["verdict"]) == (not f[name])

@@ -1,0 +1,311 @@
+"""FP8SafeTensorLoader on real Hugging Face checkpoints (tiny random transformers models), converted by
+ktfp8.convert or written in other engines' layouts; oracles: safetensors + torch, ml_dtypes, transformers."""
+import copy
+import json
+import math
+import mmap
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from hf_models import (EXPERTS, HIDDEN, MODELS, MOE_INTER, build_model, expert_name, moe_layers,
+                       read_experts, save_model, sqnr_db)
+from ktfp8.convert import main as convert
+from ktfp8.loader import FP8SafeTensorLoader
+from ktfp8.safetensors_io import SafetensorsError, SafetensorsFile, write_file
+
+torch = pytest.importorskip("torch")
+E4M3 = ml_dtypes.float8_e4m3fn
+ROLES = ("gate", "up", "down")
+PER_CHANNEL = '{"method": "FP8", "per_channel": true}'
+BLOCK_128 = '{"method": "FP8", "per_channel": false, "group_size": 128}'
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def hf(request, tmp_path_factory):
+    """kind, the float32 model, and its bf16 checkpoint folders: single file and sharded."""
+    kind = request.param
+    root = tmp_path_factory.mktemp(kind)
+    model = build_model(kind)
+    single = save_model(model, root / "bf16")
+    sharded = save_model(model, root / "bf16_sharded", max_shard_size="100KB")
+    model = model.float()
+    return kind, model, single, sharded
+
+
+def _convert(src, dst, quant=PER_CHANNEL, input_type="bf16", *extra):
+    rc = convert(["--input-type", input_type, "--input-path", str(src), "--output-path", str(dst),
+                  "--quant-config", quant, "--threads", "2", *extra])
+    assert rc == 0
+    return dst
+
+
+def _memory_mapped(a):
+    while a is not None:
+        if isinstance(a, (np.memmap, mmap.mmap)):
+            return True
+        a = getattr(a, "base", None)
+    return False
+
+
+def _oracle_per_channel(w):
+    """(codes, scale) of per-channel E4M3 quantization by ml_dtypes: scale = amax / 448 (float32)."""
+    w = np.asarray(w, np.float32)
+    scale = (np.abs(w).max(axis=-1, keepdims=True) / np.float32(448)).astype(np.float32)
+    scale[scale == 0] = 1
+    codes = np.clip(w / scale, -448, 448).astype(E4M3).view(np.uint8)
+    return codes, scale
+
+
+def _dequant_block(codes, scale, block):
+    bn, bk = block
+    full = np.repeat(np.repeat(scale, bn, axis=-2), bk, axis=-1)[..., :codes.shape[-2], :codes.shape[-1]]
+    return codes.view(E4M3).astype(np.float32) * full
+
+
+def test_bf16_checkpoints_load_as_stored(hf):
+    kind, _, single, sharded = hf
+    for folder in (single, sharded):
+        loader = FP8SafeTensorLoader(folder)
+        assert loader.format == "bf16"
+        assert loader.moe_layers() == moe_layers(kind)
+        for layer in loader.moe_layers():
+            experts = loader.load_experts(layer)
+            assert experts.format == "bf16"
+            for role in ROLES:
+                got = getattr(experts, role)
+                np.testing.assert_array_equal(got.astype(np.float32), read_experts(folder, kind, layer, role))
+                assert not got.flags.writeable
+                # HF writes one layer's experts at equal distances: one view, no copy (a sharded
+                # folder may split a layer between files, which needs a stacked copy)
+                assert _memory_mapped(got) or folder == sharded
+    if len(list(sharded.glob("*.safetensors"))) < 2:
+        pytest.fail("the sharded fixture should span several files")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_per_channel_conversion_round_trip(hf, tmp_path, sharded):
+    kind, _, single, many = hf
+    src = many if sharded else single
+    out = _convert(src, tmp_path / "fp8", PER_CHANNEL, "bf16", "--max-shard-size", "200KB")
+    loader = FP8SafeTensorLoader(out)
+    assert loader.format == "fp8_per_channel"
+    assert loader.moe_layers() == moe_layers(kind)
+    for layer in loader.moe_layers():
+        experts = loader.load_experts(layer)
+        assert experts.format == "fp8_per_channel"
+        for role in ROLES:
+            codes, scale = getattr(experts, role), getattr(experts, role + "_scale")
+            original = read_experts(src, kind, layer, role)
+            want_codes, want_scale = _oracle_per_channel(original)
+            np.testing.assert_array_equal(scale, want_scale)
+            np.testing.assert_array_equal(codes, want_codes)
+            assert _memory_mapped(codes) and _memory_mapped(scale)
+            restored = codes.view(E4M3).astype(np.float32) * scale
+            assert sqnr_db(original, restored) > 28
+
+
+def test_block_wise_conversion_round_trip(hf, tmp_path):
+    kind, _, single, _ = hf
+    out = _convert(single, tmp_path / "fp8b", BLOCK_128, "bf16", "--verify")
+    loader = FP8SafeTensorLoader(out)
+    assert loader.format == "fp8_block"
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["weight_block_size"] == [128, 128]
+    for layer in loader.moe_layers():
+        experts = loader.load_experts(layer)
+        assert experts.block == (128, 128)
+        for role in ROLES:
+            codes, scale = getattr(experts, role), getattr(experts, role + "_scale")
+            original = read_experts(single, kind, layer, role)
+            E, n, k = original.shape
+            assert scale.shape == (E, math.ceil(n / 128), math.ceil(k / 128))
+            # every 128 x 128 block's amax maps to 448 exactly
+            for b in range(scale.shape[1]):
+                for c in range(scale.shape[2]):
+                    amax = np.abs(original[:, b * 128:(b + 1) * 128, c * 128:(c + 1) * 128]).max(axis=(1, 2))
+                    np.testing.assert_array_equal(scale[:, b, c], (amax / np.float32(448)).astype(np.float32))
+            assert sqnr_db(original, _dequant_block(codes, scale, (128, 128))) > 28
+
+
+def _write_deepseek_fp8(model, folder, block):
+    """A block-wise FP8 checkpoint as DeepSeek-V3 ships it, made with torch (not ktfp8): every Linear
+    weight of the decoder layers as float8_e4m3fn + float32 weight_scale_inv; the rest bf16."""
+    from safetensors.torch import save_file
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)
+    tensors = {}
+    from safetensors.torch import load_file
+    for name, t in load_file(str(folder / "model.safetensors")).items():
+        linear = name.endswith(".weight") and t.ndim == 2 and ".layers." in name and "embed" not in name \
+            and not name.endswith("mlp.gate.weight") and not name.endswith("block_sparse_moe.gate.weight")
+        if not linear:
+            tensors[name] = t
+            continue
+        w = t.float()
+        n, k = w.shape
+        bn, bk = block
+        pad = torch.zeros(math.ceil(n / bn) * bn, math.ceil(k / bk) * bk)
+        pad[:n, :k] = w.abs()
+        amax = pad.reshape(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk).amax(dim=(1, 3))
+        scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+        tensors[name] = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = scale.float()
+    (folder / "model.safetensors").unlink()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (folder / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+@pytest.mark.parametrize("block", [(128, 128), (64, 32)])
+def test_block_fp8_input_requantized_per_channel(hf, tmp_path, block):
+    kind, model, _, _ = hf
+    src = tmp_path / "ds_fp8"
+    tensors = _write_deepseek_fp8(model, src, block)
+    assert FP8SafeTensorLoader(src).format == "fp8_block"
+    out = _convert(src, tmp_path / "pc", PER_CHANNEL, "fp8", "--verify")
+    with SafetensorsFile(out / "model.safetensors") as f:
+        for name, t in tensors.items():
+            if name.endswith("_scale_inv"):
+                assert name not in f and name[:-4] in f            # weight_scale_inv -> weight_scale
+                continue
+            if t.dtype != torch.float8_e4m3fn:
+                assert f.read_rows(name).tobytes() == t.contiguous().view(torch.uint8).numpy().tobytes()
+                continue
+            scale_inv = tensors[name + "_scale_inv"].numpy()
+            dequant = _dequant_block(t.view(torch.uint8).numpy(), scale_inv, block)
+            want_codes, want_scale = _oracle_per_channel(dequant)
+            np.testing.assert_array_equal(f.read_rows(name + "_scale"), want_scale)
+            np.testing.assert_array_equal(f.read_rows(name), want_codes)
+            restored = want_codes.view(E4M3).astype(np.float32) * want_scale
+            assert sqnr_db(dequant, restored) > 28
+    loader = FP8SafeTensorLoader(out)
+    assert loader.format == "fp8_per_channel"
+    assert loader.load_experts(moe_layers(kind)[-1]).gate.shape == (loader.load_experts(
+        moe_layers(kind)[-1]).expert_num, MOE_INTER, HIDDEN)
+
+
+def test_block_fp8_input_kept_bit_exact_for_the_same_block(hf, tmp_path):
+    kind, model, _, _ = hf
+    src = tmp_path / "ds_fp8"
+    tensors = _write_deepseek_fp8(model, src, (128, 128))
+    out = _convert(src, tmp_path / "blk", BLOCK_128, "fp8", "--verify")
+    with SafetensorsFile(out / "model.safetensors") as f:
+        for name, t in tensors.items():
+            assert f.read_rows(name).tobytes() == t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _rewrite(src_folder, dst_folder, rename=lambda n: n, transform=lambda n, dtype, a: [(n, dtype, a)]):
+    """Copies a single-file checkpoint with tensors renamed / transformed (for layouts of other tools)."""
+    dst_folder.mkdir()
+    out = {}
+    with SafetensorsFile(src_folder / "model.safetensors") as f:
+        for name, info in f.tensors.items():
+            for n, dtype, a in transform(rename(name), info.dtype, f.read_rows(name)):
+                out[n] = (dtype, a)
+    write_file(dst_folder / "model.safetensors", out, metadata={"format": "pt"})
+    shutil.copy(src_folder / "config.json", dst_folder / "config.json")
+    return dst_folder
+
+
+@pytest.mark.parametrize("scale_shape", ["[N]", "[N, 1]"])
+def test_compressed_tensors_layout_with_bf16_scales(hf, tmp_path, scale_shape):
+    """Per-channel checkpoints of other tools: weight_scale stored as bfloat16, shape [N] or [N, 1]."""
+    kind, _, single, _ = hf
+
+    def quantize(name, dtype, a):
+        if "experts" not in name or not name.endswith(".weight"):
+            return [(name, dtype, a)]
+        codes, scale = _oracle_per_channel(a.astype(np.float32))
+        scale = scale.astype(ml_dtypes.bfloat16)
+        return [(name, "F8_E4M3", codes),
+                (name + "_scale", "BF16", scale[:, 0] if scale_shape == "[N]" else scale)]
+
+    folder = _rewrite(single, tmp_path / "ct", transform=quantize)
+    loader = FP8SafeTensorLoader(folder)
+    assert loader.format == "fp8_per_channel"
+    layer = moe_layers(kind)[0]
+    experts = loader.load_experts(layer)
+    for role in ROLES:
+        original = read_experts(single, kind, layer, role)
+        codes, scale = _oracle_per_channel(original)
+        scale_bf16 = scale.astype(ml_dtypes.bfloat16).astype(np.float32)
+        got = getattr(experts, role + "_scale")
+        assert got.dtype == np.float32 and got.shape == scale.shape
+        np.testing.assert_array_equal(got, scale_bf16)
+        np.testing.assert_array_equal(getattr(experts, role), codes)
+
+
+def test_language_model_prefix(hf, tmp_path):
+    """Multimodal checkpoints put the text model under model.language_model. and config under text_config."""
+    kind, _, single, _ = hf
+    folder = _rewrite(single, tmp_path / "vl", rename=lambda n: n.replace("model.", "model.language_model.", 1))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "x_vl", "text_config": config}))
+    loader = FP8SafeTensorLoader(folder)
+    assert loader.moe_layers() == moe_layers(kind)
+    layer = moe_layers(kind)[0]
+    np.testing.assert_array_equal(loader.load_experts(layer).down.astype(np.float32),
+                                  read_experts(single, kind, layer, "down"))
+    out = _convert(folder, tmp_path / "vl_fp8")
+    assert FP8SafeTensorLoader(out).format == "fp8_per_channel"
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert all(n.startswith(("model.language_model.", "lm_head")) for n in ignore)
+
+
+def test_loader_errors(hf, tmp_path):
+    kind, model, single, _ = hf
+    loader = FP8SafeTensorLoader(single)
+    with pytest.raises(ValueError, match="has no experts"):
+        loader.load_experts(99)
+    fp32 = save_model(build_model(kind), tmp_path / "fp32", dtype="float32")
+    with pytest.raises(ValueError, match="ktfp8.convert"):
+        FP8SafeTensorLoader(fp32).load_experts(moe_layers(kind)[0])
+    assert FP8SafeTensorLoader(fp32).format == "fp32"
+    layer = moe_layers(kind)[0]
+    victim = expert_name(kind, layer, 1, "up")
+    holed = _rewrite(single, tmp_path / "holed", transform=lambda n, d, a: [] if n == victim else [(n, d, a)])
+    with pytest.raises(SafetensorsError, match=r"up weight missing for experts \[1\]"):
+        FP8SafeTensorLoader(holed).load_experts(layer)
+    with pytest.raises(SafetensorsError, match="not a directory"):
+        FP8SafeTensorLoader(tmp_path / "nowhere")
+
+
+def test_moe_matches_transformers_block(hf, tmp_path):
+    """Converted checkpoint -> loader (experts + MoeConfig) -> ktfp8.route + ktfp8.MoE equals the
+    transformers MoE block run on the dequantized weights."""
+    import ktfp8
+    kind, model, single, _ = hf
+    out = _convert(single, tmp_path / "fp8")
+    loader = FP8SafeTensorLoader(out)
+    cfg = loader.config
+    assert (cfg.hidden_size, cfg.intermediate_size) == (HIDDEN, MOE_INTER)
+    assert (cfg.quant_config.method, cfg.quant_config.per_channel) == ("FP8", True)
+    torch.manual_seed(1)
+    for layer in loader.moe_layers():
+        experts = loader.load_experts(layer)
+        assert cfg.expert_num == experts.expert_num >= EXPERTS
+        block = copy.deepcopy(model.model.layers[layer].mlp)
+        deq = {r: torch.from_numpy(getattr(experts, r).view(E4M3).astype(np.float32)
+                                   * getattr(experts, r + "_scale")) for r in ROLES}
+        with torch.no_grad():
+            block.experts.gate_up_proj.copy_(torch.cat([deq["gate"], deq["up"]], dim=1))
+            block.experts.down_proj.copy_(deq["down"])
+            x = torch.randn(1, 7, HIDDEN) * 0.5
+            want = block(x)[0]
+            if hasattr(block, "shared_experts"):        # DeepSeek: shared experts are not routed experts
+                want = want - block.shared_experts(x)[0]
+            router = loader.tensor(f"model.layers.{layer}.{'block_sparse_moe' if kind == 'mixtral' else 'mlp'}"
+                                   f".gate.weight")
+            np.testing.assert_array_equal(router.astype(np.float32), block.gate.weight.numpy())
+            logits = x[0].numpy() @ router.astype(np.float32).T
+            bias = getattr(block.gate, "e_score_correction_bias", None)
+        ids, weights = ktfp8.route(logits, cfg, correction_bias=None if bias is None else bias.numpy())
+        got = ktfp8.MoE(cfg, experts)(x[0].numpy(), ids, weights)
+        err = np.linalg.norm(got - want.numpy()) / np.linalg.norm(want.numpy())
+        assert err < 2e-2, f"layer {layer}: relative error {err}"   # BF16-activation backends: ~4e-3

@@ -1,0 +1,304 @@
+"""route() against transformers' own MoE blocks, plus its documented edge cases and input checks.
+
+Each transformers block (tiny random config, torch CPU) runs on random hidden states; a forward hook
+on its router captures the router logits, weights and expert ids the block really used. route() gets
+those logits (and the block's e_score_correction_bias) and a MoeConfig made by from_hf_config from the
+block's config; it must pick the same experts per token and the same weights to float32 rounding."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ktfp8 import MoeConfig, route
+
+T = 512           # tokens per check: enough rows for grouping / bias to change choices
+WEIGHT_RTOL = 1e-6
+
+
+def _torch_transformers():
+    return pytest.importorskip("torch"), pytest.importorskip("transformers")
+
+
+def _run_block(block, hidden_size, dtype=None, seed=0):
+    """Random parameters, one forward of the whole block; returns what its router produced:
+    logits as numpy (float32 / bfloat16 / float16 like the block's), weights float32, ids int64."""
+    torch, _ = _torch_transformers()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            # gate weights give logits of std ~2: a spread like trained routers, no saturation
+            std = 0.3 if name.startswith("gate.") else 0.05
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+        if dtype is not None:
+            block.to(dtype)
+        hidden = torch.randn(1, T, hidden_size, generator=gen).to(dtype or torch.float32)
+        seen = []
+        hook = block.gate.register_forward_hook(lambda module, args, out: seen.append(out))
+        block(hidden)
+        hook.remove()
+    if not (isinstance(seen[0], tuple) and len(seen[0]) == 3):
+        pytest.skip("this transformers' routers do not return (logits, weights, ids); 5.x ones do")
+    logits, weights, ids = seen[0]
+    if logits.dtype == torch.bfloat16:
+        logits_np = logits.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        logits_np = logits.numpy()
+    return logits_np, weights.float().numpy(), ids.numpy().astype(np.int64)
+
+
+def _assert_same_routing(ids, weights, hf_ids, hf_weights, rtol=WEIGHT_RTOL, tie_scores=None):
+    """Same expert set per token (order within a row is free: DeepSeek's topk is unsorted) and the
+    same weight per chosen expert. With tie_scores [T, E], a token may instead choose other experts
+    of exactly equal score (torch.topk breaks ties its own way); its weights are then compared in
+    score order. Returns the largest absolute weight difference."""
+    assert ids.shape == hf_ids.shape and weights.shape == hf_weights.shape
+    mine, theirs = np.argsort(ids, axis=1), np.argsort(hf_ids, axis=1)
+    ids, weights = np.take_along_axis(ids, mine, 1), np.take_along_axis(weights, mine, 1)
+    hf_ids, hf_weights = np.take_along_axis(hf_ids, theirs, 1), np.take_along_axis(hf_weights, theirs, 1)
+    differ = (ids != hf_ids).any(axis=1)
+    if tie_scores is not None and differ.any():
+        scores = tie_scores.astype(np.float32)[differ]
+        chosen, hf_chosen = np.take_along_axis(scores, ids[differ], 1), np.take_along_axis(scores, hf_ids[differ], 1)
+        np.testing.assert_array_equal(np.sort(chosen, 1), np.sort(hf_chosen, 1))   # only tied swaps
+        weights, hf_weights = weights.copy(), hf_weights.copy()
+        weights[differ] = np.take_along_axis(weights[differ], np.argsort(chosen, 1, kind="stable"), 1)
+        hf_weights[differ] = np.take_along_axis(hf_weights[differ], np.argsort(hf_chosen, 1, kind="stable"), 1)
+    else:
+        np.testing.assert_array_equal(ids, hf_ids)
+    np.testing.assert_allclose(weights, hf_weights, rtol=rtol, atol=1e-7)
+    return float(np.abs(weights - hf_weights).max())
+
+
+def _changed_rows(a, b):
+    return int((np.sort(a, axis=1) != np.sort(b, axis=1)).any(axis=1).sum())
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_qwen3_moe(norm_topk_prob):
+    _, t = _torch_transformers()
+    hf = t.Qwen3MoeConfig(hidden_size=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=8,
+                          norm_topk_prob=norm_topk_prob, num_attention_heads=4, num_key_value_heads=4)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    logits, hf_w, hf_ids = _run_block(Qwen3MoeSparseMoeBlock(hf), 32)
+    cfg = MoeConfig.from_hf_config(hf)
+    assert cfg.norm_topk_prob == norm_topk_prob
+    _assert_same_routing(*route(logits, cfg), hf_ids, hf_w)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_qwen2_moe(norm_topk_prob):
+    _, t = _torch_transformers()
+    hf = t.Qwen2MoeConfig(hidden_size=32, num_experts=12, num_experts_per_tok=3, moe_intermediate_size=8,
+                          shared_expert_intermediate_size=8, norm_topk_prob=norm_topk_prob,
+                          num_attention_heads=4, num_key_value_heads=4)
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    logits, hf_w, hf_ids = _run_block(Qwen2MoeSparseMoeBlock(hf), 32)
+    _assert_same_routing(*route(logits, MoeConfig.from_hf_config(hf)), hf_ids, hf_w)
+
+
+def test_mixtral():
+    _, t = _torch_transformers()
+    hf = t.MixtralConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=2, intermediate_size=8,
+                         num_attention_heads=4, num_key_value_heads=4)
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    logits, hf_w, hf_ids = _run_block(MixtralSparseMoeBlock(hf), 32)
+    _assert_same_routing(*route(logits, MoeConfig.from_hf_config(hf)), hf_ids, hf_w)
+
+
+@pytest.mark.parametrize("topk_method, scaling", [("greedy", 1.0), ("group_limited_greedy", 16.0)])
+def test_deepseek_v2(topk_method, scaling):
+    _, t = _torch_transformers()
+    if not hasattr(t, "DeepseekV2Config"):
+        pytest.skip("no DeepseekV2 in this transformers")
+    hf = t.DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=8,
+                            n_shared_experts=1, n_group=4, topk_group=2, topk_method=topk_method,
+                            routed_scaling_factor=scaling, num_attention_heads=4, num_key_value_heads=4)
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+    logits, hf_w, hf_ids = _run_block(DeepseekV2Moe(hf), 32)
+    cfg = MoeConfig.from_hf_config(hf)
+    ids, w = route(logits, cfg)
+    _assert_same_routing(ids, w, hf_ids, hf_w)
+    if topk_method == "group_limited_greedy":   # the group limit really changed choices
+        cfg.topk_group, cfg.n_group = 1, 1       # topk_group first: each step stays valid
+        assert _changed_rows(route(logits, cfg)[0], ids) > 0
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_deepseek_v3(norm_topk_prob):
+    torch, t = _torch_transformers()
+    hf = t.DeepseekV3Config(hidden_size=32, n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=8,
+                            n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                            norm_topk_prob=norm_topk_prob, num_attention_heads=4, num_key_value_heads=4)
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    block = DeepseekV3MoE(hf)
+    bias = np.random.default_rng(1).uniform(-0.3, 0.3, 32).astype(np.float32)
+    block.gate.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    logits, hf_w, hf_ids = _run_block(block, 32)
+    cfg = MoeConfig.from_hf_config(hf)
+    assert (cfg.scoring_func, cfg.n_group, cfg.topk_group) == ("sigmoid", 4, 2)
+    ids, w = route(logits, cfg, correction_bias=bias)
+    _assert_same_routing(ids, w, hf_ids, hf_w)
+    # Not vacuous: the bias and the group limit each change the choice for some tokens.
+    assert _changed_rows(route(logits, cfg)[0], ids) > 0
+    cfg.topk_group, cfg.n_group = 1, 1
+    assert _changed_rows(route(logits, cfg, correction_bias=bias)[0], ids) > 0
+
+
+def test_qwen3_vl_moe_text_config():
+    """Multimodal: the MoE sizes live in text_config; its router always renormalises."""
+    _, t = _torch_transformers()
+    if not hasattr(t, "Qwen3VLMoeConfig"):
+        pytest.skip("no Qwen3-VL-MoE in this transformers")
+    hf = t.Qwen3VLMoeConfig(text_config=dict(hidden_size=32, num_experts=16, num_experts_per_tok=4,
+                                             moe_intermediate_size=8, num_attention_heads=4,
+                                             num_key_value_heads=4))
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
+    logits, hf_w, hf_ids = _run_block(Qwen3VLMoeTextSparseMoeBlock(hf.text_config), 32)
+    _assert_same_routing(*route(logits, MoeConfig.from_hf_config(hf)), hf_ids, hf_w)
+
+
+def test_bfloat16_and_float16_logits():
+    """bfloat16 model: same experts; transformers rounds Qwen weights to bfloat16, route keeps float32.
+    float16 Mixtral: its router works in float32 on the float16 logits, as route does."""
+    torch, t = _torch_transformers()
+    hf = t.Qwen3MoeConfig(hidden_size=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=8,
+                          norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=4)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    logits, hf_w, hf_ids = _run_block(Qwen3MoeSparseMoeBlock(hf), 32, dtype=torch.bfloat16)
+    assert logits.dtype == ml_dtypes.bfloat16
+    _assert_same_routing(*route(logits, MoeConfig.from_hf_config(hf)), hf_ids, hf_w, rtol=2.0 ** -8,
+                         tie_scores=logits)   # bfloat16 logits tie often: 8-bit mantissa
+
+    hf = t.MixtralConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=2, intermediate_size=8,
+                         num_attention_heads=4, num_key_value_heads=4)
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    logits, hf_w, hf_ids = _run_block(MixtralSparseMoeBlock(hf), 32, dtype=torch.float16)
+    assert logits.dtype == np.float16
+    _assert_same_routing(*route(logits, MoeConfig.from_hf_config(hf)), hf_ids, hf_w, tie_scores=logits)
+
+
+# --- cases no transformers model covers: a float64 brute-force oracle ------------------------------
+
+def _oracle(logits, cfg, bias):
+    """Straight from the definition, one token at a time, in float64."""
+    x = logits.astype(np.float64)
+    ids, weights = [], []
+    for row in x:
+        scores = np.exp(row - row.max()) / np.exp(row - row.max()).sum() if cfg.scoring_func == "softmax" \
+            else 1 / (1 + np.exp(-row))
+        choice = scores + (0 if bias is None else bias)
+        per = cfg.expert_num // cfg.n_group
+        groups = [sorted(choice[g * per:(g + 1) * per], reverse=True) for g in range(cfg.n_group)]
+        group_score = [g[0] if cfg.scoring_func == "softmax" else sum(g[:2]) for g in groups]
+        kept = sorted(range(cfg.n_group), key=lambda g: -group_score[g])[:cfg.topk_group]
+        eligible = [e for e in range(cfg.expert_num) if e // per in kept]
+        chosen = sorted(eligible, key=lambda e: -choice[e])[:cfg.num_experts_per_tok]
+        w = scores[chosen]
+        if cfg.norm_topk_prob:
+            w = w / w.sum()
+        ids.append(chosen)
+        weights.append(w * cfg.routed_scaling_factor)
+    return np.array(ids), np.array(weights)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(scoring_func="softmax", norm_topk_prob=True),                           # softmax + bias (Ernie-4.5 style)
+    dict(scoring_func="sigmoid", norm_topk_prob=False, routed_scaling_factor=3.0),  # sigmoid, no groups
+    dict(scoring_func="sigmoid", n_group=12, topk_group=5),                      # groups of one expert
+    dict(scoring_func="sigmoid", n_group=3, topk_group=2, routed_scaling_factor=2.5),  # DeepSeek-V3 rule
+    dict(scoring_func="softmax", n_group=3, topk_group=2, routed_scaling_factor=0.5),
+])
+def test_against_float64_oracle(kwargs):
+    rng = np.random.default_rng(7)
+    cfg = MoeConfig(12, 4, 16, 16, **kwargs)
+    logits = rng.normal(0, 2, (50, 12)).astype(np.float32)
+    bias = rng.uniform(-0.2, 0.2, 12).astype(np.float32)
+    ids, w = route(logits, cfg, correction_bias=bias)
+    ref_ids, ref_w = _oracle(logits, cfg, bias.astype(np.float64))
+    np.testing.assert_array_equal(ids, ref_ids)      # best first, so the order matches too
+    np.testing.assert_allclose(w, ref_w, rtol=1e-6)
+
+
+# --- documented edge cases -------------------------------------------------------------------------
+
+def test_empty_batch():
+    cfg = MoeConfig(8, 2, 16, 16)
+    ids, w = route(np.zeros((0, 8), np.float32), cfg)
+    assert ids.shape == (0, 2) and ids.dtype == np.int64
+    assert w.shape == (0, 2) and w.dtype == np.float32
+
+
+def test_output_types_and_best_first_order():
+    cfg = MoeConfig(8, 3, 16, 16, norm_topk_prob=False)
+    logits = np.array([[0.0, 3.0, -1.0, 2.0, 5.0, 1.0, 0.5, -2.0]], np.float32)
+    ids, w = route(logits, cfg)
+    assert ids.dtype == np.int64 and w.dtype == np.float32
+    assert ids.tolist() == [[4, 1, 3]]
+    p = np.exp(logits[0].astype(np.float64)) / np.exp(logits[0].astype(np.float64)).sum()
+    np.testing.assert_allclose(w[0], p[[4, 1, 3]], rtol=1e-6)
+
+
+def test_ties_go_to_the_lower_expert_id():
+    cfg = MoeConfig(8, 3, 16, 16)
+    ids, w = route(np.zeros((2, 8), np.float32), cfg)
+    assert ids.tolist() == [[0, 1, 2]] * 2
+    np.testing.assert_allclose(w, 1 / 3, rtol=1e-6)
+    cfg = MoeConfig(8, 2, 16, 16, scoring_func="sigmoid", n_group=4, topk_group=1)
+    ids, _ = route(np.zeros((1, 8), np.float32), cfg)
+    assert ids.tolist() == [[0, 1]]                  # tied groups too: the first group
+
+
+@pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid"])
+def test_nan_logits_give_nan_weights_for_that_token_only(scoring_func):
+    cfg = MoeConfig(8, 2, 16, 16, scoring_func=scoring_func)
+    logits = np.random.default_rng(3).normal(size=(3, 8)).astype(np.float32)
+    logits[1, 5] = np.nan
+    ids, w = route(logits, cfg)
+    assert np.isnan(w[1]).all() and not np.isnan(w[[0, 2]]).any()
+    assert ((ids >= 0) & (ids < 8)).all() and len(set(ids[1])) == 2
+    clean_ids, clean_w = route(logits[[0, 2]], cfg)
+    np.testing.assert_array_equal(ids[[0, 2]], clean_ids)
+    np.testing.assert_array_equal(w[[0, 2]], clean_w)
+
+
+def test_bfloat16_logits_route_as_their_float32_values():
+    cfg = MoeConfig(16, 4, 16, 16, scoring_func="sigmoid", n_group=4, topk_group=2)
+    values = np.random.default_rng(5).normal(size=(20, 16)).astype(ml_dtypes.bfloat16)
+    for a, b in zip(route(values, cfg), route(values.astype(np.float32), cfg)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_inputs_are_not_modified_and_strides_do_not_matter():
+    cfg = MoeConfig(16, 4, 16, 16, scoring_func="sigmoid")
+    logits = np.asfortranarray(np.random.default_rng(6).normal(size=(10, 16)).astype(np.float32))
+    bias = np.linspace(-0.1, 0.1, 32)[::2]          # float64 and strided: cast to float32
+    kept = logits.copy(), bias.copy()
+    ids, w = route(logits, cfg, correction_bias=bias)
+    np.testing.assert_array_equal(logits, kept[0])
+    np.testing.assert_array_equal(bias, kept[1])
+    ids2, w2 = route(np.ascontiguousarray(logits), cfg, correction_bias=bias.astype(np.float32))
+    np.testing.assert_array_equal(ids, ids2)
+    np.testing.assert_array_equal(w, w2)
+
+
+@pytest.mark.parametrize("logits, bias, error, match", [
+    ([[0.0] * 8], None, TypeError, "router_logits"),
+    (np.zeros((2, 8), np.float64), None, TypeError, "router_logits"),
+    (np.zeros((2, 8), np.int32), None, TypeError, "router_logits"),
+    (np.zeros(8, np.float32), None, ValueError, "router_logits"),
+    (np.zeros((2, 7), np.float32), None, ValueError, "expert_num=8"),
+    (np.zeros((2, 2, 8), np.float32), None, ValueError, "router_logits"),
+    (np.zeros((0, 7), np.float32), None, ValueError, "router_logits"),
+    (np.zeros((2, 8), np.float32), np.zeros(7, np.float32), ValueError, "correction_bias"),
+    (np.zeros((2, 8), np.float32), np.zeros((1, 8), np.float32), ValueError, "correction_bias"),
+    (np.zeros((2, 8), np.float32), np.zeros(8, np.int64), TypeError, "correction_bias"),
+    (np.zeros((2, 8), np.float32), [0.0] * 8, TypeError, "correction_bias"),
+    (np.zeros((2, 8), np.float32), np.full(8, np.inf, np.float32), ValueError, "correction_bias"),
+])
+def test_bad_inputs(logits, bias, error, match):
+    with pytest.raises(error, match=match):
+        route(logits, MoeConfig(8, 2, 16, 16), correction_bias=bias)
+
+
+def test_bad_cfg():
+    with pytest.raises(TypeError, match="cfg"):
+        route(np.zeros((2, 8), np.float32), {"expert_num": 8})

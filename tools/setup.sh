@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for ktfp8 development: system packages, a virtualenv in .venv, the package
+# (editable, C kernels built) and the test-only dependencies.  Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# qemu-user proves the fallbacks on emulated older CPUs; libsimde-dev lets the AVX-512/AMX sources
+# be compiled a second time as the *_emulated test variants on CPUs without them.
+need=()
+command -v qemu-x86_64 >/dev/null || need+=(qemu-user)
+[ -f /usr/include/simde/x86/avx512.h ] || need+=(libsimde-dev)
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    else
+        echo "setup: please install ${need[*]} (apt-get install ${need[*]}); continuing without them" >&2
+    fi
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# The CPU PyTorch wheel (test-only: transformers' reference MoE blocks); the package needs no torch.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m ktfp8.cpu
