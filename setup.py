@@ -134,16 +134,13 @@ class BuildNative(build_ext):
                 [str(src.relative_to(ROOT))], output_dir=out, include_dirs=INCLUDE,
                 macros=[("KTFP8_VARIANT", variant)], extra_postargs=common + flags)
         ext.extra_objects = objects
-        # setuptools relinks only when a listed source is newer than the .so: list the ISA units
-        # and headers too, or an edit to them alone leaves a stale extension behind.
-        ext.depends = list(ext.depends or []) + [str(s.relative_to(ROOT)) for s, _, _ in units] + [
-            str(h.relative_to(ROOT)) for h in sorted((ROOT / "include" / "ktfp8").glob("*.h"))]
         ext.define_macros = list(ext.define_macros or []) + [(m, "1") for m in macros]
         ext.extra_compile_args = common
         ext.extra_link_args = ["-fopenmp"] + sanitize_flags()
         compiled = sorted({v for _, v, _ in units})
         print(f"ktfp8 build: ISA units compiled: {', '.join(compiled) or 'none (portable C only)'}")
-        # the baseline objects depend on the chosen macros, which timestamps cannot see
+        # Always rebuild and relink: the baseline objects depend on the chosen macros and the .so on
+        # the ISA objects, neither of which setuptools' timestamp check sees.
         self.force = True
         super().build_extension(ext)
 

@@ -7,10 +7,10 @@ from . import backends
 
 # (report name, key in cpu_features())
 FLAGS = [("avx2", "avx2"), ("fma", "fma"), ("f16c", "f16c"), ("avx512f", "avx512f"),
-         ("avx512bw", "avx512bw"), ("avx512vl", "avx512vl"), ("avx512_bf16", "avx512_bf16"),
+         ("avx512dq", "avx512dq"), ("avx512bw", "avx512bw"), ("avx512vl", "avx512vl"), ("avx512_bf16", "avx512_bf16"),
          ("avx512_vnni", "avx512_vnni"), ("avx512_vbmi", "avx512_vbmi"), ("amx_tile", "amx_tile"),
          ("amx_bf16", "amx_bf16")]
-FULL = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi")
+FULL = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi")
 
 
 def report():

@@ -10,7 +10,7 @@ extern "C" {
 typedef struct ktfp8_cpu {
     /* CPUID feature bits */
     int avx, avx2, fma, f16c;
-    int avx512f, avx512bw, avx512vl, avx512bf16, avx512vnni, avx512vbmi;
+    int avx512f, avx512dq, avx512bw, avx512vl, avx512bf16, avx512vnni, avx512vbmi;
     int amx_tile, amx_bf16;
     /* OS support: XCR0 says the kernel saves the register state */
     int os_avx;     /* XMM + YMM */

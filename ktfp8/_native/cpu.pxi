@@ -3,7 +3,7 @@
 cdef extern from "ktfp8/cpu_features.h":
     ctypedef struct ktfp8_cpu:
         int avx, avx2, fma, f16c
-        int avx512f, avx512bw, avx512vl, avx512bf16, avx512vnni, avx512vbmi
+        int avx512f, avx512dq, avx512bw, avx512vl, avx512bf16, avx512vnni, avx512vbmi
         int amx_tile, amx_bf16
         int os_avx, os_avx512, os_amx
         char vendor[13]
@@ -42,7 +42,7 @@ def cpu_features():
         "vendor": c.vendor.decode("ascii", "replace").strip("\x00 "),
         "brand": c.brand.decode("ascii", "replace").strip("\x00 "),
         "avx": c.avx, "avx2": c.avx2, "fma": c.fma, "f16c": c.f16c,
-        "avx512f": c.avx512f, "avx512bw": c.avx512bw, "avx512vl": c.avx512vl,
+        "avx512f": c.avx512f, "avx512dq": c.avx512dq, "avx512bw": c.avx512bw, "avx512vl": c.avx512vl,
         "avx512_bf16": c.avx512bf16, "avx512_vnni": c.avx512vnni, "avx512_vbmi": c.avx512vbmi,
         "amx_tile": c.amx_tile, "amx_bf16": c.amx_bf16,
         "os_avx": c.os_avx, "os_avx512": c.os_avx512, "os_amx": c.os_amx,

@@ -51,6 +51,7 @@ void ktfp8_cpu_detect(ktfp8_cpu *cpu) {
         unsigned max_sub = r[0];
         cpu->avx2 = (r[1] >> 5) & 1;
         cpu->avx512f = (r[1] >> 16) & 1;
+        cpu->avx512dq = (r[1] >> 17) & 1;
         cpu->avx512bw = (r[1] >> 30) & 1;
         cpu->avx512vl = (r[1] >> 31) & 1;
         cpu->avx512vbmi = (r[2] >> 1) & 1;

@@ -92,7 +92,8 @@ static int meets(enum need need) {
     ktfp8_cpu c;
     ktfp8_cpu_detect(&c);
     int avx2 = c.avx && c.os_avx && c.avx2 && c.fma && c.f16c;
-    int avx512 = avx2 && c.os_avx512 && c.avx512f && c.avx512bw && c.avx512vl;
+    /* the AVX-512 units are compiled with F/BW/VL/DQ (DQ: every CPU with BW+VL has it) */
+    int avx512 = avx2 && c.os_avx512 && c.avx512f && c.avx512dq && c.avx512bw && c.avx512vl;
     int avx512_bf16 = avx512 && c.avx512bf16 && c.avx512vbmi;
     switch (need) {
     case NEED_NONE: return 1;

@@ -2,26 +2,14 @@
  *
  * The same arithmetic as fp8_codec_avx2.c, 16 lanes wide with mask registers.  This source is also
  * compiled as the test-only avx512_emulated variant against SIMDe (simd.h), so it sticks to
- * intrinsics that SIMDe 0.7 implements; the one it lacks (_mm512_cvtph_ps) has a local stand-in
- * made of two F16C halves in the emulated build only.  Runs are processed 64 values per step; a
- * shorter tail goes through the same step via a zero-padded stack buffer. */
+ * intrinsics that SIMDe 0.7 implements (or that simd.h stands in for).  Runs are processed 64
+ * values per step; a shorter tail goes through the same step via a zero-padded stack buffer. */
 #include "ktfp8/abi.h"
 #include "ktfp8/fp8.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/variant.h"
 
 #define STEP 64 /* values per loop step: four vectors of 16 */
-
-/* 16 IEEE half bit patterns -> 16 floats, exact. */
-static inline __m512 cvtph16(__m256i h) {
-#ifdef KTFP8_EMULATE_SIMD
-    const __m512 lo = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm256_castsi256_si128(h)));
-    const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(lo), _mm256_castps_pd(hi), 1));
-#else
-    return _mm512_cvtph_ps(h);
-#endif
-}
 
 /* ------------------------------------------------------------------ loads: 16 values -> float32 */
 
@@ -35,7 +23,7 @@ static inline __attribute__((always_inline)) __m512 load16(const void *src, int 
         const __m512i w = _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(h));
         return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
     }
-    if (dtype == KTFP8_F16) return cvtph16(h);
+    if (dtype == KTFP8_F16) return _mm512_cvtph_ps(h);
     return _mm512_loadu_ps((const float *)src + i);
 }
 
@@ -154,8 +142,8 @@ static inline void decode32(__m256i codes, __m512 *lo, __m512 *hi) {
     const __mmask32 is_nan = _mm512_cmpge_epu16_mask(m7, _mm512_set1_epi16(0x7F));
     h = _mm512_mask_mov_epi16(h, is_nan, _mm512_or_si512(sign, _mm512_set1_epi16(0x7E00)));
     const __m512 k256 = _mm512_set1_ps(256.0f);
-    *lo = _mm512_mul_ps(cvtph16(_mm512_extracti64x4_epi64(h, 0)), k256);
-    *hi = _mm512_mul_ps(cvtph16(_mm512_extracti64x4_epi64(h, 1)), k256);
+    *lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 0)), k256);
+    *hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), k256);
 }
 
 /* 16 floats -> 16 bf16 bit patterns in int32 lanes, nearest even, NaN -> quiet NaN (as fp8.h). */

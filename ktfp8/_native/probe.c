@@ -21,7 +21,7 @@ static int has_avx2(void) {
 static int has_avx512_bf16(void) {
     ktfp8_cpu c;
     ktfp8_cpu_detect(&c);
-    return has_avx2() && c.os_avx512 && c.avx512f && c.avx512bw && c.avx512vl && c.avx512bf16;
+    return has_avx2() && c.os_avx512 && c.avx512f && c.avx512dq && c.avx512bw && c.avx512vl && c.avx512bf16;
 }
 
 uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads) {

@@ -1,0 +1,188 @@
+/* MoE micro-kernel on AMX tiles (AMX-TILE + AMX-BF16, Sapphire Rapids and later) for prefill.
+ *
+ * One call: C[m][16] = (A[m][k] x W^T) * scale for one 16-row weight tile, A in bf16.  Same
+ * packing as the avx512_bf16 kernel ({NB 16, KP 2, shuffle64}): converted to bf16, a weight tile
+ * is [k/2][16][2], so each 32-K slab is exactly one AMX B tile (16 K pairs x 16 columns x 2 bf16 =
+ * 16 rows of 64 bytes) and needs no further reordering.
+ *
+ * Small m goes to the avx512_bf16 micro-kernel.  Threshold AMX_MIN_M = 16, from tile fill
+ * arithmetic (there is no AMX machine to measure on; re-measure on hardware):
+ *   - one TDPBF16PS computes a 16-row A tile against a 16 x 32 B tile, 8192 MACs in ~16 cycles
+ *     (SPR) whether or not the 16 rows hold tokens, i.e. 32 * m MAC/cycle for m < 16 rows, against
+ *     ~64 MAC/cycle for two vdpbf16ps zmm ports;
+ *   - below ~8 tokens both paths are bound by streaming the weight tile from memory (m MACs per
+ *     weight byte at a few bytes/cycle/core), so AMX cannot win there;
+ *   - each AMX call also pays fixed costs the register kernel does not: LDTILECFG/TILERELEASE,
+ *     the converted weight tile written to scratch and read back by TILELOADD, and every C tile
+ *     stored through memory before its scale is applied.
+ * So AMX starts where its first A tile is full (m >= 16); 8..15 is the band where measurement on
+ * hardware may move the threshold down.
+ *
+ * Tiles (palette 1, configured at the start of every call and released at its end, so a thread
+ * never holds AMX state between calls):
+ *   tmm0..3  C: FP32 [16][16] sums of up to 4 chunks of 16 tokens (a pass); the last chunk of the
+ *            last pass is configured with fewer rows when m is not a multiple of 16
+ *   tmm4     A: bf16 [16][32] of a full chunk, one 32-K slab (row stride a_stride * 2 bytes)
+ *   tmm5     A of the short last chunk (rows = m % 16)
+ *   tmm6     B: bf16 pairs [16][16][2], one 32-K slab of the weight tile, reused by every chunk
+ * Per-channel scale: once on the FP32 result.  Block-wise: each K block accumulates in freshly
+ * zeroed C tiles, which are then scaled and added into the FP32 output.  A block size that is not
+ * a multiple of the 32-K slab (never the case for DeepSeek-V3's 128) goes to avx512_bf16. */
+#include <string.h>
+
+#include "ktfp8/abi.h"
+#include "ktfp8/simd.h"
+#include "ktfp8/variant.h"
+#ifdef KTFP8_EMULATE_AMX
+#include "ktfp8/amx_emulation.h"
+#endif
+#include "ktfp8/e4m3_bf16_vbmi.h"
+
+#define NB 16        /* weight rows per tile = C tile columns */
+#define AMX_MIN_M 16 /* tokens from which the tile path runs (see above) */
+#define CHUNK 16     /* tokens per A / C tile */
+#define CHUNKS 4     /* C tiles per pass */
+#define SLAB 32      /* K per TDPBF16PS */
+#define SLAB_BYTES (SLAB * NB * 2) /* one converted B tile */
+
+#define TILE_A 4
+#define TILE_A_TAIL 5
+#define TILE_B 6
+
+/* The small-m kernel of the same backend: the build always compiles avx512bf16 with amx, in the
+ * same (native or emulated) mode. */
+#ifdef KTFP8_EMULATE_SIMD
+#define SMALL_M_KERNEL ktfp8_moe_avx512bf16_emulated
+#else
+#define SMALL_M_KERNEL ktfp8_moe_avx512bf16
+#endif
+extern const ktfp8_moe_kernel SMALL_M_KERNEL;
+
+/* GCC's tile intrinsics are asm statements that tell the compiler nothing about the memory they
+ * read (LDTILECFG: only 8 of its 64 bytes; TILELOADD: none): a compiler barrier makes sure the
+ * config and the converted weights are in memory first. */
+#define COMPILER_BARRIER() __asm__ __volatile__("" ::: "memory")
+
+/* LDTILECFG memory operand, palette 1. */
+typedef struct tilecfg {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) tilecfg;
+
+static void configure(int chunks, int tail_rows) {
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    for (int c = 0; c < chunks; c++) {
+        cfg.rows[c] = (uint8_t)(c == chunks - 1 && tail_rows ? tail_rows : CHUNK);
+        cfg.colsb[c] = NB * 4;
+    }
+    cfg.rows[TILE_A] = CHUNK;
+    cfg.colsb[TILE_A] = SLAB * 2;
+    if (tail_rows) {
+        cfg.rows[TILE_A_TAIL] = (uint8_t)tail_rows;
+        cfg.colsb[TILE_A_TAIL] = SLAB * 2;
+    }
+    cfg.rows[TILE_B] = SLAB / 2;
+    cfg.colsb[TILE_B] = NB * 4;
+    COMPILER_BARRIER();
+    _tile_loadconfig(&cfg);
+}
+
+/* Tile numbers must be literals (immediates of the instructions), hence one macro per step,
+ * expanded once per C tile c = 0..3. */
+#define ZERO_C(c) \
+    if (c < chunks) _tile_zero(c)
+#define DOT_CHUNK(c)                                                          \
+    if (c < chunks) {                                                         \
+        const uint16_t *a_slab = a + (m0 + (c) * CHUNK) * a_stride + s * SLAB; \
+        if (c == chunks - 1 && tail_rows) {                                   \
+            _tile_loadd(TILE_A_TAIL, a_slab, a_bytes);                        \
+            _tile_dpbf16ps(c, TILE_A_TAIL, TILE_B);                           \
+        } else {                                                              \
+            _tile_loadd(TILE_A, a_slab, a_bytes);                             \
+            _tile_dpbf16ps(c, TILE_A, TILE_B);                                \
+        }                                                                     \
+    }
+#define STORE_C(c) \
+    if (c < chunks) _tile_stored(c, cbuf[c], NB * sizeof(float))
+
+static void tile_matmul(const ktfp8_tile_job *j) {
+    const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
+    if (j->m < AMX_MIN_M || (blockwise && j->block_k % SLAB)) {
+        SMALL_M_KERNEL.tile_matmul(j);
+        return;
+    }
+    /* weights as bf16 [k/2][16][2]: BF16 weights are already packed that way; FP8 codes are
+     * converted once into scratch and reused by every token */
+    const uint8_t *w = (const uint8_t *)j->w;
+    if (j->format != KTFP8_FMT_BF16) {
+        ktfp8_e4m3_tile_to_bf16((const uint8_t *)j->w, j->k, (uint16_t *)j->scratch);
+        w = (const uint8_t *)j->scratch;
+    }
+    COMPILER_BARRIER();
+
+    const uint16_t *a = (const uint16_t *)j->a;
+    const int64_t a_stride = j->a_stride, a_bytes = a_stride * 2, m = j->m;
+    const int64_t slabs = j->k / SLAB, nkb = blockwise ? j->n_kblocks : 1;
+    const int64_t block_slabs = blockwise ? j->block_k / SLAB : slabs;
+    float cbuf[CHUNKS][CHUNK][NB] __attribute__((aligned(64)));
+    int cfg_chunks = -1, cfg_tail = -1;
+
+    for (int64_t m0 = 0; m0 < m; m0 += CHUNKS * CHUNK) {
+        const int64_t left = m - m0;
+        const int chunks = left >= CHUNKS * CHUNK ? CHUNKS : (int)((left + CHUNK - 1) / CHUNK);
+        const int tail_rows = left >= CHUNKS * CHUNK ? 0 : (int)(left % CHUNK);
+        if (chunks != cfg_chunks || tail_rows != cfg_tail) { /* only the last pass differs */
+            configure(chunks, tail_rows);
+            cfg_chunks = chunks;
+            cfg_tail = tail_rows;
+        }
+        for (int64_t kb = 0; kb < nkb; kb++) {
+            const int64_t s0 = kb * block_slabs, s1 = kb == nkb - 1 ? slabs : s0 + block_slabs;
+            ZERO_C(0);
+            ZERO_C(1);
+            ZERO_C(2);
+            ZERO_C(3);
+            for (int64_t s = s0; s < s1; s++) {
+                _tile_loadd(TILE_B, w + s * SLAB_BYTES, NB * 4);
+                DOT_CHUNK(0);
+                DOT_CHUNK(1);
+                DOT_CHUNK(2);
+                DOT_CHUNK(3);
+            }
+            STORE_C(0);
+            STORE_C(1);
+            STORE_C(2);
+            STORE_C(3);
+
+            /* C rows to the FP32 output: per-channel and block 0 write, later blocks add */
+            const float *scale = j->format == KTFP8_FMT_BF16 ? NULL : j->scale + kb * NB;
+            for (int64_t i = 0; i < left && i < CHUNKS * CHUNK; i++) {
+                const float *sum = cbuf[i / CHUNK][i % CHUNK];
+                float *out = j->c + (m0 + i) * j->c_stride;
+                if (!scale)
+                    for (int n = 0; n < NB; n++) out[n] = sum[n];
+                else if (kb == 0)
+                    for (int n = 0; n < NB; n++) out[n] = sum[n] * scale[n];
+                else
+                    for (int n = 0; n < NB; n++) out[n] += sum[n] * scale[n];
+            }
+        }
+    }
+    _tile_release();
+}
+
+static size_t tile_scratch_bytes(int64_t k) {
+    const size_t own = (size_t)k * NB * 2; /* the converted weight tile */
+    const size_t small = SMALL_M_KERNEL.tile_scratch_bytes ? SMALL_M_KERNEL.tile_scratch_bytes(k) : 0;
+    return own > small ? own : small;
+}
+
+const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
+    .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .shuffle64 = 1},
+    .act_dtype = KTFP8_BF16,
+    .tile_scratch_bytes = tile_scratch_bytes,
+    .tile_matmul = tile_matmul,
+};

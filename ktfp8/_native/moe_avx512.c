@@ -1,0 +1,193 @@
+/* MoE micro-kernel for AVX-512 F/BW/VL without BF16 or VBMI (Skylake-X, Cascade Lake class).
+ *
+ * One call: C[m][16] = (A[m][k] x W^T) * scale for one 16-row tile, A in fp32, FP32 FMA.
+ * Weights [k][16]: the 16 bytes (or bf16 words) of K step s are one tile row, so one broadcast
+ * activation a[s] times that row, converted to fp32, updates all 16 outputs:
+ *   acc[n] += a[s] * w[n][s]                                  (vfmadd231ps, lane n)
+ *
+ * FP8 -> fp32 without a byte table, exact: sign-extend the code to 16 bits and shift left by 7,
+ * then clear bit 14:  s.eeee.mmm  ->  s.0eeee.mmm0000000, the fp16 whose value is the E4M3 value
+ * / 256 (both exponents rebias by 8: 15 - 7; E4M3 subnormals m * 2^-9 land on fp16 subnormals
+ * m * 2^-17).  vcvtph2ps widens it exactly.  The factor 256 is folded into the packed scales
+ * (layout.scale_mul).  NaN codes become +-480/256, finite, but their rows carry a NaN scale
+ * (moe_pack.c), so outputs are NaN exactly as the reference's.  BF16 weights have no scale: their
+ * bits << 16 are the fp32 value.
+ *
+ * Decode (m <= DECODE_M): codes stream once, converted in registers, four accumulators per token
+ * for the FMA latency.  Prefill: the tile is converted once into scratch (fp32 [k][16]) and reused
+ * by every token, MR tokens per pass.  Per-channel scale once after the K reduction; block-wise
+ * per K block; K ranges are always an even number of steps (k % 32 == 0, block_k even). */
+#include <string.h>
+
+#include "ktfp8/abi.h"
+#include "ktfp8/simd.h"
+#include "ktfp8/variant.h"
+
+#define NB 16       /* rows per tile: one zmm of fp32 outputs */
+#define DECODE_M 4  /* tokens up to which weights are converted in registers on the fly */
+#define MR 8        /* prefill register block: tokens per pass over the converted tile */
+
+#define INLINE static inline __attribute__((always_inline))
+
+enum wsrc { SRC_FP8, SRC_BF16, SRC_F32 }; /* what w points at */
+
+/* Codes of K steps s and s+1 (32 bytes) -> two fp32 tile rows holding value / 256. */
+INLINE void fp8_rows2(const uint8_t *codes, __m512 *w0, __m512 *w1) {
+    __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)codes));
+    h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16((short)0xBFFF));
+    *w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    *w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+INLINE __m512 bf16_row(const uint16_t *w) {
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+
+/* Tile rows of K steps s and s+1 in fp32. */
+INLINE void rows2(const enum wsrc src, const void *w, int64_t s, __m512 *w0, __m512 *w1) {
+    if (src == SRC_FP8) {
+        fp8_rows2((const uint8_t *)w + NB * s, w0, w1);
+    } else if (src == SRC_BF16) {
+        *w0 = bf16_row((const uint16_t *)w + NB * s);
+        *w1 = bf16_row((const uint16_t *)w + NB * (s + 1));
+    } else {
+        *w0 = _mm512_loadu_ps((const float *)w + NB * s);
+        *w1 = _mm512_loadu_ps((const float *)w + NB * (s + 1));
+    }
+}
+
+/* sum[i] = sum over K steps [s0, s1) (an even count) of a_i[s] * row s, for M tokens.
+ * U independent accumulators per token: 4 for few tokens (FMA latency), 2 for a full MR block
+ * (registers: MR * 2 accumulators + MR block-wise results must fit in 32 zmm). */
+INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_stride, const int M,
+                int64_t s0, int64_t s1, __m512 *sum) {
+    enum { UMAX = 4 };
+    const int U = M <= DECODE_M ? 4 : 2;
+    __m512 acc[MR][UMAX];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++)
+        for (int q = 0; q < UMAX; q++) acc[i][q] = _mm512_setzero_ps();
+    __m512 w0, w1, w2, w3;
+    int64_t s = s0;
+    if (U == 4) {
+        for (; s + 4 <= s1; s += 4) {
+            rows2(src, w, s, &w0, &w1);
+            rows2(src, w, s + 2, &w2, &w3);
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) {
+                const float *row = a + i * a_stride + s;
+                acc[i][0] = _mm512_fmadd_ps(w0, _mm512_set1_ps(row[0]), acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(w1, _mm512_set1_ps(row[1]), acc[i][1]);
+                acc[i][2] = _mm512_fmadd_ps(w2, _mm512_set1_ps(row[2]), acc[i][2]);
+                acc[i][3] = _mm512_fmadd_ps(w3, _mm512_set1_ps(row[3]), acc[i][3]);
+            }
+        }
+    }
+    for (; s < s1; s += 2) {
+        rows2(src, w, s, &w0, &w1);
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) {
+            const float *row = a + i * a_stride + s;
+            acc[i][0] = _mm512_fmadd_ps(w0, _mm512_set1_ps(row[0]), acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w1, _mm512_set1_ps(row[1]), acc[i][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) {
+        __m512 t = _mm512_add_ps(acc[i][0], acc[i][1]);
+        if (U > 2) t = _mm512_add_ps(t, _mm512_add_ps(acc[i][2], acc[i][3]));
+        sum[i] = t;
+    }
+}
+
+/* M tokens starting at row a: the K reduction block by block, scaled, stored to c. */
+INLINE void tile_rows(const ktfp8_tile_job *j, const enum wsrc src, const void *w, const float *a, float *c,
+                      const int M) {
+    const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
+    const int64_t nkb = blockwise ? j->n_kblocks : 1, block = blockwise ? j->block_k : j->k;
+    __m512 res[MR], sum[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) res[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nkb; b++) {
+        const int64_t s0 = b * block, s1 = b == nkb - 1 ? j->k : s0 + block;
+        dot(src, w, a, j->a_stride, M, s0, s1, sum);
+        if (j->format == KTFP8_FMT_BF16) {
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) res[i] = sum[i];
+        } else {
+            const __m512 scale = _mm512_loadu_ps(j->scale + b * NB);
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) res[i] = _mm512_fmadd_ps(sum[i], scale, res[i]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) _mm512_storeu_ps(c + i * j->c_stride, res[i]);
+}
+
+/* The tile in fp32 [k][16] (FP8: value / 256, like the streaming path). */
+static void tile_to_f32(const ktfp8_tile_job *j, float *dst) {
+    __m512 w0, w1;
+    for (int64_t s = 0; s < j->k; s += 2) {
+        if (j->format == KTFP8_FMT_BF16)
+            rows2(SRC_BF16, j->w, s, &w0, &w1);
+        else
+            rows2(SRC_FP8, j->w, s, &w0, &w1);
+        _mm512_storeu_ps(dst + NB * s, w0);
+        _mm512_storeu_ps(dst + NB * (s + 1), w1);
+    }
+}
+
+/* Compile-time token counts, so the accumulator arrays live in registers. */
+#define FOR_M4(m, CALL)      \
+    switch (m) {             \
+    case 1: CALL(1); break;  \
+    case 2: CALL(2); break;  \
+    case 3: CALL(3); break;  \
+    default: CALL(4); break; \
+    }
+#define FOR_M8(m, CALL)      \
+    switch (m) {             \
+    case 1: CALL(1); break;  \
+    case 2: CALL(2); break;  \
+    case 3: CALL(3); break;  \
+    case 4: CALL(4); break;  \
+    case 5: CALL(5); break;  \
+    case 6: CALL(6); break;  \
+    case 7: CALL(7); break;  \
+    default: CALL(8); break; \
+    }
+
+static void tile_matmul(const ktfp8_tile_job *j) {
+    const float *a = (const float *)j->a;
+    if (j->m <= 0) return;
+    if (j->m <= DECODE_M) {
+#define DECODE_FP8(M_) tile_rows(j, SRC_FP8, j->w, a, j->c, M_)
+#define DECODE_BF16(M_) tile_rows(j, SRC_BF16, j->w, a, j->c, M_)
+        if (j->format == KTFP8_FMT_BF16) {
+            FOR_M4(j->m, DECODE_BF16)
+        } else {
+            FOR_M4(j->m, DECODE_FP8)
+        }
+        return;
+    }
+    float *w = (float *)j->scratch; /* convert once, reuse for all m tokens */
+    tile_to_f32(j, w);
+    for (int64_t i0 = 0; i0 < j->m; i0 += MR) {
+        const int64_t rows = j->m - i0 < MR ? j->m - i0 : MR;
+        const float *ai = a + i0 * j->a_stride;
+        float *ci = j->c + i0 * j->c_stride;
+#define PREFILL(M_) tile_rows(j, SRC_F32, w, ai, ci, M_)
+        FOR_M8(rows, PREFILL)
+    }
+}
+
+/* fp32 [k][16] copy of one tile, for the prefill path. */
+static size_t tile_scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(float); }
+
+const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
+    .layout = {.rows_per_tile = NB, .k_pack = 1, .scale_mul = 256.0f, .shuffle64 = 0},
+    .act_dtype = KTFP8_F32,
+    .tile_scratch_bytes = tile_scratch_bytes,
+    .tile_matmul = tile_matmul,
+};
