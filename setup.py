@@ -13,6 +13,7 @@ Build options (environment), each ON | OFF | AUTO (default AUTO = build when the
 import os
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -127,13 +128,17 @@ class BuildNative(build_ext):
                 units.append((src, isa + "_emulated", chosen["emulated"]))
                 macros.append(f"KTFP8_HAVE_{base_macro(base)}_{isa.upper()}_EMULATED")
 
-        objects = []
-        for src, variant, flags in units:
-            out = os.path.join(self.build_temp, "isa", variant)
-            objects += self.compiler.compile(
-                [str(src.relative_to(ROOT))], output_dir=out, include_dirs=INCLUDE,
-                macros=[("KTFP8_VARIANT", variant)], extra_postargs=common + flags)
-        ext.extra_objects = objects
+        def compile_unit(unit):
+            src, variant, flags = unit
+            return self.compiler.compile(
+                [str(src.relative_to(ROOT))], output_dir=os.path.join(self.build_temp, "isa", variant),
+                include_dirs=INCLUDE, macros=[("KTFP8_VARIANT", variant)], extra_postargs=common + flags)
+
+        # The ISA units are independent and dominate the build time (SIMDe-emulated ones above all,
+        # sanitized builds even more): compile them on every core this process may use.
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            ext.extra_objects = [obj for objs in pool.map(compile_unit, units) for obj in objs]
         ext.define_macros = list(ext.define_macros or []) + [(m, "1") for m in macros]
         ext.extra_compile_args = common
         ext.extra_link_args = ["-fopenmp"] + sanitize_flags()

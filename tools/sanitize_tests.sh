@@ -27,6 +27,11 @@ git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' 
 done | xargs -0 cp --parents -t "$work"
 cd "$work"
 echo "sanitize: building in $work"
+# Native AVX-512 / AMX units that this CPU cannot run would only cost build time: their sources are
+# checked here through the *_emulated copies (SIMDe + tile emulation), which are built either way.
+if ! grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+    export KTFP8_ENABLE_AVX512=OFF KTFP8_ENABLE_AVX512_BF16=OFF KTFP8_ENABLE_AMX=OFF
+fi
 KTFP8_SANITIZE=address,undefined "$PYTHON" setup.py -q build_ext --inplace >build.log 2>&1 || {
     tail -40 build.log; echo "sanitize: build failed" >&2; exit 1; }
 grep "ISA units compiled" build.log || true
