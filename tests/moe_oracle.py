@@ -16,28 +16,27 @@ def quantize_per_channel(w):
 
 
 def quantize_block(w, block):
-    """[E, out, in] -> (codes, scale [E, ceil(out/b), ceil(in/b)]) with square blocks of edge `block`."""
+    """[E, out, in] -> (codes, scale [E, ceil(out/bn), ceil(in/bk)]); block = edge or (bn, bk)."""
+    bn, bk = (block, block) if np.isscalar(block) else block
     E, n, k = w.shape
-    nb, kb = -(-n // block), -(-k // block)
-    scale = np.ones((E, nb, kb), np.float32)
-    codes = np.empty(w.shape, np.uint8)
-    for i in range(nb):
-        for j in range(kb):
-            tile = w[:, i * block:(i + 1) * block, j * block:(j + 1) * block]
-            s = (np.abs(tile).max(axis=(1, 2)) / 448).astype(np.float32)
-            s[s == 0] = 1
-            scale[:, i, j] = s
-            codes[:, i * block:(i + 1) * block, j * block:(j + 1) * block] = \
-                np.clip(tile / s[:, None, None], -448, 448).astype(E4M3).view(np.uint8)
+    nbn, nbk = -(-n // bn), -(-k // bk)
+    padded = np.zeros((E, nbn * bn, nbk * bk), np.float32)
+    padded[:, :n, :k] = w
+    amax = np.abs(padded.reshape(E, nbn, bn, nbk, bk)).max(axis=(2, 4))
+    scale = np.where(amax > 0, amax / 448, 1).astype(np.float32)
+    full = np.repeat(np.repeat(scale, bn, axis=1), bk, axis=2)[:, :n, :k]
+    codes = np.clip(w / full, -448, 448).astype(E4M3).view(np.uint8)
     return codes, scale
 
 
 def dequantize(codes, scale, block=None):
-    """float64 weights from codes and per-channel or block scales."""
+    """float64 weights from codes and per-channel ([E, out] or [E, out, 1]) or block scales."""
     v = codes.view(E4M3).astype(np.float64)
+    scale = scale.astype(np.float64)
     if block is None:
-        return v * scale
-    full = np.repeat(np.repeat(scale.astype(np.float64), block, axis=1), block, axis=2)
+        return v * scale.reshape(v.shape[0], v.shape[1], 1)
+    bn, bk = (block, block) if np.isscalar(block) else block
+    full = np.repeat(np.repeat(scale, bn, axis=1), bk, axis=2)
     return v * full[:, :v.shape[1], :v.shape[2]]
 
 

@@ -17,37 +17,13 @@ import pytest
 
 from ktfp8 import backends
 from ktfp8._native import _ext
+from moe_oracle import nmse, quantize_block, quantize_per_channel
 
 HIDDEN, INTER = 200, 72
 FMT_CHANNEL, FMT_BLOCK, FMT_BF16 = 0, 1, 2
 ACT_BF16 = 1
 
 AMX_BACKENDS = ["amx_emulated"] + (["amx"] if "amx" in backends.usable_variants() else [])
-
-
-def fp8_per_channel(w):
-    """[E, out, in] float32 -> uint8 e4m3 codes, float32 scales [E, out] (amax / 448)."""
-    scale = np.abs(w).max(axis=2) / 448.0
-    scale[scale == 0] = 1.0
-    codes = (w / scale[..., None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    return codes, scale.astype(np.float32)
-
-
-def fp8_block(w, bn, bk):
-    """[E, out, in] float32 -> codes, scales [E, ceil(out / bn), ceil(in / bk)]."""
-    e, n, k = w.shape
-    nbn, nbk = -(-n // bn), -(-k // bk)
-    scale = np.ones((e, nbn, nbk), np.float32)
-    codes = np.empty(w.shape, np.uint8)
-    for i in range(nbn):
-        for j in range(nbk):
-            blk = w[:, i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
-            s = np.abs(blk).max(axis=(1, 2)) / 448.0
-            s[s == 0] = 1.0
-            scale[:, i, j] = s
-            codes[:, i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (
-                (blk / s[:, None, None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
-    return codes, scale
 
 
 def make_experts(fmt, experts, block=(128, 128), seed=0):
@@ -62,11 +38,11 @@ def make_experts(fmt, experts, block=(128, 128), seed=0):
         scales = [None] * 3
         bn, bk = 0, 0
     elif fmt == FMT_CHANNEL:
-        weights, scales = zip(*(fp8_per_channel(d) for d in dense))
+        weights, scales = zip(*(quantize_per_channel(d) for d in dense))
         bn, bk = 0, 0
     else:
         bn, bk = block
-        weights, scales = zip(*(fp8_block(d, bn, bk) for d in dense))
+        weights, scales = zip(*(quantize_block(d, block) for d in dense))
     return (experts, HIDDEN, INTER, fmt, bn, bk), list(weights), list(scales)
 
 
@@ -88,10 +64,6 @@ def routing(rng, tokens_per_expert, top_k=2):
             ids[token, np.flatnonzero(ids[token] < 0)[0]] = e
     weights = rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)
     return ids, weights
-
-
-def nmse(y, ref):
-    return float(np.sum((y.astype(np.float64) - ref) ** 2) / np.sum(ref.astype(np.float64) ** 2))
 
 
 # m per expert: 3 and 15 below the threshold; 16 exactly one tile; 37 = 2 tiles + 5 rows;

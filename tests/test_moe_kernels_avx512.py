@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ktfp8._native import _ext
+from moe_oracle import dequantize, nmse, quantize_block, quantize_per_channel
 
 E, HIDDEN, INTER, TOP_K = 5, 200, 72, 3
 THREADS = 2
@@ -41,37 +42,11 @@ def need(backend):
 
 # ------------------------------------------------------------------ weights (independent of ktfp8)
 
-def quantize_per_channel(w):
-    """w [E, out, in] float32 -> codes uint8, scale float32 [E, out]."""
-    amax = np.abs(w).max(axis=2)
-    scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
-    codes = np.clip(w / scale[:, :, None], -448, 448).astype(E4M3).view(np.uint8)
-    return codes, scale
-
-
-def quantize_block(w, bn, bk):
-    """w [E, out, in] -> codes uint8, scale float32 [E, ceil(out/bn), ceil(in/bk)] (code * scale)."""
-    e, n, k = w.shape
-    nbn, nbk = -(-n // bn), -(-k // bk)
-    padded = np.zeros((e, nbn * bn, nbk * bk), np.float32)
-    padded[:, :n, :k] = w
-    amax = np.abs(padded.reshape(e, nbn, bn, nbk, bk)).max(axis=(2, 4))
-    scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
-    full = np.repeat(np.repeat(scale, bn, axis=1), bk, axis=2)[:, :n, :k]
-    codes = np.clip(w / full, -448, 448).astype(E4M3).view(np.uint8)
-    return codes, scale
-
-
 def dequantize64(codes, scale, fmt, block):
     """float64 weights of one projection [E, out, in]."""
     if fmt == "bf16":
         return codes.view(ml_dtypes.bfloat16).astype(np.float64)
-    w = codes.view(E4M3).astype(np.float64)
-    if fmt == "fp8_per_channel":
-        return w * scale[:, :, None].astype(np.float64)
-    bn, bk = block
-    full = np.repeat(np.repeat(scale.astype(np.float64), bn, axis=1), bk, axis=2)
-    return w * full[:, :w.shape[1], :w.shape[2]]
+    return dequantize(codes, scale, None if fmt == "fp8_per_channel" else block)
 
 
 def make_experts(fmt, block, seed=0, hidden=HIDDEN, inter=INTER):
@@ -90,7 +65,7 @@ def make_experts(fmt, block, seed=0, hidden=HIDDEN, inter=INTER):
         elif fmt == "fp8_per_channel":
             out[name] = quantize_per_channel(w)
         else:
-            out[name] = quantize_block(w, *block)
+            out[name] = quantize_block(w, block)
     bn, bk = block or (0, 0)
     shape = (E, hidden, inter, FMT[fmt], bn, bk)
     return out, shape
@@ -130,11 +105,6 @@ def moe64(experts, fmt, block, x, ids, weights):
             h = gx / (1.0 + np.exp(-gx)) * ux
             y[t] += float(weights[t, slot]) * (d[e] @ h)
     return y
-
-
-def nmse(y, ref):
-    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-    return float(np.sum((y - ref) ** 2) / np.sum(ref ** 2))
 
 
 # ------------------------------------------------------------------ tests

@@ -47,8 +47,11 @@ ALWAYS_INLINE void load_w(enum wsrc src, const void *w, int64_t k, __m256 *lo, _
 /* C rows m0 .. m0+MT-1 of the tile.  U independent accumulator sets per token run over
  * interleaved K steps (U > 1 only where MT is too small to hide the FMA latency). */
 ALWAYS_INLINE void block(const ktfp8_tile_job *j, enum wsrc src, const void *w, int64_t m0, int MT, int U) {
-    const float *a[MT_MAX]; /* one base pointer per token: each broadcast is then base + k*4 */
-    for (int t = 0; t < MT; t++) a[t] = (const float *)j->a + (m0 + t) * j->a_stride;
+    /* Token t's row is (t < 3 ? a03 : a36)[(t % 3) * stride + k]: two pointers and one index
+     * register give base + index * {0, 4, 8} addressing, so no broadcast needs its own lea. */
+    const int64_t stride = j->a_stride;
+    const float *a03 = (const float *)j->a + m0 * stride, *a36 = a03 + 3 * stride;
+#define ROW(t) ((t) < 3 ? a03 + ((t) % 3) * stride : a36 + ((t) % 3) * stride)
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t nkb = blockwise ? j->n_kblocks : 1;
     __m256 total[MT_MAX][2];
@@ -68,7 +71,7 @@ ALWAYS_INLINE void block(const ktfp8_tile_job *j, enum wsrc src, const void *w, 
                 load_w(src, w, k + u, &wl, &wh);
 #pragma GCC unroll 6
                 for (int t = 0; t < MT; t++) {
-                    __m256 x = _mm256_broadcast_ss(a[t] + k + u);
+                    __m256 x = _mm256_broadcast_ss(ROW(t) + k + u);
                     acc[u][t][0] = _mm256_fmadd_ps(x, wl, acc[u][t][0]);
                     acc[u][t][1] = _mm256_fmadd_ps(x, wh, acc[u][t][1]);
                 }
@@ -78,7 +81,7 @@ ALWAYS_INLINE void block(const ktfp8_tile_job *j, enum wsrc src, const void *w, 
             __m256 wl, wh;
             load_w(src, w, k, &wl, &wh);
             for (int t = 0; t < MT; t++) {
-                __m256 x = _mm256_broadcast_ss(a[t] + k);
+                __m256 x = _mm256_broadcast_ss(ROW(t) + k);
                 acc[0][t][0] = _mm256_fmadd_ps(x, wl, acc[0][t][0]);
                 acc[0][t][1] = _mm256_fmadd_ps(x, wh, acc[0][t][1]);
             }

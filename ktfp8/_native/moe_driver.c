@@ -80,6 +80,28 @@ static void store_act(void *row, int64_t i, int act, float v) {
 
 static float silu(float g) { return g / (1.0f + expf(-g)); }
 
+/* One micro-kernel call: tile `tile` of expert e's projection p over m activation rows of
+ * a_stride elements starting at a; FP32 results into c[m][NB]. */
+static void run_tile(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, const ktfp8_packed_proj *p,
+                     int64_t e, int64_t tile, const void *a, int act, int64_t m, float *c, void *scratch) {
+    const size_t at = (size_t)(e * p->n_tiles + tile);
+    ktfp8_tile_job job = {0};
+    job.w = p->w + at * p->tile_w_bytes;
+    job.scale = p->scale + at * p->tile_scale_floats;
+    job.format = s->format;
+    job.k = p->k_pad;
+    job.block_k = s->block_k;
+    job.n_kblocks = p->n_kblocks;
+    job.a = a;
+    job.a_stride = p->k_pad;
+    job.act_dtype = act;
+    job.m = m;
+    job.c = c;
+    job.c_stride = kern->layout.rows_per_tile;
+    job.scratch = scratch;
+    kern->tile_matmul(&job);
+}
+
 int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     const ktfp8_moe_kernel *kern = v->moe;
     const ktfp8_moe_shape *s = c->shape;
@@ -141,25 +163,9 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
             if (!ok) continue;
             const int64_t e = g.active[it / tiles1], tile = it % tiles1;
             const int64_t p0 = g.offset[e], m = g.offset[e + 1] - p0;
-            ktfp8_tile_job job = {0};
-            job.format = s->format;
-            job.k = Hp;
-            job.block_k = s->block_k;
-            job.n_kblocks = proj[KTFP8_GATE].n_kblocks;
-            job.a = (const char *)xa + esz * (size_t)(p0 * Hp);
-            job.a_stride = Hp;
-            job.act_dtype = act;
-            job.m = m;
-            job.c_stride = nb;
-            job.scratch = scratch;
-            for (int which = KTFP8_GATE; which <= KTFP8_UP; which++) {
-                const ktfp8_packed_proj *p = &proj[which];
-                const size_t at = (size_t)(e * p->n_tiles + tile);
-                job.w = p->w + at * p->tile_w_bytes;
-                job.scale = p->scale + at * p->tile_scale_floats;
-                job.c = which == KTFP8_GATE ? gbuf : ubuf;
-                kern->tile_matmul(&job);
-            }
+            const void *a = (const char *)xa + esz * (size_t)(p0 * Hp);
+            run_tile(kern, s, &proj[KTFP8_GATE], e, tile, a, act, m, gbuf, scratch);
+            run_tile(kern, s, &proj[KTFP8_UP], e, tile, a, act, m, ubuf, scratch);
             const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
             for (int64_t i = 0; i < m; i++) {
                 void *hrow = (char *)h + esz * (size_t)((p0 + i) * Ip);
@@ -173,26 +179,11 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t tile = 0; tile < tiles2; tile++) {
             if (!ok) continue;
-            const ktfp8_packed_proj *p = &proj[KTFP8_DOWN];
             const int64_t n0 = tile * nb, cols = H - n0 < nb ? H - n0 : nb;
             for (int64_t a = 0; a < g.n_active; a++) {
                 const int64_t e = g.active[a], p0 = g.offset[e], m = g.offset[e + 1] - p0;
-                const size_t at = (size_t)(e * p->n_tiles + tile);
-                ktfp8_tile_job job = {0};
-                job.w = p->w + at * p->tile_w_bytes;
-                job.scale = p->scale + at * p->tile_scale_floats;
-                job.format = s->format;
-                job.k = Ip;
-                job.block_k = s->block_k;
-                job.n_kblocks = p->n_kblocks;
-                job.a = (const char *)h + esz * (size_t)(p0 * Ip);
-                job.a_stride = Ip;
-                job.act_dtype = act;
-                job.m = m;
-                job.c = gbuf;
-                job.c_stride = nb;
-                job.scratch = scratch;
-                kern->tile_matmul(&job);
+                const void *hrows = (const char *)h + esz * (size_t)(p0 * Ip);
+                run_tile(kern, s, &proj[KTFP8_DOWN], e, tile, hrows, act, m, gbuf, scratch);
                 for (int64_t i = 0; i < m; i++) {
                     float *yrow = yacc + g.pair_token[p0 + i] * H + n0;
                     const float w = g.pair_weight[p0 + i];
