@@ -7,7 +7,8 @@ from . import backends
 
 # (report name, key in cpu_features())
 FLAGS = [("avx2", "avx2"), ("fma", "fma"), ("f16c", "f16c"), ("avx512f", "avx512f"),
-         ("avx512dq", "avx512dq"), ("avx512bw", "avx512bw"), ("avx512vl", "avx512vl"), ("avx512_bf16", "avx512_bf16"),
+         ("avx512dq", "avx512dq"), ("avx512bw", "avx512bw"), ("avx512vl", "avx512vl"),
+         ("avx512_bf16", "avx512_bf16"),
          ("avx512_vnni", "avx512_vnni"), ("avx512_vbmi", "avx512_vbmi"), ("amx_tile", "amx_tile"),
          ("amx_bf16", "amx_bf16")]
 FULL = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi")
@@ -33,17 +34,17 @@ def report():
                        "amx_tile_state": bool(f["os_amx"])},
         "compiled_variants": backends.compiled_variants(),
         "usable_backends": usable,
-        "selected_backend": backends.resolve_backend(None) if _env_ok() else usable[0],
+        "selected_backend": _selected(),
         "verdict": verdict,
     }
 
 
-def _env_ok():
+def _selected():
+    """What MoE() picks now: $KTFP8_BACKEND when set, else the best usable backend."""
     try:
-        backends.resolve_backend(None)
-        return True
-    except ValueError:
-        return False
+        return backends.resolve_backend(None)
+    except ValueError as err:  # MoE() would refuse too: say why
+        return f"none: {err}"
 
 
 def _mark(ok):
