@@ -21,6 +21,7 @@
 
 #include "ktfp8/abi.h"
 #include "ktfp8/simd.h"
+#include "ktfp8/token_count.h"
 #include "ktfp8/variant.h"
 
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
@@ -138,26 +139,6 @@ static void tile_to_f32(const ktfp8_tile_job *j, float *dst) {
     }
 }
 
-/* Compile-time token counts, so the accumulator arrays live in registers. */
-#define FOR_M4(m, CALL)      \
-    switch (m) {             \
-    case 1: CALL(1); break;  \
-    case 2: CALL(2); break;  \
-    case 3: CALL(3); break;  \
-    default: CALL(4); break; \
-    }
-#define FOR_M8(m, CALL)      \
-    switch (m) {             \
-    case 1: CALL(1); break;  \
-    case 2: CALL(2); break;  \
-    case 3: CALL(3); break;  \
-    case 4: CALL(4); break;  \
-    case 5: CALL(5); break;  \
-    case 6: CALL(6); break;  \
-    case 7: CALL(7); break;  \
-    default: CALL(8); break; \
-    }
-
 static void tile_matmul(const ktfp8_tile_job *j) {
     const float *a = (const float *)j->a;
     if (j->m <= 0) return;
@@ -165,9 +146,9 @@ static void tile_matmul(const ktfp8_tile_job *j) {
 #define DECODE_FP8(M_) tile_rows(j, SRC_FP8, j->w, a, j->c, M_)
 #define DECODE_BF16(M_) tile_rows(j, SRC_BF16, j->w, a, j->c, M_)
         if (j->format == KTFP8_FMT_BF16) {
-            FOR_M4(j->m, DECODE_BF16)
+            KTFP8_FOR_M4(j->m, DECODE_BF16)
         } else {
-            FOR_M4(j->m, DECODE_FP8)
+            KTFP8_FOR_M4(j->m, DECODE_FP8)
         }
         return;
     }
@@ -178,7 +159,7 @@ static void tile_matmul(const ktfp8_tile_job *j) {
         const float *ai = a + i0 * j->a_stride;
         float *ci = j->c + i0 * j->c_stride;
 #define PREFILL(M_) tile_rows(j, SRC_F32, w, ai, ci, M_)
-        FOR_M8(rows, PREFILL)
+        KTFP8_FOR_M8(rows, PREFILL)
     }
 }
 

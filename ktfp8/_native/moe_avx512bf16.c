@@ -19,6 +19,7 @@
 #include "ktfp8/abi.h"
 #include "ktfp8/e4m3_bf16_vbmi.h"
 #include "ktfp8/simd.h"
+#include "ktfp8/token_count.h"
 #include "ktfp8/variant.h"
 
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
@@ -160,26 +161,6 @@ INLINE void tile_rows(const ktfp8_tile_job *j, const void *w, int fp8_stream, co
     for (int i = 0; i < M; i++) _mm512_storeu_ps(c + i * j->c_stride, res[i]);
 }
 
-/* Compile-time token counts, so the accumulator arrays live in registers. */
-#define FOR_M4(m, CALL)     \
-    switch (m) {            \
-    case 1: CALL(1); break; \
-    case 2: CALL(2); break; \
-    case 3: CALL(3); break; \
-    default: CALL(4); break; \
-    }
-#define FOR_M8(m, CALL)     \
-    switch (m) {            \
-    case 1: CALL(1); break; \
-    case 2: CALL(2); break; \
-    case 3: CALL(3); break; \
-    case 4: CALL(4); break; \
-    case 5: CALL(5); break; \
-    case 6: CALL(6); break; \
-    case 7: CALL(7); break; \
-    default: CALL(8); break; \
-    }
-
 static void tile_matmul(const ktfp8_tile_job *j) {
     const uint16_t *a = (const uint16_t *)j->a;
     ktfp8_e4m3_bf16_lut lut;
@@ -189,9 +170,9 @@ static void tile_matmul(const ktfp8_tile_job *j) {
 #define DECODE_FP8(M_) tile_rows(j, j->w, 1, a, j->c, M_, &lut)
 #define DECODE_BF16(M_) tile_rows(j, j->w, 0, a, j->c, M_, &lut)
         if (j->format == KTFP8_FMT_BF16) {
-            FOR_M4(j->m, DECODE_BF16)
+            KTFP8_FOR_M4(j->m, DECODE_BF16)
         } else {
-            FOR_M4(j->m, DECODE_FP8)
+            KTFP8_FOR_M4(j->m, DECODE_FP8)
         }
         return;
     }
@@ -205,7 +186,7 @@ static void tile_matmul(const ktfp8_tile_job *j) {
         const uint16_t *ai = a + i0 * j->a_stride;
         float *ci = j->c + i0 * j->c_stride;
 #define PREFILL(M_) tile_rows(j, w, 0, ai, ci, M_, &lut)
-        FOR_M8(rows, PREFILL)
+        KTFP8_FOR_M8(rows, PREFILL)
     }
 }
 

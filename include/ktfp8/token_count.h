@@ -1,0 +1,26 @@
+/* Dispatch on a token count to a call with that count as a compile-time constant, so micro-kernel
+ * accumulator arrays sized by it live in registers.  CALL(M) is a macro taking the constant. */
+#ifndef KTFP8_TOKEN_COUNT_H
+#define KTFP8_TOKEN_COUNT_H
+
+#define KTFP8_FOR_M4(m, CALL)    \
+    switch (m) {                 \
+    case 1: CALL(1); break;      \
+    case 2: CALL(2); break;      \
+    case 3: CALL(3); break;      \
+    default: CALL(4); break;     \
+    }
+
+#define KTFP8_FOR_M8(m, CALL)    \
+    switch (m) {                 \
+    case 1: CALL(1); break;      \
+    case 2: CALL(2); break;      \
+    case 3: CALL(3); break;      \
+    case 4: CALL(4); break;      \
+    case 5: CALL(5); break;      \
+    case 6: CALL(6); break;      \
+    case 7: CALL(7); break;      \
+    default: CALL(8); break;     \
+    }
+
+#endif
