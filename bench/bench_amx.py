@@ -1,16 +1,16 @@
 """Prefill on AMX tiles vs the avx512_bf16 micro-kernel: T = 512 on the benchmark layer of
-bench_moe.py (E=64, top-8, hidden 2048, intermediate 768; about 64 tokens per active expert, so
+ktfp8.bench.layers (E=64, top-8, hidden 2048, intermediate 768; about 64 tokens per active expert, so
 every weight tile runs on the tile path).  The amx case records the speed-up over avx512_bf16
 measured in the same run (extra_info amx_speedup, and a printed line with -s).
 
 Needs native `amx` (AMX-TILE + AMX-BF16, and the OS granting tile state); elsewhere every case is
 skipped with the reason.  `amx_emulated` is never timed: a scalar emulator's speed means nothing.
 Run: pytest bench/bench_amx.py --benchmark-only -s"""
-import numpy as np
 import pytest
 
-from bench_moe import E, HIDDEN, TOPK, _moe
 from ktfp8 import backends
+from ktfp8.bench import layers as L
+from ktfp8.moe import MoE
 
 T = 512
 _MEDIANS = {}  # (backend, fmt) -> median seconds
@@ -29,6 +29,16 @@ def why_not_amx():
     return "the OS refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
 
 
+_EXPERTS = {}
+
+
+def _experts(fmt):
+    if fmt not in _EXPERTS:
+        _EXPERTS.clear()  # one format's weights at a time keeps memory bounded
+        _EXPERTS[fmt] = L.random_experts(L.BENCH_LAYER, fmt)
+    return _EXPERTS[fmt]
+
+
 @pytest.mark.parametrize("fmt", ["fp8_per_channel", "fp8_block", "bf16"])
 @pytest.mark.parametrize("backend", ["avx512_bf16", "amx"])  # avx512_bf16 first: amx reports the ratio
 def test_amx_prefill(benchmark, backend, fmt):
@@ -36,14 +46,13 @@ def test_amx_prefill(benchmark, backend, fmt):
     if reason:
         print(f"bench_amx: skipped: {reason}")
         pytest.skip(reason)
-    moe = _moe(fmt, backend)
-    rng = np.random.default_rng(T)
-    x = rng.standard_normal((T, HIDDEN)).astype(np.float32)
-    w = rng.random((T, TOPK)).astype(np.float32)
+    layer = L.BENCH_LAYER
+    moe = MoE(layer.config(fmt), _experts(fmt), backend=backend)
+    x = L.activations(layer, T)
+    draws = iter(L.routing_rounds(layer, T, 6))
 
     def setup():  # fresh routing every round, as bench_moe does
-        ids = np.stack([rng.permutation(E)[:TOPK] for _ in range(T)]).astype(np.int64)
-        return (x, ids, w), {}
+        return (x, *next(draws)), {}
 
     benchmark.pedantic(moe, setup=setup, rounds=5, iterations=1, warmup_rounds=1)
     _MEDIANS[(backend, fmt)] = benchmark.stats.stats.median

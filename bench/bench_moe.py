@@ -1,83 +1,103 @@
-"""MoE decode and prefill on the benchmark layer: E=64, top-8, hidden 2048, intermediate 768
-(FP8 experts 302 MB >> L3), per backend and weight format.
+"""MoE decode and prefill, ktfp8 beside its peers on the same weights and routing:
 
-Each round routes to freshly drawn experts so the active weights come from DRAM, not cache.
-Reported per case (extra_info, and a summary table at the end): effective GB/s = active expert
-bytes / time, as a fraction of the measured read bandwidth; TFLOP/s as a fraction of the measured
-vector peak.  Run: pytest bench/bench_moe.py --benchmark-only"""
-import numpy as np
+    python -m pytest bench/bench_moe.py --benchmark-only [--bench-layers bench,deepseek-v3]
+
+Layers: the benchmark layer (E=64, top-8, hidden 2048, intermediate 768; FP8 experts 302 MB >> L3) and
+a DeepSeek-V3 slice (hidden 7168, intermediate 2048, top-8, as many experts as fit in a quarter of RAM
+in BF16; the count is in the case id).  Formats: FP8 per-channel, FP8 block-wise, BF16.  Sides: every
+usable ktfp8 backend, kt-kernel, PyTorch (BF16 loop, torch._scaled_mm FP8), NumPy FP32 - each skipped
+with its reason where it cannot run.  T in {1, 4, 16} (decode) and {64, 512, 2048} (prefill); 1 thread
+and all.  Every round draws fresh routing so the active weights come from DRAM (ktfp8.bench.layers).
+The summary at the end prints the same tables as `python -m ktfp8.bench`."""
+import gc
+import os
+import statistics
+
 import pytest
 
 import ktfp8
-from ktfp8.experts import ExpertWeights
-from ktfp8.moe import MoE
+from ktfp8.bench import layers as L
+from ktfp8.bench.run import PEERS, REFERENCE_MAX_TOKENS, OracleCheck, _ktfp8_factory
+from ktfp8.bench.sides import PeerUnavailable
 
-E, TOPK, HIDDEN, INTER = 64, 8, 2048, 768
-FORMATS = ["fp8_per_channel", "fp8_block", "bf16"]
-
-
-def _random_experts(fmt, seed=0):
-    """Random codes/bf16 bits (no quantization needed to measure speed), realistic scales."""
-    rng = np.random.default_rng(seed)
-    shapes = [(E, INTER, HIDDEN), (E, INTER, HIDDEN), (E, HIDDEN, INTER)]
-    if fmt == "bf16":
-        # bf16 bit patterns of small normal numbers: sign, exponent 0x70..0x7c, any mantissa
-        ws = [((rng.integers(0x3800, 0x3E00, s, dtype=np.uint16)) | (rng.integers(0, 2, s, dtype=np.uint16) << 15))
-              for s in shapes]
-        return ExpertWeights("bf16", *ws)
-    codes = [rng.integers(0, 0x7E, s, dtype=np.uint8) | (rng.integers(0, 2, s, dtype=np.uint8) << 7) for s in shapes]
-    if fmt == "fp8_per_channel":
-        scales = [(rng.random((E, s[1], 1)) * 1e-3).astype(np.float32) for s in shapes]
-        return ExpertWeights(fmt, *codes, *scales)
-    scales = [(rng.random((E, -(-s[1] // 128), -(-s[2] // 128))) * 1e-3).astype(np.float32) for s in shapes]
-    return ExpertWeights(fmt, *codes, *scales, block=(128, 128))
+TOKENS = [1, 4, 16, 64, 512, 2048]
+THREADS = sorted({1, os.cpu_count() or 1})
+SIDES = {fmt: [(f"ktfp8 {b}", _ktfp8_factory(b)) for b in ktfp8.available_backends()] + PEERS[fmt]
+         for fmt in L.FORMATS}
 
 
-def _config(fmt):
-    cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=TOPK, hidden_size=HIDDEN, intermediate_size=INTER)
-    cfg.quant_config.method = "BF16" if fmt == "bf16" else "FP8"
-    cfg.quant_config.per_channel = fmt != "fp8_block"
-    cfg.quant_config.group_size = 128 if fmt == "fp8_block" else 0
-    return cfg
+def _cases(layer_names):
+    for name in layer_names:
+        for fmt in L.FORMATS:
+            for label, _ in SIDES[fmt]:
+                for threads in THREADS:
+                    for T in TOKENS:
+                        yield pytest.param(name, fmt, label, threads, T, id=f"{name}-{fmt}-{label.replace(' ', '_')}-{threads}thr-T{T}")
 
 
-_MOES = {}
+def pytest_generate_tests(metafunc):
+    if "layer_name" in metafunc.fixturenames:
+        names = metafunc.config.getoption("bench_layers").split(",")
+        metafunc.parametrize("layer_name, fmt, label, threads, T", list(_cases(names)))
 
 
-def _moe(fmt, backend):
-    key = (fmt, backend)
-    if key not in _MOES:
-        _MOES.clear()  # one packed layer at a time keeps memory bounded
-        _MOES[key] = MoE(_config(fmt), _random_experts(fmt), backend=backend)
-    return _MOES[key]
+class _Current:
+    """The one layer's weights and the one side alive at a time (the DeepSeek-V3 slice is GBs)."""
+    experts_key = side_key = experts = side = check = None
+    unavailable, errors = {}, {}
 
 
-@pytest.mark.parametrize("T", [1, 4, 64, 512])
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("backend", ktfp8.available_backends())
-def test_moe_layer(benchmark, limits, moe_results, backend, fmt, T):
-    if backend == "reference" and T > 4:
-        pytest.skip("the portable reference is an oracle, not a contender, at prefill sizes")
-    moe = _moe(fmt, backend)
-    rng = np.random.default_rng(T)
-    x = rng.standard_normal((T, HIDDEN)).astype(np.float32)
-    w = rng.random((T, TOPK)).astype(np.float32)
-    drawn = []
+def _layer(name):
+    return L.BENCH_LAYER if name == "bench" else L.deepseek_v3_slice()
+
+
+def _side(layer_name, fmt, label, threads):
+    cur = _Current
+    if cur.side_key != (layer_name, fmt, label, threads):
+        if cur.side is not None:
+            cur.side.close()
+        cur.side, cur.side_key = None, (layer_name, fmt, label, threads)
+        if cur.experts_key != (layer_name, fmt):
+            cur.experts = None
+            gc.collect()
+            cur.experts = L.random_experts(_layer(layer_name), fmt)
+            cur.experts_key = (layer_name, fmt)
+            cur.check = OracleCheck(_layer(layer_name), cur.experts)
+        factory = dict(SIDES[fmt])[label]
+        try:
+            cur.side = factory(_layer(layer_name), cur.experts, threads, max(TOKENS))
+            cur.errors[cur.side_key] = cur.check.error(cur.side)
+        except PeerUnavailable as why:
+            cur.unavailable[(layer_name, fmt, label, threads)] = str(why)
+    reason = cur.unavailable.get((layer_name, fmt, label, threads))
+    if reason:
+        pytest.skip(f"{label} [{fmt}]: {reason}")
+    return cur.side
+
+
+def test_moe(benchmark, limits_by_threads, moe_rows, layer_name, fmt, label, threads, T):
+    if label == "ktfp8 reference" and T > REFERENCE_MAX_TOKENS:
+        pytest.skip(f"the portable reference is the scalar oracle: T <= {REFERENCE_MAX_TOKENS} only")
+    layer = _layer(layer_name)
+    side = _side(layer_name, fmt, label, threads)
+    x = L.activations(layer, T, seed=T)
+    rounds = 20 if T <= 16 else 8 if T <= 64 else 3
+    draws = iter(L.routing_rounds(layer, T, rounds + 1, seed=T))
+    used = []
 
     def setup():
-        ids = np.stack([rng.permutation(E)[:TOPK] for _ in range(T)]).astype(np.int64)
-        drawn.append(len(np.unique(ids)))
+        ids, w = next(draws)
+        used.append(ids)
         return (x, ids, w), {}
 
-    rounds = 20 if T <= 64 else 5
-    benchmark.pedantic(moe, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(side, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
     seconds = benchmark.stats.stats.median
-    bytes_per_weight = 2 if fmt == "bf16" else 1
-    active_bytes = np.median(drawn) * 3 * HIDDEN * INTER * bytes_per_weight
-    gbs = active_bytes / seconds / 1e9
-    tflops = 2 * T * TOPK * 3 * HIDDEN * INTER / seconds / 1e12
-    info = dict(ms=seconds * 1e3, gbs=gbs, bw_fraction=gbs / limits.read_gbs, tflops=tflops,
-                peak_fraction=tflops * 1e3 / limits.compute_gflops)
-    benchmark.extra_info.update(info)
-    moe_results.append((backend, fmt, T, info))
-
+    active = statistics.median(L.active_weight_bytes(layer, ids, side.format) for ids in used[1:])
+    lim = limits_by_threads(threads)
+    row = dict(layer=layer.name, side=side.name, kind=side.kind, format=side.format, threads=threads, tokens=T,
+               ms=seconds * 1e3, gbs=active / seconds / 1e9, tflops=layer.flops(T) / seconds / 1e12,
+               rel_err=_Current.errors[_Current.side_key])
+    row["bw_fraction"] = row["gbs"] / lim.read_gbs
+    row["peak_fraction"] = row["tflops"] * 1e3 / lim.compute_gflops
+    benchmark.extra_info.update({k: v for k, v in row.items() if k not in ("layer",)})
+    moe_rows.append(row)

@@ -1,19 +1,29 @@
-"""Shared benchmark fixtures: the machine's measured limits, and summary tables printed at the end
-of the run (ratios are only meaningful between figures measured side by side in one run)."""
+"""Shared benchmark fixtures: the machine's measured limits per thread count, and the summary printed at
+the end of the run (ratios are only meaningful between figures measured side by side in one run)."""
+import dataclasses
+
 import pytest
 
 from ktfp8 import roofline
+from ktfp8.bench import report
 
-_CODEC = {}  # (dtype, impl) -> (median seconds, input bytes)
-_MOE = []    # (backend, format, T, info dict)
-_LIMITS = []
+_CODEC = {}   # (dtype, impl) -> (median seconds, input bytes)
+_MOE = []     # rows as ktfp8.bench.run.Runner makes them
+_LIMITS = {}  # threads -> Roofline
+
+
+def pytest_addoption(parser):
+    parser.addoption("--bench-layers", default="bench,deepseek-v3",
+                     help="comma-separated layers for bench_moe.py: bench, deepseek-v3")
 
 
 @pytest.fixture(scope="session")
-def limits():
-    r = roofline.measure()
-    _LIMITS.append(r)
-    return r
+def limits_by_threads():
+    def measure(threads):
+        if threads not in _LIMITS:
+            _LIMITS[threads] = roofline.measure(threads=threads)
+        return _LIMITS[threads]
+    return measure
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +32,7 @@ def codec_results():
 
 
 @pytest.fixture(scope="session")
-def moe_results():
+def moe_rows():
     return _MOE
 
 
@@ -37,20 +47,16 @@ def _codec_summary(tr):
 
 
 def _moe_summary(tr):
-    r = _LIMITS[0]
-    tr.section("MoE layer E=64 top-8 hidden 2048 intermediate 768, this run")
-    tr.write_line(f"measured limits: {r.threads} threads, read {r.read_gbs:.1f} GB/s, FP32 FMA "
-                  f"{r.fma_gflops:.0f} GFLOP/s, vdpbf16ps {r.dpbf16_gflops or 0:.0f} GFLOP/s")
-    tr.write_line("backend       format           T       ms     GB/s  of-bw  TFLOP/s  of-peak")
-    for backend, fmt, T, i in _MOE:
-        tr.write_line(f"{backend:12s}  {fmt:15s} {T:4d} {i['ms']:8.2f} {i['gbs']:8.1f} {i['bw_fraction']:6.0%} "
-                      f"{i['tflops']:8.3f} {i['peak_fraction']:7.0%}")
-    ms = {(b, f, T): i["ms"] for b, f, T, i in _MOE}
-    for (b, f, T), t in sorted(ms.items()):
-        if f == "fp8_per_channel":
-            for other in ("bf16", "fp8_block"):
-                if (b, other, T) in ms:
-                    tr.write_line(f"{b} T={T}: FP8 per-channel is {ms[(b, other, T)] / t:.2f}x the speed of {other}")
+    limits = {str(n): dataclasses.asdict(r) for n, r in _LIMITS.items()}
+    tr.section("MoE layers, ktfp8 and peers, this run (best thread count of each side)")
+    for part in (report.results_table(_MOE, limits), report.scaling_table(_MOE)):
+        for line in part.splitlines():
+            tr.write_line(line)
+    names = {r["layer"] for r in _MOE}
+    from ktfp8.bench.layers import BENCH_LAYER
+    if BENCH_LAYER.name in names:
+        for line in report.goals_lines(report.goals(_MOE, limits, BENCH_LAYER.name)).splitlines():
+            tr.write_line(line)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -1,0 +1,143 @@
+"""python -m ktfp8.bench [--quick]: ktfp8 beside kt-kernel, PyTorch and NumPy on this machine.
+
+Prints the results table, ktfp8's speed-ups, scaling tables and the goals, and writes
+bench-results.json, bench-results.txt and bench-results.png into --out (default: this folder)."""
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+
+from .. import __version__, backends, cpu
+from . import layers as L
+from . import report
+from .run import Plan, Runner
+
+QUICK = dict(tokens=[1, 4, 16, 64, 512], layers=["bench"], case_seconds=3.0, read_buffer_bytes=1 << 28)
+FULL = dict(tokens=[1, 4, 16, 64, 512, 2048], layers=["bench", "deepseek-v3"], case_seconds=20.0,
+            read_buffer_bytes=1 << 30)
+
+
+def _int_list(text):
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _layer(spec):
+    if spec == "bench":
+        return L.BENCH_LAYER
+    if spec == "deepseek-v3":
+        return L.deepseek_v3_slice()
+    try:
+        E, k, H, I = (int(v) for v in spec.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layer takes 'bench', 'deepseek-v3' or 'E,top_k,hidden,intermediate', "
+                                         f"got {spec!r}") from None
+    if min(E, k, H, I) <= 0 or k > E:
+        raise argparse.ArgumentTypeError(f"--layer {spec!r}: sizes must be positive and top_k <= E")
+    return L.Layer(f"E={E} top-{k} H={H} I={I}", E, k, H, I)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m ktfp8.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="benchmark layer only, T up to 512, short cases (minutes)")
+    p.add_argument("--layer", action="append", type=_layer, dest="layers",
+                   help="'bench' (E=64 top-8 H=2048 I=768), 'deepseek-v3' (a slice that fits a quarter of RAM) "
+                        "or E,top_k,hidden,intermediate; repeatable")
+    p.add_argument("--tokens", type=_int_list, help="token counts T, e.g. 1,4,16,64,512,2048")
+    p.add_argument("--threads", type=_int_list, help=f"thread counts (default 1 and all: 1,{os.cpu_count()})")
+    p.add_argument("--formats", type=lambda s: s.split(","), help=f"subset of {','.join(L.FORMATS)}")
+    p.add_argument("--backends", type=lambda s: s.split(","), help="ktfp8 backends (default: every usable one)")
+    p.add_argument("--no-peers", action="store_true", help="time ktfp8 only")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    p.add_argument("--out", default=".", help="folder for bench-results.{json,txt,png} (default: here)")
+    args = p.parse_args(argv)
+    for f in args.formats or []:
+        if f not in L.FORMATS:
+            p.error(f"--formats: unknown format {f!r}; choose from {', '.join(L.FORMATS)}")
+    usable = backends.available_backends()
+    for b in args.backends or []:
+        if b not in usable:
+            p.error(f"--backends: {b!r} is not usable here; usable: {', '.join(usable)}")
+    if not os.path.isdir(args.out):
+        p.error(f"--out: {args.out!r} is not a folder")
+    return args
+
+
+def make_plan(args):
+    preset = QUICK if args.quick else FULL
+    cores = os.cpu_count() or 1
+    return Plan(layers=args.layers or [_layer(s) for s in preset["layers"]],
+                tokens=sorted(set(args.tokens or preset["tokens"])),
+                threads=sorted(set(args.threads or [1, cores])),
+                formats=tuple(args.formats or L.FORMATS),
+                backends=args.backends or backends.available_backends(),
+                peers=not args.no_peers, case_seconds=preset["case_seconds"],
+                read_buffer_bytes=preset["read_buffer_bytes"])
+
+
+def _machine():
+    info = cpu.report()
+    return dict(cpu=info["cpu"], cores=os.cpu_count(), ram_gb=round(L.ram_bytes() / 2**30, 1),
+                flags=[k for k, v in info["flags"].items() if v], usable_backends=info["usable_backends"],
+                python=platform.python_version(), platform=platform.platform())
+
+
+def _write_atomically(path, text):
+    """Write via a temporary file in the same folder so a crash never leaves a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".bench-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    plan = make_plan(args)
+    runner = Runner(plan, log=lambda msg: print(msg, flush=True)).run()
+    limits = {str(n): dataclasses.asdict(r) for n, r in runner.limits.items()}
+    rows = runner.results
+    goal_layer = L.BENCH_LAYER.name if any(r["layer"] == L.BENCH_LAYER.name for r in rows) else None
+    goal_rows = report.goals(rows, limits, goal_layer) if goal_layer else []
+    results = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        ktfp8=__version__, machine=_machine(), versions=runner.versions, limits=limits,
+        layers=[dataclasses.asdict(layer) for layer in plan.layers],
+        plan=dict(tokens=plan.tokens, threads=plan.threads, formats=list(plan.formats), backends=plan.backends,
+                  peers=plan.peers, quick=args.quick),
+        timing=("median wall time of one call (routing freshly drawn per call, one warm-up call first); "
+                "kt-kernel: submit + sync of one forward_task, its worker pool built per thread count"),
+        results=rows, skipped=runner.skipped, speedups=report.speedups(rows), goals=goal_rows)
+    text = "\n\n".join(part for part in (
+        report.results_table(rows, limits), report.scaling_table(rows),
+        report.goals_lines(goal_rows) if goal_rows else "",
+        "skipped:\n" + "\n".join(f"  {s['side']} [{s['format']}] on {s['layer']}: {s['reason']}"
+                                 for s in runner.skipped) if runner.skipped else "") if part)
+    print("\n" + text)
+    _write_atomically(os.path.join(args.out, "bench-results.json"), json.dumps(results, indent=1) + "\n")
+    _write_atomically(os.path.join(args.out, "bench-results.txt"), text + "\n")
+    written = ["bench-results.json", "bench-results.txt"]
+    if not args.no_plot:
+        from . import plot
+        png = os.path.join(args.out, "bench-results.png")
+        plot.save(results, png)
+        written.append("bench-results.png")
+    print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

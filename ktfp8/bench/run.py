@@ -1,0 +1,184 @@
+"""Runs every side on every layer, weight format, thread count and token count of a Plan, on the same
+weights and routing, and collects medians, errors against a float64 oracle, and skip reasons."""
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+from .. import backends, roofline
+from . import layers as L
+from .sides import Ktfp8Side, PeerUnavailable, relative_error
+
+CHECK_TOKENS = 4           # tokens of the call whose output is checked against the float64 oracle
+REFERENCE_MAX_TOKENS = 16
+
+
+@dataclass
+class Plan:
+    layers: list
+    tokens: list
+    threads: list
+    formats: tuple = L.FORMATS
+    backends: list = field(default_factory=backends.available_backends)
+    peers: bool = True
+    case_seconds: float = 20.0   # time budget of one (side, threads, T) case; at least 3 timed calls
+    read_buffer_bytes: int = 1 << 30
+
+    def rounds(self, tokens):
+        return 20 if tokens <= 16 else 8 if tokens <= 64 else 4
+
+
+def _ktfp8_factory(backend):
+    def build(layer, experts, threads, max_tokens):
+        return Ktfp8Side(layer, experts, backend, threads)
+    return build
+
+
+def _kt_kernel(layer, experts, threads, max_tokens):
+    from .kt_kernel_peer import KtKernelMoE
+    return KtKernelMoE(experts, layer.top_k, threads, max_tokens)
+
+
+def _torch_bf16(layer, experts, threads, max_tokens):
+    from .torch_peers import TorchBF16MoE
+    return TorchBF16MoE(layer, experts, threads)
+
+
+def _torch_scaled_mm(layer, experts, threads, max_tokens):
+    from .torch_peers import TorchScaledMMMoE
+    return TorchScaledMMMoE(layer, experts, threads)
+
+
+def _numpy_fp32(layer, experts, threads, max_tokens):
+    from .numpy_peer import NumpyFP32MoE
+    return NumpyFP32MoE(layer, experts, threads)
+
+
+PEERS = {  # weight format -> (label, factory) of the peers that run it
+    "fp8_per_channel": [("kt-kernel", _kt_kernel), ("torch._scaled_mm", _torch_scaled_mm), ("numpy fp32", _numpy_fp32)],
+    "fp8_block": [("kt-kernel", _kt_kernel)],
+    "bf16": [("kt-kernel", _kt_kernel), ("torch bf16", _torch_bf16)],
+}
+
+
+def oracle_forward(experts, x, topk_ids, topk_weights):
+    """float64 MoE straight from the definition, one expert dequantized at a time (ml_dtypes decode)."""
+    x = x.astype(np.float64)
+    out = np.zeros_like(x)
+    for e in np.unique(topk_ids):
+        gate, up, down = (_dequantized(experts, name, e) for name in ("gate", "up", "down"))
+        tok, slot = np.nonzero(topk_ids == e)
+        g = x[tok] @ gate.T
+        out[tok] += ((g / (1 + np.exp(-g)) * (x[tok] @ up.T)) @ down.T) * topk_weights[tok, slot, None]
+    return out
+
+
+def _dequantized(experts, name, e):
+    w = getattr(experts, name)[e]
+    if experts.format == "bf16":
+        return w.view(ml_dtypes.bfloat16).astype(np.float64)
+    values = w.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    scale = getattr(experts, name + "_scale")[e].astype(np.float64)
+    if experts.format == "fp8_per_channel":
+        return values * scale.reshape(-1, 1)
+    bn, bk = experts.block
+    return values * np.repeat(np.repeat(scale, bn, 0), bk, 1)[:w.shape[0], :w.shape[1]]
+
+
+class OracleCheck:
+    """One small call (CHECK_TOKENS tokens) and its float64 oracle output, to measure every side's
+    error on exactly the weights it is timed on."""
+
+    def __init__(self, layer, experts):
+        self.x = L.activations(layer, CHECK_TOKENS, seed=99)
+        self.ids, self.w = L.routing_rounds(layer, CHECK_TOKENS, 1, seed=99)[0]
+        self.expected = oracle_forward(experts, self.x, self.ids, self.w)
+
+    def error(self, side):
+        return relative_error(side(self.x, self.ids, self.w), self.expected)
+
+
+def time_calls(side, x, draws, budget_seconds):
+    """Median seconds per call over fresh routing draws: one warm-up call, then at least 3 timed calls
+    and as many of the rest as fit in the budget."""
+    side(x, *draws[0])
+    samples = []
+    t_end = time.perf_counter() + budget_seconds
+    for i, (ids, w) in enumerate(draws[1:]):
+        t0 = time.perf_counter()
+        side(x, ids, w)
+        samples.append(time.perf_counter() - t0)
+        if i >= 2 and time.perf_counter() > t_end:
+            break
+    return samples
+
+
+class Runner:
+    def __init__(self, plan, log=print):
+        self.plan, self.log = plan, log
+        self.results, self.skipped, self.limits, self.versions = [], [], {}, {}
+
+    def run(self):
+        for n in self.plan.threads:
+            self.log(f"measuring this machine's limits with {n} thread(s) ...")
+            self.limits[n] = roofline.measure(threads=n, nbytes=self.plan.read_buffer_bytes)
+        for layer in self.plan.layers:
+            for fmt in self.plan.formats:
+                self._run_format(layer, fmt)
+        return self
+
+    def _sides(self, fmt):
+        sides = [(f"ktfp8 {b}", _ktfp8_factory(b)) for b in self.plan.backends]
+        return sides + (PEERS[fmt] if self.plan.peers else [])
+
+    def _run_format(self, layer, fmt):
+        self.log(f"{layer.name}, {fmt}: drawing random experts ...")
+        experts = L.random_experts(layer, fmt)
+        check = OracleCheck(layer, experts)
+        for label, factory in self._sides(fmt):
+            tokens = self.plan.tokens
+            if label == "ktfp8 reference" and max(tokens) > REFERENCE_MAX_TOKENS:
+                tokens = [t for t in tokens if t <= REFERENCE_MAX_TOKENS]
+                self._skip(layer, label, fmt, f"the portable reference is the scalar oracle: it runs T <= "
+                                              f"{REFERENCE_MAX_TOKENS} only (prefill would take minutes)")
+                if not tokens:
+                    continue
+            for threads in self.plan.threads:
+                try:
+                    side = factory(layer, experts, threads, max(tokens + [CHECK_TOKENS]))
+                except PeerUnavailable as why:
+                    if threads == self.plan.threads[0]:
+                        self._skip(layer, label, fmt, str(why))
+                    continue
+                try:
+                    self._run_side(layer, side, threads, tokens, check.error(side))
+                finally:
+                    side.close()
+                    gc.collect()
+        del experts
+        gc.collect()
+
+    def _run_side(self, layer, side, threads, tokens, rel_err):
+        self.versions[side.name] = side.version
+        for T in tokens:
+            x = L.activations(layer, T, seed=T)
+            draws = L.routing_rounds(layer, T, self.plan.rounds(T) + 1, seed=T)
+            samples = time_calls(side, x, draws, self.plan.case_seconds)
+            seconds = statistics.median(samples)
+            active = statistics.median(L.active_weight_bytes(layer, ids, side.format) for ids, _ in draws[1:])
+            lim = self.limits[threads]
+            row = dict(layer=layer.name, side=side.name, kind=side.kind, format=side.format, threads=threads,
+                       tokens=T, ms=seconds * 1e3, samples_ms=[s * 1e3 for s in samples],
+                       gbs=active / seconds / 1e9, tflops=layer.flops(T) / seconds / 1e12, rel_err=rel_err)
+            row["bw_fraction"] = row["gbs"] / lim.read_gbs
+            row["peak_fraction"] = row["tflops"] * 1e3 / lim.compute_gflops
+            self.results.append(row)
+            self.log(f"  {side.name:28s} {side.format:15s} threads {threads} T={T:5d}: {row['ms']:9.2f} ms "
+                     f"{row['gbs']:6.1f} GB/s {row['tflops']:6.3f} TFLOP/s (err {rel_err:.1e})")
+
+    def _skip(self, layer, label, fmt, reason):
+        self.skipped.append(dict(layer=layer.name, side=label, format=fmt, reason=reason))
+        self.log(f"  skipped {label} ({fmt}): {reason}")
