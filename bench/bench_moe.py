@@ -17,10 +17,11 @@ import pytest
 
 import ktfp8
 from ktfp8.bench import layers as L
-from ktfp8.bench.run import PEERS, REFERENCE_MAX_TOKENS, OracleCheck, _ktfp8_factory
+from ktfp8.bench.run import PEERS, REFERENCE_MAX_TOKENS, OracleCheck, _ktfp8_factory, too_slow
 from ktfp8.bench.sides import PeerUnavailable
 
 TOKENS = [1, 4, 16, 64, 512, 2048]
+MAX_CALL_SECONDS = 30.0  # a side whose call would take longer is skipped at larger T
 THREADS = sorted({1, os.cpu_count() or 1})
 SIDES = {fmt: [(f"ktfp8 {b}", _ktfp8_factory(b)) for b in ktfp8.available_backends()] + PEERS[fmt]
          for fmt in L.FORMATS}
@@ -44,7 +45,7 @@ def pytest_generate_tests(metafunc):
 class _Current:
     """The one layer's weights and the one side alive at a time (the DeepSeek-V3 slice is GBs)."""
     experts_key = side_key = experts = side = check = None
-    unavailable, errors = {}, {}
+    unavailable, errors, last = {}, {}, {}
 
 
 def _layer(name):
@@ -80,6 +81,9 @@ def test_moe(benchmark, limits_by_threads, moe_rows, layer_name, fmt, label, thr
         pytest.skip(f"the portable reference is the scalar oracle: T <= {REFERENCE_MAX_TOKENS} only")
     layer = _layer(layer_name)
     side = _side(layer_name, fmt, label, threads)
+    reason = too_slow(_Current.last.get(_Current.side_key), T, MAX_CALL_SECONDS)
+    if reason:
+        pytest.skip(f"{label} [{fmt}]: {reason}")
     x = L.activations(layer, T, seed=T)
     rounds = 20 if T <= 16 else 8 if T <= 64 else 3
     draws = iter(L.routing_rounds(layer, T, rounds + 1, seed=T))
@@ -92,6 +96,7 @@ def test_moe(benchmark, limits_by_threads, moe_rows, layer_name, fmt, label, thr
 
     benchmark.pedantic(side, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
     seconds = benchmark.stats.stats.median
+    _Current.last[_Current.side_key] = (T, seconds)
     active = statistics.median(L.active_weight_bytes(layer, ids, side.format) for ids in used[1:])
     lim = limits_by_threads(threads)
     row = dict(layer=layer.name, side=side.name, kind=side.kind, format=side.format, threads=threads, tokens=T,

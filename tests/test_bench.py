@@ -201,3 +201,11 @@ def test_cli_refuses_bad_arguments(tmp_path, args, message):
 def test_cli_refuses_a_missing_output_folder(tmp_path):
     r = _cli(tmp_path / "nope", "--no-peers")
     assert r.returncode == 2 and "not a folder" in r.stderr
+
+
+def test_too_slow_extrapolates_linearly_from_the_last_measurement():
+    from ktfp8.bench.run import too_slow
+    assert too_slow(None, 2048, 30) is None
+    assert too_slow((16, 0.1), 64, 30) is None        # about 0.4 s
+    reason = too_slow((4, 0.5), 512, 30)              # about 64 s
+    assert reason and "about 64 s" in reason and "T=4" in reason

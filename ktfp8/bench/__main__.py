@@ -16,9 +16,10 @@ from . import layers as L
 from . import report
 from .run import Plan, Runner
 
-QUICK = dict(tokens=[1, 4, 16, 64, 512], layers=["bench"], case_seconds=3.0, read_buffer_bytes=1 << 28)
+QUICK = dict(tokens=[1, 4, 16, 64, 512], layers=["bench"], case_seconds=3.0, max_call_seconds=5.0,
+             read_buffer_bytes=1 << 28)
 FULL = dict(tokens=[1, 4, 16, 64, 512, 2048], layers=["bench", "deepseek-v3"], case_seconds=20.0,
-            read_buffer_bytes=1 << 30)
+            max_call_seconds=30.0, read_buffer_bytes=1 << 30)
 
 
 def _int_list(text):
@@ -82,6 +83,7 @@ def make_plan(args):
                 formats=tuple(args.formats or L.FORMATS),
                 backends=args.backends or backends.available_backends(),
                 peers=not args.no_peers, case_seconds=preset["case_seconds"],
+                max_call_seconds=preset["max_call_seconds"],
                 read_buffer_bytes=preset["read_buffer_bytes"])
 
 

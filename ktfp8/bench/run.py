@@ -13,7 +13,7 @@ from . import layers as L
 from .sides import Ktfp8Side, PeerUnavailable, relative_error
 
 CHECK_TOKENS = 4           # tokens of the call whose output is checked against the float64 oracle
-REFERENCE_MAX_TOKENS = 16
+REFERENCE_MAX_TOKENS = 4  # the scalar reference is timed at decode sizes only
 
 
 @dataclass
@@ -24,7 +24,8 @@ class Plan:
     formats: tuple = L.FORMATS
     backends: list = field(default_factory=backends.available_backends)
     peers: bool = True
-    case_seconds: float = 20.0   # time budget of one (side, threads, T) case; at least 3 timed calls
+    case_seconds: float = 20.0      # time budget of one (side, threads, T) case; at least 3 timed calls
+    max_call_seconds: float = 30.0  # a side whose call would take longer stops growing T
     read_buffer_bytes: int = 1 << 30
 
     def rounds(self, tokens):
@@ -101,6 +102,18 @@ class OracleCheck:
         return relative_error(side(self.x, self.ids, self.w), self.expected)
 
 
+def too_slow(last, tokens, max_call_seconds):
+    """Why a call with `tokens` tokens is not worth timing, judged from the last (T, seconds) this
+    side measured and assuming time grows linearly with T from there; None when it is."""
+    if last is None:
+        return None
+    estimate = last[1] * tokens / last[0]
+    if estimate <= max_call_seconds:
+        return None
+    return (f"about {estimate:.0f} s per call (extrapolated from {last[1]:.2f} s at T={last[0]}), over the "
+            f"{max_call_seconds:.0f} s a case may take per call")
+
+
 def time_calls(side, x, draws, budget_seconds):
     """Median seconds per call over fresh routing draws: one warm-up call, then at least 3 timed calls
     and as many of the rest as fit in the budget."""
@@ -142,8 +155,8 @@ class Runner:
             tokens = self.plan.tokens
             if label == "ktfp8 reference" and max(tokens) > REFERENCE_MAX_TOKENS:
                 tokens = [t for t in tokens if t <= REFERENCE_MAX_TOKENS]
-                self._skip(layer, label, fmt, f"the portable reference is the scalar oracle: it runs T <= "
-                                              f"{REFERENCE_MAX_TOKENS} only (prefill would take minutes)")
+                self._skip(layer, label, fmt, f"the portable reference is the scalar oracle: timed at T <= "
+                                              f"{REFERENCE_MAX_TOKENS} only")
                 if not tokens:
                     continue
             for threads in self.plan.threads:
@@ -163,11 +176,17 @@ class Runner:
 
     def _run_side(self, layer, side, threads, tokens, rel_err):
         self.versions[side.name] = side.version
+        last = None
         for T in tokens:
+            reason = too_slow(last, T, self.plan.max_call_seconds)
+            if reason:
+                self._skip(layer, side.name, side.format, f"{threads} thread(s), T >= {T}: {reason}")
+                break
             x = L.activations(layer, T, seed=T)
             draws = L.routing_rounds(layer, T, self.plan.rounds(T) + 1, seed=T)
             samples = time_calls(side, x, draws, self.plan.case_seconds)
             seconds = statistics.median(samples)
+            last = (T, seconds)
             active = statistics.median(L.active_weight_bytes(layer, ids, side.format) for ids, _ in draws[1:])
             lim = self.limits[threads]
             row = dict(layer=layer.name, side=side.name, kind=side.kind, format=side.format, threads=threads,
