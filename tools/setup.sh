@@ -20,7 +20,12 @@ fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-# The CPU PyTorch wheel (test-only: transformers' reference MoE blocks); the package needs no torch.
+# The CPU PyTorch wheel (tests: transformers' reference MoE blocks; benchmark: the PyTorch peers);
+# the package itself needs no torch.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
+# KTransformers' own kernels, a benchmark peer (python -m ktfp8.bench) whose adapter the tests check:
+# --no-deps because its metadata pins torch 2.9.1, while its CPU extension runs beside the wheel above.
+.venv/bin/python -m pip install -q --no-deps "kt-kernel==0.7.2" ||
+    echo "setup: kt-kernel 0.7.2 not installed; the benchmark will skip it and say so" >&2
 .venv/bin/python -m ktfp8.cpu
