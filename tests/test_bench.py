@@ -158,8 +158,8 @@ def _cli(tmp_path, *args):
 
 def test_cli_writes_json_text_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    r = _cli(tmp_path, "--quick", "--layer", "8,2,128,64", "--tokens", "1,4,32", "--threads", "1,2")
-    assert r.returncode == 0, r.stderr
+    run = _cli(tmp_path, "--quick", "--layer", "8,2,128,64", "--tokens", "1,4,32", "--threads", "1,2")
+    assert run.returncode == 0, run.stderr
     res = json.loads((tmp_path / "bench-results.json").read_text())
     assert set(res["limits"]) == {"1", "2"}
     rows = res["results"]
@@ -181,7 +181,7 @@ def test_cli_writes_json_text_and_plot(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     text = (tmp_path / "bench-results.txt").read_text()
     assert "microseconds per token" in text and "ktfp8 avx2" in text
-    assert "bench-results.json" in r.stdout
+    assert "bench-results.json" in run.stdout
 
 
 @pytest.mark.parametrize("args, message", [

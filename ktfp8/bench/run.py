@@ -115,16 +115,19 @@ def too_slow(last, tokens, max_call_seconds):
 
 
 def time_calls(side, x, draws, budget_seconds):
-    """Median seconds per call over fresh routing draws: one warm-up call, then at least 3 timed calls
-    and as many of the rest as fit in the budget."""
+    """Seconds of each timed call over fresh routing draws: one warm-up call, then calls until the
+    budget is spent, at least 3 of them unless the warm-up alone took a third of the budget."""
+    t0 = time.perf_counter()
     side(x, *draws[0])
+    warm = time.perf_counter() - t0
+    min_calls = 3 if warm < budget_seconds / 3 else 1
     samples = []
     t_end = time.perf_counter() + budget_seconds
-    for i, (ids, w) in enumerate(draws[1:]):
+    for ids, w in draws[1:]:
         t0 = time.perf_counter()
         side(x, ids, w)
         samples.append(time.perf_counter() - t0)
-        if i >= 2 and time.perf_counter() > t_end:
+        if len(samples) >= min_calls and time.perf_counter() > t_end:
             break
     return samples
 
