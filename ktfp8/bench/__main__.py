@@ -97,7 +97,10 @@ def _machine():
 def _write_atomically(path, text):
     """Write via a temporary file in the same folder so a crash never leaves a half-written file."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".bench-")
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a results file is as readable as any other
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
