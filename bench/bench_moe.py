@@ -17,7 +17,7 @@ import pytest
 
 import ktfp8
 from ktfp8.bench import layers as L
-from ktfp8.bench.run import PEERS, REFERENCE_MAX_TOKENS, OracleCheck, _ktfp8_factory, too_slow
+from ktfp8.bench.run import PEERS, REFERENCE_MAX_TOKENS, OracleCheck, _ktfp8_factory, result_row, too_slow
 from ktfp8.bench.sides import PeerUnavailable
 
 TOKENS = [1, 4, 16, 64, 512, 2048]
@@ -33,7 +33,8 @@ def _cases(layer_names):
             for label, _ in SIDES[fmt]:
                 for threads in THREADS:
                     for T in TOKENS:
-                        yield pytest.param(name, fmt, label, threads, T, id=f"{name}-{fmt}-{label.replace(' ', '_')}-{threads}thr-T{T}")
+                        case_id = f"{name}-{fmt}-{label.replace(' ', '_')}-{threads}thr-T{T}"
+                        yield pytest.param(name, fmt, label, threads, T, id=case_id)
 
 
 def pytest_generate_tests(metafunc):
@@ -98,11 +99,7 @@ def test_moe(benchmark, limits_by_threads, moe_rows, layer_name, fmt, label, thr
     seconds = benchmark.stats.stats.median
     _Current.last[_Current.side_key] = (T, seconds)
     active = statistics.median(L.active_weight_bytes(layer, ids, side.format) for ids in used[1:])
-    lim = limits_by_threads(threads)
-    row = dict(layer=layer.name, side=side.name, kind=side.kind, format=side.format, threads=threads, tokens=T,
-               ms=seconds * 1e3, gbs=active / seconds / 1e9, tflops=layer.flops(T) / seconds / 1e12,
-               rel_err=_Current.errors[_Current.side_key])
-    row["bw_fraction"] = row["gbs"] / lim.read_gbs
-    row["peak_fraction"] = row["tflops"] * 1e3 / lim.compute_gflops
+    row = result_row(layer, side, threads, T, seconds, active, limits_by_threads(threads),
+                     _Current.errors[_Current.side_key])
     benchmark.extra_info.update({k: v for k, v in row.items() if k not in ("layer",)})
     moe_rows.append(row)

@@ -24,7 +24,7 @@ class Plan:
     formats: tuple = L.FORMATS
     backends: list = field(default_factory=backends.available_backends)
     peers: bool = True
-    case_seconds: float = 20.0      # time budget of one (side, threads, T) case; at least 3 timed calls
+    case_seconds: float = 20.0      # time budget of one (side, threads, T) case (see time_calls)
     max_call_seconds: float = 30.0  # a side whose call would take longer stops growing T
     read_buffer_bytes: int = 1 << 30
 
@@ -102,6 +102,14 @@ class OracleCheck:
         return relative_error(side(self.x, self.ids, self.w), self.expected)
 
 
+def result_row(layer, side, threads, tokens, seconds, active_bytes, limits, rel_err):
+    """One measured case as the report, the JSON and the plot read it."""
+    gbs, tflops = active_bytes / seconds / 1e9, layer.flops(tokens) / seconds / 1e12
+    return dict(layer=layer.name, side=side.name, kind=side.kind, format=side.format, threads=threads,
+                tokens=tokens, ms=seconds * 1e3, gbs=gbs, bw_fraction=gbs / limits.read_gbs, tflops=tflops,
+                peak_fraction=tflops * 1e3 / limits.compute_gflops, rel_err=rel_err)
+
+
 def too_slow(last, tokens, max_call_seconds):
     """Why a call with `tokens` tokens is not worth timing, judged from the last (T, seconds) this
     side measured and assuming time grows linearly with T from there; None when it is."""
@@ -162,12 +170,15 @@ class Runner:
                                               f"{REFERENCE_MAX_TOKENS} only")
                 if not tokens:
                     continue
+            refused = False
             for threads in self.plan.threads:
                 try:
                     side = factory(layer, experts, threads, max(tokens + [CHECK_TOKENS]))
                 except PeerUnavailable as why:
-                    if threads == self.plan.threads[0]:
-                        self._skip(layer, label, fmt, str(why))
+                    if not refused:  # one line per side; a later thread count failing alone says which
+                        first = threads == self.plan.threads[0]
+                        self._skip(layer, label, fmt, str(why) if first else f"{threads} thread(s): {why}")
+                    refused = True
                     continue
                 try:
                     self._run_side(layer, side, threads, tokens, check.error(side))
@@ -191,12 +202,8 @@ class Runner:
             seconds = statistics.median(samples)
             last = (T, seconds)
             active = statistics.median(L.active_weight_bytes(layer, ids, side.format) for ids, _ in draws[1:])
-            lim = self.limits[threads]
-            row = dict(layer=layer.name, side=side.name, kind=side.kind, format=side.format, threads=threads,
-                       tokens=T, ms=seconds * 1e3, samples_ms=[s * 1e3 for s in samples],
-                       gbs=active / seconds / 1e9, tflops=layer.flops(T) / seconds / 1e12, rel_err=rel_err)
-            row["bw_fraction"] = row["gbs"] / lim.read_gbs
-            row["peak_fraction"] = row["tflops"] * 1e3 / lim.compute_gflops
+            row = result_row(layer, side, threads, T, seconds, active, self.limits[threads], rel_err)
+            row["samples_ms"] = [s * 1e3 for s in samples]
             self.results.append(row)
             self.log(f"  {side.name:28s} {side.format:15s} threads {threads} T={T:5d}: {row['ms']:9.2f} ms "
                      f"{row['gbs']:6.1f} GB/s {row['tflops']:6.3f} TFLOP/s (err {rel_err:.1e})")

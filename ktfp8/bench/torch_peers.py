@@ -54,7 +54,8 @@ class TorchBF16MoE(_TorchMoE):
             raise PeerUnavailable(f"the PyTorch BF16 loop runs bf16 weights, not {experts.format}")
         self.name, self.format = "torch bf16 F.linear", "bf16"
         torch = self.torch
-        self.gate, self.up, self.down = (_view(torch, p, torch.bfloat16) for p in (experts.gate, experts.up, experts.down))
+        projections = (experts.gate, experts.up, experts.down)
+        self.gate, self.up, self.down = (_view(torch, p, torch.bfloat16) for p in projections)
 
     def expert(self, e, xe):
         F = self.torch.nn.functional
@@ -70,7 +71,8 @@ class TorchScaledMMMoE(_TorchMoE):
         if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
             raise PeerUnavailable(f"torch {torch.__version__} has no torch._scaled_mm / float8_e4m3fn")
         self.name, self.format = "torch._scaled_mm fp8", "fp8_per_channel"
-        self.gate, self.up, self.down = (_view(torch, p, torch.float8_e4m3fn) for p in (experts.gate, experts.up, experts.down))
+        projections = (experts.gate, experts.up, experts.down)
+        self.gate, self.up, self.down = (_view(torch, p, torch.float8_e4m3fn) for p in projections)
         self.scales = [torch.from_numpy(np.ascontiguousarray(s, np.float32).reshape(s.shape[0], 1, -1))
                        for s in (experts.gate_scale, experts.up_scale, experts.down_scale)]
         try:  # a CPU build may lack the FP8 GEMM: find out now, not in the timed loop
