@@ -74,3 +74,18 @@ cdef const ktfp8_variant *variant_by_name(str name) except NULL:
                 raise ValueError(f"backend {name!r} is compiled but this CPU/OS cannot run it")
             return v
     raise ValueError(f"backend {name!r} is not compiled in this build")
+
+
+cdef extern from "ktfp8/fpenv.h":
+    unsigned _mm_getcsr()
+    void _mm_setcsr(unsigned)
+
+
+def mxcsr():
+    """This thread's MXCSR (SSE control/status: bit 6 DAZ, bit 15 FTZ)."""
+    return _mm_getcsr()
+
+
+def set_mxcsr(unsigned value):
+    """Sets this thread's MXCSR (tests, and undoing what a -ffast-math library set at load)."""
+    _mm_setcsr(value)

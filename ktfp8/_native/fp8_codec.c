@@ -1,6 +1,7 @@
 /* FP8 codec driver: the array, row and block walks shared by every codec variant (fp8_codec.h). */
 #include "ktfp8/fp8_codec.h"
 #include "ktfp8/fp8.h"
+#include "ktfp8/fpenv.h"
 
 #include <float.h>
 
@@ -28,20 +29,30 @@ float ktfp8_scale_from_amax(float amax) {
 void ktfp8_encode(const ktfp8_codec_ops *ops, const void *src, int dtype, int64_t n, uint8_t *codes,
                   int threads) {
     const int64_t runs = (n + RUN - 1) / RUN;
-#pragma omp parallel for num_threads(threads) schedule(dynamic) if (threads > 1 && runs > 1)
-    for (int64_t r = 0; r < runs; r++) {
-        const int64_t i = r * RUN, len = n - i < RUN ? n - i : RUN;
-        ops->quantize(at(src, dtype, i), dtype, (size_t)len, 1.0f, codes + i);
+#pragma omp parallel num_threads(threads) if (threads > 1 && runs > 1)
+    {
+        const unsigned csr = ktfp8_fpenv_ieee();
+#pragma omp for schedule(dynamic)
+        for (int64_t r = 0; r < runs; r++) {
+            const int64_t i = r * RUN, len = n - i < RUN ? n - i : RUN;
+            ops->quantize(at(src, dtype, i), dtype, (size_t)len, 1.0f, codes + i);
+        }
+        ktfp8_fpenv_restore(csr);
     }
 }
 
 void ktfp8_decode(const ktfp8_codec_ops *ops, const uint8_t *codes, int64_t n, void *dst, int dtype,
                   int threads) {
     const int64_t runs = (n + RUN - 1) / RUN;
-#pragma omp parallel for num_threads(threads) schedule(dynamic) if (threads > 1 && runs > 1)
-    for (int64_t r = 0; r < runs; r++) {
-        const int64_t i = r * RUN, len = n - i < RUN ? n - i : RUN;
-        ops->dequantize(codes + i, (size_t)len, 1.0f, (void *)at(dst, dtype, i), dtype);
+#pragma omp parallel num_threads(threads) if (threads > 1 && runs > 1)
+    {
+        const unsigned csr = ktfp8_fpenv_ieee();
+#pragma omp for schedule(dynamic)
+        for (int64_t r = 0; r < runs; r++) {
+            const int64_t i = r * RUN, len = n - i < RUN ? n - i : RUN;
+            ops->dequantize(codes + i, (size_t)len, 1.0f, (void *)at(dst, dtype, i), dtype);
+        }
+        ktfp8_fpenv_restore(csr);
     }
 }
 
@@ -53,23 +64,28 @@ void ktfp8_quantize_blocks(const ktfp8_codec_ops *ops, const void *src, int dtyp
                            float *scale, int threads) {
     const int64_t n_rb = (rows + bn - 1) / bn, n_cb = (cols + bk - 1) / bk, tasks = mats * n_rb;
     const int chunk = chunk_of(bn * cols);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk) if (threads > 1 && tasks > 1)
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t m = t / n_rb, r0 = (t % n_rb) * bn, r1 = r0 + bn < rows ? r0 + bn : rows;
-        for (int64_t cb = 0; cb < n_cb; cb++) {
-            const int64_t c0 = cb * bk, len = cols - c0 < bk ? cols - c0 : bk;
-            float amax = 0.0f;
-            for (int64_t r = r0; r < r1; r++) {
-                float a = ops->amax(at(src, dtype, (m * rows + r) * cols + c0), dtype, (size_t)len);
-                if (a > amax) amax = a;
-            }
-            const float s = ktfp8_scale_from_amax(amax);
-            scale[t * n_cb + cb] = s;
-            for (int64_t r = r0; r < r1; r++) {
-                const int64_t i = (m * rows + r) * cols + c0;
-                ops->quantize(at(src, dtype, i), dtype, (size_t)len, s, codes + i);
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+    {
+        const unsigned csr = ktfp8_fpenv_ieee();
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t m = t / n_rb, r0 = (t % n_rb) * bn, r1 = r0 + bn < rows ? r0 + bn : rows;
+            for (int64_t cb = 0; cb < n_cb; cb++) {
+                const int64_t c0 = cb * bk, len = cols - c0 < bk ? cols - c0 : bk;
+                float amax = 0.0f;
+                for (int64_t r = r0; r < r1; r++) {
+                    float a = ops->amax(at(src, dtype, (m * rows + r) * cols + c0), dtype, (size_t)len);
+                    if (a > amax) amax = a;
+                }
+                const float s = ktfp8_scale_from_amax(amax);
+                scale[t * n_cb + cb] = s;
+                for (int64_t r = r0; r < r1; r++) {
+                    const int64_t i = (m * rows + r) * cols + c0;
+                    ops->quantize(at(src, dtype, i), dtype, (size_t)len, s, codes + i);
+                }
             }
         }
+        ktfp8_fpenv_restore(csr);
     }
 }
 
@@ -78,14 +94,19 @@ void ktfp8_dequantize_blocks(const ktfp8_codec_ops *ops, const uint8_t *codes, i
                              void *dst, int dtype, int threads) {
     const int64_t n_rb = (rows + bn - 1) / bn, n_cb = (cols + bk - 1) / bk, tasks = mats * n_rb;
     const int chunk = chunk_of(bn * cols);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk) if (threads > 1 && tasks > 1)
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t m = t / n_rb, r0 = (t % n_rb) * bn, r1 = r0 + bn < rows ? r0 + bn : rows;
-        for (int64_t r = r0; r < r1; r++)
-            for (int64_t cb = 0; cb < n_cb; cb++) {
-                const int64_t c0 = cb * bk, len = cols - c0 < bk ? cols - c0 : bk;
-                const int64_t i = (m * rows + r) * cols + c0;
-                ops->dequantize(codes + i, (size_t)len, scale[t * n_cb + cb], (void *)at(dst, dtype, i), dtype);
-            }
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+    {
+        const unsigned csr = ktfp8_fpenv_ieee();
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t m = t / n_rb, r0 = (t % n_rb) * bn, r1 = r0 + bn < rows ? r0 + bn : rows;
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t cb = 0; cb < n_cb; cb++) {
+                    const int64_t c0 = cb * bk, len = cols - c0 < bk ? cols - c0 : bk;
+                    const int64_t i = (m * rows + r) * cols + c0;
+                    ops->dequantize(codes + i, (size_t)len, scale[t * n_cb + cb], (void *)at(dst, dtype, i), dtype);
+                }
+        }
+        ktfp8_fpenv_restore(csr);
     }
 }

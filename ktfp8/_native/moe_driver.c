@@ -8,6 +8,7 @@
  *      y[token] += weight * z.  Each item owns its columns of y, so no atomics are needed and the
  *      result does not depend on the thread count or the schedule. */
 #include "ktfp8/fp8.h"
+#include "ktfp8/fpenv.h"
 #include "ktfp8/moe.h"
 
 #include <stdlib.h>
@@ -150,6 +151,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
+        const unsigned csr = ktfp8_fpenv_ieee();
         float *gbuf = zalloc(sizeof(float) * (size_t)(g.max_m * nb));
         float *ubuf = zalloc(sizeof(float) * (size_t)(g.max_m * nb));
         void *scratch = scratch_bytes ? zalloc(scratch_bytes) : NULL;
@@ -194,6 +196,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
         free(gbuf);
         free(ubuf);
         free(scratch);
+        ktfp8_fpenv_restore(csr);
     }
     if (failed) { rc = KTFP8_ENOMEM; goto done; }
 

@@ -1,6 +1,7 @@
 /* Repacks Hugging Face [E, out, in] weights into a variant's tile layout (see ktfp8_layout in
  * abi.h), once, at MoE construction.  FP8 stays one byte per weight. */
 #include "ktfp8/fp8.h"
+#include "ktfp8/fpenv.h"
 #include "ktfp8/moe.h"
 
 #define ALIGN64(x) (((x) + 63) & ~(size_t)63)
@@ -133,11 +134,16 @@ void ktfp8_pack(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktfp8_pro
     for (int i = 0; i < 3; i++) {
         const ktfp8_packed_proj *p = &views[i];
         int64_t items = s->experts * p->n_tiles;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t e = it / p->n_tiles, tile = it % p->n_tiles;
-            pack_tile(s, l, p, &src[i], e, tile, (uint8_t *)p->w + (size_t)it * p->tile_w_bytes,
-                      (float *)p->scale + (size_t)it * p->tile_scale_floats);
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+        {
+            const unsigned csr = ktfp8_fpenv_ieee(); /* scales times scale_mul may be subnormal */
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < items; it++) {
+                int64_t e = it / p->n_tiles, tile = it % p->n_tiles;
+                pack_tile(s, l, p, &src[i], e, tile, (uint8_t *)p->w + (size_t)it * p->tile_w_bytes,
+                          (float *)p->scale + (size_t)it * p->tile_scale_floats);
+            }
+            ktfp8_fpenv_restore(csr);
         }
     }
 }

@@ -13,10 +13,12 @@ import sys
 import ml_dtypes
 import numpy as np
 
+from .._native import _ext
 from ..experts import ExpertWeights
 from .sides import PeerUnavailable, check_fits
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+_KT_MXCSR = None  # the MXCSR kt_kernel's import set (FTZ/DAZ), or None before/if it changed nothing
 
 # Preferred first. AVX2FP8_MOE has no per-channel mode: it reads square group_size blocks and ignores
 # quant_config.per_channel (wrong results), and group_size=0 kills the process with SIGFPE.
@@ -28,11 +30,31 @@ _CLASSES = {
 
 
 def _import_kt_kernel():
+    """kt_kernel, imported without letting it change this thread's floating-point mode: its extension
+    is built with -ffast-math, whose loader sets FTZ/DAZ in MXCSR, so the rest of the process (NumPy,
+    PyTorch, the oracle) would flush subnormals to zero.  Its mode is kept for its own worker threads."""
+    global _KT_MXCSR
+    mine = _ext.mxcsr()
     try:
         import kt_kernel
     except Exception as exc:  # ImportError, or OSError from the native library, or torch missing
         raise PeerUnavailable(f"kt_kernel cannot be imported: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if _KT_MXCSR is None and _ext.mxcsr() != mine:
+            _KT_MXCSR = _ext.mxcsr()
+        _ext.set_mxcsr(mine)
     return kt_kernel
+
+
+@contextlib.contextmanager
+def _kt_kernel_fp_mode():
+    """Threads created in here (kt-kernel's workers) inherit the mode its import asked for."""
+    mine = _ext.mxcsr()
+    _ext.set_mxcsr(_KT_MXCSR if _KT_MXCSR is not None else mine)
+    try:
+        yield
+    finally:
+        _ext.set_mxcsr(mine)
 
 
 def kt_kernel_version():
@@ -134,7 +156,7 @@ class KtKernelMoE:
         self._top_k, self._max_tokens, self._shape = int(top_k), int(max_tokens), (E, H)
         self._moe = self._cpu_infer = None
 
-        with _quiet_stdout():
+        with _quiet_stdout(), _kt_kernel_fp_mode():
             pool_config = ext.WorkerPoolConfig()
             pool_config.subpool_count = 1
             pool_config.subpool_numa_map = [0]
