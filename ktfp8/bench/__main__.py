@@ -94,15 +94,16 @@ def _machine():
                 python=platform.python_version(), platform=platform.platform())
 
 
-def _write_atomically(path, text):
-    """Write via a temporary file in the same folder so a crash never leaves a half-written file."""
+def _write_atomically(path, write):
+    """write(file) fills a temporary file in the same folder, which then replaces `path`: a crash
+    never leaves a half-written result."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".bench-")
     umask = os.umask(0)
     os.umask(umask)
     try:
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a results file is as readable as any other
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -132,13 +133,12 @@ def main(argv=None):
         "skipped:\n" + "\n".join(f"  {s['side']} [{s['format']}] on {s['layer']}: {s['reason']}"
                                  for s in runner.skipped) if runner.skipped else "") if part)
     print("\n" + text)
-    _write_atomically(os.path.join(args.out, "bench-results.json"), json.dumps(results, indent=1) + "\n")
-    _write_atomically(os.path.join(args.out, "bench-results.txt"), text + "\n")
+    for name, content in (("bench-results.json", json.dumps(results, indent=1)), ("bench-results.txt", text)):
+        _write_atomically(os.path.join(args.out, name), lambda f: f.write((content + "\n").encode()))
     written = ["bench-results.json", "bench-results.txt"]
     if not args.no_plot:
         from . import plot
-        png = os.path.join(args.out, "bench-results.png")
-        plot.save(results, png)
+        _write_atomically(os.path.join(args.out, "bench-results.png"), lambda f: plot.save(results, f))
         written.append("bench-results.png")
     print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}")
     return 0

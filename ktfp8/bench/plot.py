@@ -1,8 +1,6 @@
 """The benchmark plot (matplotlib, PNG): per layer, effective bandwidth and TFLOP/s against T for every
 side at its best thread count with the machine's measured limits as lines, time per token against T,
 and the speed-up all threads give over one."""
-import os
-
 from . import report
 
 
@@ -31,7 +29,8 @@ def _style(side, fmt, colors):
                 markersize=4, label=f"{side} [{fmt}]")
 
 
-def save(results, path):
+def save(results, out):
+    """Writes the PNG to `out`, a path or a binary file."""
     plt = _matplotlib()
     rows, limits = results["results"], results["limits"]
     layers = list(dict.fromkeys(r["layer"] for r in rows))
@@ -67,14 +66,10 @@ def save(results, path):
     handles = {h.get_label(): h for a in axes.ravel() for h in a.get_lines() if not h.get_label().startswith("_")}
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.04 + 0.02 * (len(handles) // 4), 1, 1))
-    tmp = f"{path}.partial"  # renamed into place when complete: never a half-written PNG
     try:
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, path)
+        fig.savefig(out, dpi=110, format="png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _thread_speedup(axis, rows, all_threads, colors):
