@@ -3,15 +3,14 @@
  * Layout: tiles of 16 output rows, K unpacked: [k][16] codes (or bf16), i.e. one 16-byte run of
  * codes per K step, converted to two ymm of 8 FP32 rows each.  FP32 FMA accumulation.
  *
- * FP8 -> FP32 without a table: an e4m3 code c = S.EEEE.MMM placed as the IEEE half
- * S.0EEEE.MMM0000000 is exactly value(c) / 256 (bias 15 vs 7 = a factor 2^8, e4m3 subnormals land
- * on half subnormals), so vcvtph2ps does the rest.  The packer folds the 256 into the scales
- * (scale_mul), and rows holding a NaN code (which this maps to 480/256) get a NaN scale.
+ * FP8 -> FP32 without a table: code -> IEEE half bits -> vcvtph2ps, value / 256 (e4m3_f16.h); the
+ * packer folds the 256 into the scales (scale_mul) and gives rows holding a NaN code a NaN scale.
  *
  * Decode (few tokens): stream the codes once, convert in registers, K unrolled so enough
  * independent accumulators hide the FMA latency.  Prefill (many tokens): convert the tile once into
  * scratch as FP32 and sweep it for every block of 6 tokens (12 accumulators). */
 #include "ktfp8/abi.h"
+#include "ktfp8/e4m3_f16.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/variant.h"
 
@@ -28,10 +27,7 @@ enum wsrc { W_FP8, W_BF16, W_F32 };
 ALWAYS_INLINE void load_w(enum wsrc src, const void *w, int64_t k, __m256 *lo, __m256 *hi) {
     if (src == W_FP8) {
         __m128i c = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + k * NB));
-        /* sign-extend bytes to words, << 7: S lands in bit 15 (and a copy in bit 14, cleared),
-         * EEEE.MMM in bits 13..7 -> the half S.0EEEE.MMM0000000 */
-        __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7),
-                                     _mm256_set1_epi16((short)0xBFFF));
+        __m256i h = ktfp8_e4m3x16_to_f16(c);
         *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
         *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
     } else if (src == W_BF16) {
