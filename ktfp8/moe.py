@@ -8,8 +8,8 @@ import ml_dtypes
 import numpy as np
 
 from . import backends
-from ._torch import accepts_tensors
 from ._native import _ext
+from ._torch import accepts_tensors
 from .config import MoeConfig
 from .experts import ExpertWeights
 
