@@ -1,12 +1,15 @@
 """MoE: routed experts packed once for one kernel backend, then run many times.
 
 Also the classes with the names KTransformers users know (AMXFP8PerChannel_MOE, AMXFP8_MOE,
-AMXBF16_MOE): present when this CPU runs the native AVX-512-BF16 path or better, else None."""
+AMXBF16_MOE): they run the native AVX-512-BF16 path or AMX; on a CPU without either, constructing one
+raises RuntimeError saying what the CPU lacks (ktfp8.MoE runs everywhere).  _HAS_FP8_PERCHANNEL_SUPPORT
+is True exactly when they can be constructed."""
 import ml_dtypes
 import numpy as np
 
 from . import backends
 from ._native import _ext
+from ._torch import accepts_tensors
 from .config import MoeConfig
 from .experts import ExpertWeights
 
@@ -58,11 +61,14 @@ class MoE:
     """Routed experts of one layer, packed for `backend` (default: the best this CPU runs).
 
     y = moe(x, topk_ids, topk_weights): x float32 or bfloat16 [T, hidden_size]; topk_ids int32/int64
-    [T, num_experts_per_tok] (ids < 0 are skipped); topk_weights float32 [T, num_experts_per_tok]."""
+    [T, num_experts_per_tok] (ids < 0 are skipped); topk_weights float32 [T, num_experts_per_tok].
+    Each may be a torch tensor on the CPU (read in place; y is then a tensor). copy_to_cpu=True lets
+    tensors on another device (CUDA, ...) through: copied to the CPU for each call, y copied back."""
 
-    def __init__(self, config, experts, backend=None, threads=None):
+    def __init__(self, config, experts, backend=None, threads=None, copy_to_cpu=False):
         _check_matches(config, experts)
         self.config = config
+        self.copy_to_cpu = bool(copy_to_cpu)
         self.backend = backends.resolve_backend(backend)
         self.threads = backends.default_threads(threads if threads is not None else config.threads)
         self._act_dtype = _ext.moe_act_dtype(self.backend)
@@ -80,6 +86,7 @@ class MoE:
         """Resident bytes of the packed weights (FP8: about one byte per weight)."""
         return self._packed.nbytes
 
+    @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def __call__(self, x, topk_ids, topk_weights, out=None, accumulate=False):
         cfg = self.config
         x = _as_c_array("x", x, (np.dtype(np.float32), _BF16), 2)
@@ -110,6 +117,7 @@ class MoE:
                          bool(accumulate), self.threads, self._act_dtype)
         return out
 
+    @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def forward(self, x, topk_ids=None, topk_weights=None, *, router_logits=None, correction_bias=None,
                 out=None, accumulate=False):
         """Like __call__; with router_logits= the experts are chosen by ktfp8.route first."""
@@ -127,22 +135,40 @@ class MoE:
                 f"intermediate={self._shape[2]}, nbytes={self.nbytes})")
 
 
-def moe_forward(x, experts, topk_ids, topk_weights, config, backend=None, out=None, accumulate=False):
-    """Functional form: packs `experts` for this call, then runs it (prefer MoE for repeated calls)."""
+@accepts_tensors("x", copy_to_cpu=lambda args: args.get("copy_to_cpu", False))
+def moe_forward(x, experts, topk_ids, topk_weights, config, backend=None, out=None, accumulate=False,
+                copy_to_cpu=False):
+    """Functional form: packs `experts` for this call, then runs it (prefer MoE for repeated calls).
+    copy_to_cpu: as for MoE (tensors on another device are copied to the CPU and y back)."""
     return MoE(config, experts, backend=backend)(x, topk_ids, topk_weights, out=out, accumulate=accumulate)
+
+
+# the native classes' backends, best first, and the CPU flags the slower of them needs (dispatch.c)
+_NATIVE_BACKENDS = [b for b in ("amx", "avx512_bf16") if b in backends.available_backends()]
+_AVX512_BF16_FLAGS = ("os_avx512", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi")
+
+
+def _unsupported(name):
+    """Why `name` cannot run here, and what to use instead."""
+    features = backends.cpu_features()
+    lacking = [flag for flag in _AVX512_BF16_FLAGS if not features.get(flag)]
+    why = (f"this CPU lacks {', '.join(lacking)}" if lacking else
+           "this build did not compile the avx512_bf16 / amx kernels (KTFP8_ENABLE_AVX512_BF16)")
+    return (f"{name} needs the native AVX-512-BF16 path (AVX-512 F/DQ/BW/VL + BF16 + VBMI) or AMX, and {why}; "
+            f"use ktfp8.MoE(config, experts), which runs the same weights here with backend "
+            f"{backends.available_backends()[0]!r}")
 
 
 def _native_class(name, fmt, doc):
     """A KTransformers-named class bound to one weight format, using AMX where the CPU has it and
-    the AVX-512-BF16 path otherwise; None when neither is available."""
-    usable = [b for b in ("amx", "avx512_bf16") if b in backends.available_backends()]
-    if not usable:
-        return None
+    the AVX-512-BF16 path otherwise; constructing it where neither runs raises RuntimeError."""
 
-    def __init__(self, config, experts, threads=None):
+    def __init__(self, config, experts, threads=None, copy_to_cpu=False):
+        if not _NATIVE_BACKENDS:
+            raise RuntimeError(_unsupported(name))
         if experts.format != fmt:
             raise ValueError(f"{name} takes {fmt!r} experts, got {experts.format!r}")
-        MoE.__init__(self, config, experts, backend=usable[0], threads=threads)
+        MoE.__init__(self, config, experts, backend=_NATIVE_BACKENDS[0], threads=threads, copy_to_cpu=copy_to_cpu)
 
     return type(name, (MoE,), {"__init__": __init__, "__doc__": doc})
 
@@ -151,4 +177,4 @@ AMXFP8PerChannel_MOE = _native_class("AMXFP8PerChannel_MOE", "fp8_per_channel",
                                      "FP8 E4M3 experts with one fp32 scale per output row.")
 AMXFP8_MOE = _native_class("AMXFP8_MOE", "fp8_block", "FP8 E4M3 experts with block-wise scales.")
 AMXBF16_MOE = _native_class("AMXBF16_MOE", "bf16", "BF16 experts.")
-_HAS_FP8_PERCHANNEL_SUPPORT = AMXFP8PerChannel_MOE is not None
+_HAS_FP8_PERCHANNEL_SUPPORT = bool(_NATIVE_BACKENDS)
