@@ -16,6 +16,8 @@ uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads);
 double ktfp8_probe_fma(int64_t iters, int threads);
 /* Same with vdpbf16ps (AVX-512-BF16); returns the flops done (0: not available). */
 double ktfp8_probe_dpbf16(int64_t iters, int threads);
+/* Same with AMX tdpbf16ps on 4 C tiles per thread; returns the flops done (0: AMX not usable here). */
+double ktfp8_probe_tdpbf16(int64_t iters, int threads);
 
 #ifdef __cplusplus
 }
