@@ -1,5 +1,5 @@
 """This machine's limits, measured in-process: streaming read bandwidth and the FLOP/s peak of each
-compute unit a kernel can use (FP32 FMA, AVX-512 `vdpbf16ps`, AMX `tdpbf16ps`).
+compute unit a kernel can use (FP32 FMA on ymm and zmm, AVX-512 `vdpbf16ps`, AMX `tdpbf16ps`).
 
 Benchmarks report kernel speed as fractions of these figures, measured in the same run: the roofline
 floor of a call is max(bytes it must read / read bandwidth, its FLOPs / the peak of the unit it
@@ -15,23 +15,24 @@ from . import backends
 from ._native import _ext
 
 # compute unit -> the Roofline field holding its peak
-UNIT_FIELDS = {"amx": "amx_gflops", "dpbf16": "dpbf16_gflops", "fma": "fma_gflops"}
-UNIT_NAMES = {"amx": "AMX tdpbf16ps", "dpbf16": "vdpbf16ps", "fma": "FP32 FMA"}
-# the unit each backend's large-T path computes on; every other backend uses FP32 FMA
-BACKEND_UNITS = {"amx": "amx", "avx512_bf16": "dpbf16"}
+UNIT_FIELDS = {"amx": "amx_gflops", "dpbf16": "dpbf16_gflops", "fma512": "fma512_gflops", "fma": "fma_gflops"}
+UNIT_NAMES = {"amx": "AMX tdpbf16ps", "dpbf16": "vdpbf16ps", "fma512": "FP32 FMA zmm", "fma": "FP32 FMA"}
+# the unit each backend's large-T path computes on; every other backend uses FP32 FMA on ymm
+BACKEND_UNITS = {"amx": "amx", "avx512_bf16": "dpbf16", "avx512": "fma512"}
 
 
 @dataclass(frozen=True)
 class Roofline:
     threads: int
     read_gbs: float                 # median GB/s reading a buffer much larger than the caches
-    fma_gflops: float               # FP32 FMA (AVX2) peak; 0 without AVX2
+    fma_gflops: float               # FP32 FMA (AVX2, ymm) peak; 0 without AVX2
     dpbf16_gflops: Optional[float]  # vdpbf16ps peak; None without AVX-512-BF16
-    amx_gflops: Optional[float] = None  # AMX tdpbf16ps peak; None where tiles are not usable
+    amx_gflops: Optional[float] = None     # AMX tdpbf16ps peak; None where tiles are not usable
+    fma512_gflops: Optional[float] = None  # FP32 FMA peak on zmm; None without AVX-512
 
 
 def backend_unit(backend):
-    """The compute unit ('amx', 'dpbf16' or 'fma') a ktfp8 backend's compute-bound path runs on."""
+    """The compute unit ('amx', 'dpbf16', 'fma512' or 'fma') a ktfp8 backend's compute-bound path runs on."""
     return BACKEND_UNITS.get(backend, "fma")
 
 
@@ -95,4 +96,5 @@ def measure(threads=None, nbytes=1 << 30):
     return Roofline(threads=threads, read_gbs=read_bandwidth(threads, nbytes),
                     fma_gflops=_peak(_ext.probe_fma, threads),
                     dpbf16_gflops=_peak(_ext.probe_dpbf16, threads) or None,
-                    amx_gflops=_peak(_ext.probe_tdpbf16, threads) or None)
+                    amx_gflops=_peak(_ext.probe_tdpbf16, threads) or None,
+                    fma512_gflops=_peak(_ext.probe_fma512, threads) or None)

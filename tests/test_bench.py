@@ -239,7 +239,7 @@ def test_result_row_floors_use_the_sides_unit_and_the_rows_thread_count():
 def test_roofline_units():
     lim = _limits()["2"]
     assert roofline.backend_unit("amx") == "amx" and roofline.backend_unit("avx512_bf16") == "dpbf16"
-    assert roofline.backend_unit("avx2") == "fma" and roofline.backend_unit("avx512") == "fma"
+    assert roofline.backend_unit("avx2") == "fma" and roofline.backend_unit("avx512") == "fma512"
     assert roofline.floor_seconds(lim, 2e9, 4e11, "fma") == pytest.approx((0.1, 2.0))
     assert roofline.peak_gflops(lim, "amx") == 200.0  # not measured here: the fastest unit that is
     assert roofline.best_unit(_limits(amx=1000.0)["2"]) == "amx"
