@@ -119,25 +119,24 @@ def build_walk(factory, layer, experts, threads, max_tokens, walk_bytes, walk_me
         for index in range(1, L.copies_for(walk_bytes, copy_bytes, walk_memory_bytes)):
             sides.append(factory(layer, L.copied(experts), threads, max_tokens, first, index))
     except BaseException:
-        Walk(sides).close()
+        Walk(sides, 0).close()
         raise
-    walk = Walk(sides)
-    walk.walk_bytes = len(sides) * copy_bytes
-    return walk
+    return Walk(sides, len(sides) * copy_bytes)
 
 
 def result_row(layer, side, threads, tokens, seconds, active_bytes, limits, rel_err):
     """One measured case as the report, the JSON and the plot read it.  `limits`: the Roofline of
     this thread count as a dict; the roofline floor uses the peak of the side's compute unit."""
     limits = dataclasses.asdict(limits) if dataclasses.is_dataclass(limits) else limits
+    unit = getattr(side, "compute_unit", None) or roofline.best_unit(limits)
     flops = layer.flops(tokens)
-    memory_s, compute_s = roofline.floor_seconds(limits, active_bytes, flops, getattr(side, "compute_unit", None))
-    peak = roofline.peak_gflops(limits, getattr(side, "compute_unit", None))
+    memory_s, compute_s = roofline.floor_seconds(limits, active_bytes, flops, unit)
+    peak = roofline.peak_gflops(limits, unit)
     gbs, tflops = active_bytes / seconds / 1e9, flops / seconds / 1e12
     return dict(layer=layer.name, side=side.name, kind=side.kind, format=side.format, threads=threads,
                 tokens=tokens, ms=seconds * 1e3, active_bytes=active_bytes, flops=flops, gbs=gbs,
                 bw_fraction=gbs / limits["read_gbs"], tflops=tflops,
-                compute_unit=getattr(side, "compute_unit", None) or roofline.best_unit(limits),
+                compute_unit=unit,
                 peak_fraction=tflops * 1e3 / peak if peak else 0.0,
                 memory_floor_ms=memory_s * 1e3, compute_floor_ms=compute_s * 1e3,
                 roofline_fraction=max(memory_s, compute_s) / seconds, rel_err=rel_err,
@@ -157,9 +156,9 @@ def too_slow(last, tokens, max_call_seconds):
 
 
 def time_calls(side, x, draws, budget_seconds):
-    """Seconds of each timed call over fresh routing draws (each a (topk_ids, topk_weights, copy) for
-    a Walk): one warm-up call, then calls until the
-    budget is spent, at least 3 of them unless the warm-up alone took a third of the budget."""
+    """Seconds of each timed call over fresh routing draws (each (topk_ids, topk_weights, copy) for a
+    Walk): one warm-up call, then calls until the budget is spent, at least 3 of them unless the
+    warm-up alone took a third of the budget."""
     t0 = time.perf_counter()
     side(x, *draws[0])
     warm = time.perf_counter() - t0

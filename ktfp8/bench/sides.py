@@ -65,10 +65,11 @@ class Ktfp8Side:
 
 class Walk:
     """Copies of one side, each built on weights in memory of its own, called in turn by the benchmark
-    as a model's forward calls its layers: walk(x, topk_ids, topk_weights, copy); copy 0 by default."""
+    as a model's forward calls its layers: walk(x, topk_ids, topk_weights, copy); copy 0 by default.
+    walk_bytes: the weight bytes of all copies together."""
 
-    def __init__(self, copies):
-        self.copies = list(copies)
+    def __init__(self, copies, walk_bytes):
+        self.copies, self.walk_bytes = list(copies), walk_bytes
         first = self.copies[0]
         self.name, self.kind, self.format, self.version = first.name, first.kind, first.format, first.version
         self.compute_unit = getattr(first, "compute_unit", None)
