@@ -86,6 +86,8 @@ def test_layers_share_one_pool_and_the_last_to_close_joins_it():
     assert _threads() == with_pool  # no new workers
     with pytest.raises(ValueError, match="same thread count"):
         KtKernelMoE(b_w, K, threads=2, max_tokens=4, pool=a)
+    with pytest.raises(ValueError, match="layer_idx"):
+        KtKernelMoE(b_w, K, threads=1, max_tokens=4, pool=a, layer_idx=-1)
     x, ids, w = _inputs(3, seed=8)
     for side, dense in ((a, a_dense), (b, b_dense), (a, a_dense)):
         assert nmse(side(x, ids, w), moe_fp64(x.astype(np.float64), ids, w, *dense)) < 1e-4

@@ -145,6 +145,8 @@ class KtKernelMoE:
                 raise ValueError(f"{label} must be a positive int, got {value!r}")
         if top_k > experts.expert_num:
             raise ValueError(f"top_k={top_k} exceeds expert_num={experts.expert_num}")
+        if not isinstance(layer_idx, (int, np.integer)) or isinstance(layer_idx, bool) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
         if pool is not None and (not isinstance(pool, KtKernelMoE) or pool._cpu_infer is None
                                  or pool.threads != threads):
             raise ValueError("pool must be an open KtKernelMoE built for the same thread count")
