@@ -19,7 +19,7 @@ from . import layers as L
 from . import report
 from .run import Plan, Runner
 
-QUICK = dict(tokens=[1, 4, 16, 64, 512], layers=["bench"], case_seconds=3.0, max_call_seconds=10.0,
+QUICK = dict(tokens=[1, 4, 16, 64, 512], layers=["bench"], case_seconds=2.0, max_call_seconds=10.0,
              read_buffer_bytes=1 << 28)
 FULL = dict(tokens=[1, 4, 16, 64, 512, 2048], layers=["bench", "deepseek-v3"], case_seconds=20.0,
             max_call_seconds=30.0, read_buffer_bytes=1 << 30)
