@@ -51,8 +51,9 @@ def test_amx_prefill(benchmark, backend, fmt):
     x = L.activations(layer, T)
     draws = iter(L.routing_rounds(layer, T, 6))
 
-    def setup():  # fresh routing every round, as bench_moe does
-        return (x, *next(draws)), {}
+    def setup():  # fresh routing every round, as bench_moe does (one copy of the layer: compute-bound)
+        ids, w, _ = next(draws)
+        return (x, ids, w), {}
 
     benchmark.pedantic(moe, setup=setup, rounds=5, iterations=1, warmup_rounds=1)
     _MEDIANS[(backend, fmt)] = benchmark.stats.stats.median

@@ -7,7 +7,8 @@ a DeepSeek-V3 slice (hidden 7168, intermediate 2048, top-8, as many experts as f
 in BF16; the count is in the case id).  Formats: FP8 per-channel, FP8 block-wise, BF16.  Sides: every
 usable ktfp8 backend, kt-kernel, PyTorch (BF16 loop, torch._scaled_mm FP8), NumPy FP32 - each skipped
 with its reason where it cannot run.  T in {1, 4, 16} (decode) and {64, 512, 2048} (prefill); 1 thread
-and all.  Every round draws fresh routing so the active weights come from DRAM (ktfp8.bench.layers).
+and all.  Each side walks distinct copies of the layer (4x L3 in all) with fresh routing per round, so
+the active weights come from DRAM (ktfp8.bench.layers.routing_rounds).
 The summary at the end prints the same tables as `python -m ktfp8.bench`."""
 import gc
 import os
@@ -17,11 +18,13 @@ import pytest
 
 import ktfp8
 from ktfp8.bench import layers as L
-from ktfp8.bench.run import PEERS, REFERENCE_MAX_TOKENS, OracleCheck, _ktfp8_factory, result_row, too_slow
+from ktfp8.bench.run import (PEERS, REFERENCE_MAX_TOKENS, OracleCheck, Plan, _ktfp8_factory, build_walk,
+                             result_row, too_slow)
 from ktfp8.bench.sides import PeerUnavailable
 
 TOKENS = [1, 4, 16, 64, 512, 2048]
 MAX_CALL_SECONDS = 30.0  # a side whose call would take longer is skipped at larger T
+_PLAN = Plan(layers=[], tokens=[], threads=[])  # only for its walk sizes (4x L3, memory-bounded)
 THREADS = sorted({1, os.cpu_count() or 1})
 SIDES = {fmt: [(f"ktfp8 {b}", _ktfp8_factory(b)) for b in ktfp8.available_backends()] + PEERS[fmt]
          for fmt in L.FORMATS}
@@ -67,7 +70,8 @@ def _side(layer_name, fmt, label, threads):
             cur.check = OracleCheck(_layer(layer_name), cur.experts)
         factory = dict(SIDES[fmt])[label]
         try:
-            cur.side = factory(_layer(layer_name), cur.experts, threads, max(TOKENS))
+            cur.side = build_walk(factory, _layer(layer_name), cur.experts, threads, max(TOKENS),
+                                  _PLAN.walk_bytes, _PLAN.walk_memory_bytes)
             cur.errors[cur.side_key] = cur.check.error(cur.side)
         except PeerUnavailable as why:
             cur.unavailable[(layer_name, fmt, label, threads)] = str(why)
@@ -87,13 +91,13 @@ def test_moe(benchmark, limits_by_threads, moe_rows, layer_name, fmt, label, thr
         pytest.skip(f"{label} [{fmt}]: {reason}")
     x = L.activations(layer, T, seed=T)
     rounds = 20 if T <= 16 else 8 if T <= 64 else 3
-    draws = iter(L.routing_rounds(layer, T, rounds + 1, seed=T))
+    draws = iter(L.routing_rounds(layer, T, rounds + 1, seed=T, copies=len(side.copies)))
     used = []
 
     def setup():
-        ids, w = next(draws)
+        ids, w, copy = next(draws)
         used.append(ids)
-        return (x, ids, w), {}
+        return (x, ids, w, copy), {}
 
     benchmark.pedantic(side, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
     seconds = benchmark.stats.stats.median

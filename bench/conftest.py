@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from ktfp8 import roofline
+from ktfp8 import backends, roofline
 from ktfp8.bench import report
 
 _CODEC = {}   # (dtype, impl) -> (median seconds, input bytes)
@@ -49,13 +49,14 @@ def _codec_summary(tr):
 def _moe_summary(tr):
     limits = {str(n): dataclasses.asdict(r) for n, r in _LIMITS.items()}
     tr.section("MoE layers, ktfp8 and peers, this run (best thread count of each side)")
-    for part in (report.results_table(_MOE, limits), report.scaling_table(_MOE)):
+    default = backends.resolve_backend(None)
+    for part in (report.results_table(_MOE, limits, default), report.scaling_table(_MOE)):
         for line in part.splitlines():
             tr.write_line(line)
     names = {r["layer"] for r in _MOE}
     from ktfp8.bench.layers import BENCH_LAYER
     if BENCH_LAYER.name in names:
-        for line in report.goals_lines(report.goals(_MOE, limits, BENCH_LAYER.name)).splitlines():
+        for line in report.goals_lines(report.goals(_MOE, limits, BENCH_LAYER.name, default)).splitlines():
             tr.write_line(line)
 
 

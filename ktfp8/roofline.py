@@ -1,6 +1,9 @@
-"""This machine's limits, measured in-process: streaming read bandwidth and vector FLOP/s peaks.
+"""This machine's limits, measured in-process: streaming read bandwidth and the FLOP/s peak of each
+compute unit a kernel can use (FP32 FMA on ymm and zmm, AVX-512 `vdpbf16ps`, AMX `tdpbf16ps`).
 
-Benchmarks report kernel speed as fractions of these figures, measured in the same run."""
+Benchmarks report kernel speed as fractions of these figures, measured in the same run: the roofline
+floor of a call is max(bytes it must read / read bandwidth, its FLOPs / the peak of the unit it
+computes on)."""
 import statistics
 import time
 from dataclasses import dataclass
@@ -11,18 +14,44 @@ import numpy as np
 from . import backends
 from ._native import _ext
 
+# compute unit -> the Roofline field holding its peak
+UNIT_FIELDS = {"amx": "amx_gflops", "dpbf16": "dpbf16_gflops", "fma512": "fma512_gflops", "fma": "fma_gflops"}
+UNIT_NAMES = {"amx": "AMX tdpbf16ps", "dpbf16": "vdpbf16ps", "fma512": "FP32 FMA zmm", "fma": "FP32 FMA"}
+# the unit each backend's large-T path computes on; every other backend uses FP32 FMA on ymm
+BACKEND_UNITS = {"amx": "amx", "avx512_bf16": "dpbf16", "avx512": "fma512"}
+
 
 @dataclass(frozen=True)
 class Roofline:
     threads: int
     read_gbs: float                 # median GB/s reading a buffer much larger than the caches
-    fma_gflops: float               # FP32 FMA (AVX2) peak; 0 without AVX2
+    fma_gflops: float               # FP32 FMA (AVX2, ymm) peak; 0 without AVX2
     dpbf16_gflops: Optional[float]  # vdpbf16ps peak; None without AVX-512-BF16
+    amx_gflops: Optional[float] = None     # AMX tdpbf16ps peak; None where tiles are not usable
+    fma512_gflops: Optional[float] = None  # FP32 FMA peak on zmm; None without AVX-512
 
-    @property
-    def compute_gflops(self):
-        """The peak the fastest usable kernel can aim for."""
-        return self.dpbf16_gflops or self.fma_gflops
+
+def backend_unit(backend):
+    """The compute unit ('amx', 'dpbf16', 'fma512' or 'fma') a ktfp8 backend's compute-bound path runs on."""
+    return BACKEND_UNITS.get(backend, "fma")
+
+
+def best_unit(limits):
+    """The unit with the highest measured peak in `limits` (a Roofline as a dict)."""
+    return max(UNIT_FIELDS, key=lambda u: limits.get(UNIT_FIELDS[u]) or 0.0)
+
+
+def peak_gflops(limits, unit=None):
+    """The measured peak of `unit` in `limits` (a Roofline as a dict, as results JSON holds it);
+    unit None, or a unit not measured there: the fastest unit this machine has."""
+    return (limits.get(UNIT_FIELDS[unit]) if unit else None) or limits.get(UNIT_FIELDS[best_unit(limits)]) or 0.0
+
+
+def floor_seconds(limits, nbytes, flops, unit=None):
+    """(memory floor, compute floor) in seconds of a call reading `nbytes` and doing `flops` on
+    `unit`, against `limits` (a Roofline as a dict); the roofline floor is the larger of the two."""
+    peak = peak_gflops(limits, unit)
+    return nbytes / (limits["read_gbs"] * 1e9), flops / (peak * 1e9) if peak else 0.0
 
 
 def _aligned(nbytes, alignment=64):
@@ -64,6 +93,8 @@ def _peak(probe, threads, repeats=5, seconds=0.05):
 
 def measure(threads=None, nbytes=1 << 30):
     threads = backends.default_threads(threads)
-    dpbf16 = _peak(_ext.probe_dpbf16, threads)
     return Roofline(threads=threads, read_gbs=read_bandwidth(threads, nbytes),
-                    fma_gflops=_peak(_ext.probe_fma, threads), dpbf16_gflops=dpbf16 or None)
+                    fma_gflops=_peak(_ext.probe_fma, threads),
+                    dpbf16_gflops=_peak(_ext.probe_dpbf16, threads) or None,
+                    amx_gflops=_peak(_ext.probe_tdpbf16, threads) or None,
+                    fma512_gflops=_peak(_ext.probe_fma512, threads) or None)

@@ -2,6 +2,7 @@
 and `python -m ktfp8.bench` end to end on a tiny layer (speed itself is measured in bench/, not here)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,7 +13,8 @@ import pytest
 import ktfp8
 from ktfp8.bench import layers as L
 from ktfp8.bench import report
-from ktfp8.bench.run import oracle_forward
+from ktfp8 import roofline
+from ktfp8.bench.run import oracle_forward, result_row
 from ktfp8.bench.sides import Ktfp8Side, PeerUnavailable, check_fits, relative_error
 from moe_oracle import make_experts, moe_fp64, random_routing
 
@@ -29,17 +31,52 @@ def test_deepseek_v3_slice_fits_a_quarter_of_ram_in_bf16():
     assert f"E={layer.experts}" in layer.name
 
 
-def test_decode_routing_never_reuses_the_previous_calls_experts():
-    layer = L.BENCH_LAYER
-    draws = L.routing_rounds(layer, 4, 6, seed=1)
-    for (a, _), (b, _) in zip(draws, draws[1:]):
-        assert not set(a.ravel()) & set(b.ravel())
-    for ids, w in draws:
-        assert all(len(set(row)) == layer.top_k for row in ids)
-        np.testing.assert_allclose(w.sum(axis=1), 1, rtol=1e-6)
-    # prefill draws from every expert: no artificial concentration of tokens per expert
+@pytest.mark.parametrize("copies", [1, 3])
+def test_routing_walks_the_copies_and_rereads_an_expert_only_after_the_whole_walk(copies):
+    layer = L.BENCH_LAYER  # 64 experts, top-8
+    for T, pools in ((1, 8), (4, 2), (16, 1)):
+        draws = L.routing_rounds(layer, T, 3 * pools * copies, seed=1, copies=copies)
+        assert [c for _, _, c in draws] == [r % copies for r in range(len(draws))]
+        last, seen = {}, set()
+        for r, (ids, w, copy) in enumerate(draws):
+            assert ids.shape == (T, layer.top_k) and all(len(set(row)) == layer.top_k for row in ids)
+            np.testing.assert_allclose(w.sum(axis=1), 1, rtol=1e-6)
+            for e in set(ids.ravel().tolist()):
+                assert r - last.get((copy, e), -pools * copies) >= pools * copies, (T, r, copy, e)
+                last[(copy, e)] = r
+                seen.add((copy, e))
+        if T == 1:  # one walk over the pools reads every expert of every copy
+            assert seen == {(c, e) for c in range(copies) for e in range(layer.experts)}
+    # every expert active: draws from all of them, no artificial concentration of tokens per expert
     big = L.routing_rounds(layer, 64, 2, seed=1)
     assert len(np.unique(big[0][0])) > layer.experts // 2
+
+
+def test_walk_copies_cover_the_target_within_memory_and_the_cap():
+    xeon_walk = 4 * 300 * 2**20  # 4x the 300 MiB L3 of the AMX machine
+    assert L.copies_for(xeon_walk, 302e6, 6e9) == 5     # the benchmark layer in FP8
+    assert L.copies_for(xeon_walk, 604e6, 6e9) == 3     # ... and in BF16
+    assert L.copies_for(4 * 32 * 2**20, 302e6, 6e9) == 1  # a 32 MiB L3: one copy is already 2.3x the walk
+    assert L.copies_for(4e9, 1e9, 2.5e9) == 2            # bounded by memory
+    assert L.copies_for(1e12, 1e3, 1e12) == L.MAX_COPIES
+    assert L.copies_for(1e9, 1e10, 1e9) == 1             # never zero
+    assert L._size_bytes("32768K") == 32 * 2**20 and L._size_bytes("300M") == 300 * 2**20
+    l3 = L.l3_bytes()
+    assert l3 is None or l3 >= 2**20
+
+
+@pytest.mark.parametrize("fmt", ["fp8_per_channel", "bf16"])
+def test_copied_experts_hold_the_same_values_in_memory_of_their_own(fmt):
+    w = L.random_experts(TINY, fmt)
+    c = L.copied(w)
+    for name in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale"):
+        a, b = getattr(w, name), getattr(c, name)
+        if a is None:
+            assert b is None
+            continue
+        assert not np.shares_memory(a, b)
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert c.format == w.format and c.block == w.block
 
 
 @pytest.mark.parametrize("fmt", L.FORMATS)
@@ -63,7 +100,7 @@ def test_bench_oracle_matches_the_test_oracle(fmt):
 
 def _check(side, experts, tol):
     x = L.activations(TINY, 5, seed=2)
-    ids, w = L.routing_rounds(TINY, 5, 1, seed=2)[0]
+    ids, w, _ = L.routing_rounds(TINY, 5, 1, seed=2)[0]
     err = relative_error(side(x, ids, w), oracle_forward(experts, x, ids, w))
     assert err < tol, f"{side.name}: relative error {err:.2e}"
     return err
@@ -119,35 +156,139 @@ def test_numpy_peer_matches_the_oracle_and_refuses_what_would_not_fit(monkeypatc
         check_fits("x", 1 << 16)
 
 
-def _row(side, kind, fmt, T, ms, threads=1):
-    return dict(layer="L", side=side, kind=kind, format=fmt, threads=threads, tokens=T, ms=ms, gbs=1.0,
-                bw_fraction=0.5, tflops=1.0, peak_fraction=0.5, rel_err=0.0)
+def test_walk_builds_copies_on_memory_of_their_own_and_each_matches_the_oracle():
+    pytest.importorskip("torch")
+    from ktfp8.bench.run import _ktfp8_factory, _torch_bf16, build_walk
+    bf16 = L.random_experts(TINY, "bf16")
+    copy_bytes = 8 * 3 * 64 * 32 * 2
+    walk = build_walk(_torch_bf16, TINY, bf16, 1, 8, walk_bytes=3 * copy_bytes - 1, walk_memory_bytes=1 << 30)
+    assert len(walk.copies) == 3 and walk.walk_bytes == 3 * copy_bytes
+    # the PyTorch side views its weights: each copy must view weights of its own
+    assert len({side.gate.data_ptr() for side in walk.copies}) == 3
+    x = L.activations(TINY, 5, seed=2)
+    for ids, w, copy in L.routing_rounds(TINY, 5, 3, seed=2, copies=3):
+        err = relative_error(walk(x, ids, w, copy), oracle_forward(bf16, x, ids, w))
+        assert err < 2e-2
+    walk.threads = 2
+    assert all(side.threads == 2 for side in walk.copies)
+    walk.close()
+    fp8 = L.random_experts(TINY, "fp8_per_channel")
+    walk = build_walk(_ktfp8_factory(ktfp8.available_backends()[0]), TINY, fp8, 1, 8, walk_bytes=1 << 40,
+                      walk_memory_bytes=2 * copy_bytes)  # memory for 4 FP8 copies
+    assert len(walk.copies) == 4 and walk.compute_unit == roofline.backend_unit(ktfp8.available_backends()[0])
+    walk.close()
 
 
-def test_speedups_and_goals_pick_the_best_thread_count_of_each_side():
-    rows = [_row("ktfp8 avx2", "ktfp8", "fp8_per_channel", 1, 4.0, threads=1),
-            _row("ktfp8 avx2", "ktfp8", "fp8_per_channel", 1, 2.0, threads=2),
-            _row("ktfp8 avx2", "ktfp8", "bf16", 1, 3.0, threads=2),
-            _row("kt-kernel AVX2FP8_MOE", "peer", "fp8_block", 1, 5.0, threads=1),
-            _row("kt-kernel AVX2FP8_MOE", "peer", "fp8_block", 1, 9.0, threads=2),
-            _row("torch bf16 F.linear", "peer", "bf16", 1, 6.0, threads=2),
-            _row("numpy fp32 (dequantized)", "peer", "fp32", 1, 8.0, threads=2)]
+def test_amx_peak_probe_runs_its_tiles_right_under_the_emulation(tmp_path):
+    """probe_amx.c compiled against include/ktfp8/amx_emulation.h: a wrong tile configuration would
+    abort, wrong sums make it return 0, and it must count 4 TDPBF16PS of 16384 flops per iteration."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    main = tmp_path / "main.c"
+    main.write_text("#include <stdio.h>\n#include <stdint.h>\n"
+                    "double ktfp8_probe_tdpbf16_amx_emulated(int64_t, int);\n"
+                    "int main(void) { printf(\"%.0f %.0f\\n\", ktfp8_probe_tdpbf16_amx_emulated(3, 2),"
+                    " ktfp8_probe_tdpbf16_amx_emulated(1, 1)); return 0; }\n")
+    exe = tmp_path / "probe"
+    subprocess.run([cc, "-O1", "-std=gnu11", "-fopenmp", "-I", os.path.join(ROOT, "include"),
+                    "-DKTFP8_EMULATE_AMX", "-DKTFP8_VARIANT=amx_emulated",
+                    os.path.join(ROOT, "ktfp8", "_native", "probe_amx.c"), str(main), "-o", str(exe), "-lm"],
+                   check=True, capture_output=True, timeout=120)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=60).stdout.split()
+    assert [float(v) for v in out] == [3 * 4 * 16384 * 2, 1 * 4 * 16384 * 1]
+
+
+class _Stub:
+    """Just what result_row reads of a side."""
+
+    def __init__(self, name, kind, fmt, unit=None):
+        self.name, self.kind, self.format = name, kind, fmt
+        if unit:
+            self.compute_unit = unit
+
+
+GOAL_LAYER = L.Layer("L", 64, 8, 2048, 768)
+EXPERT_BYTES = 3 * 2048 * 768  # FP8: one byte per weight
+
+
+def _limits(amx=None):
+    return {"1": dict(threads=1, read_gbs=10.0, fma_gflops=100.0, dpbf16_gflops=None, amx_gflops=amx and amx / 2),
+            "2": dict(threads=2, read_gbs=20.0, fma_gflops=200.0, dpbf16_gflops=None, amx_gflops=amx)}
+
+
+def _row(side, fmt, T, ms, threads=2, kind=None, unit=None, limits=None):
+    kind = kind or ("ktfp8" if side.startswith("ktfp8") else "peer")
+    experts = min(T * 8, 64)  # the routing of these rows: T tokens on distinct experts, up to all 64
+    active = experts * EXPERT_BYTES * L.BYTES_PER_WEIGHT[fmt]
+    return result_row(GOAL_LAYER, _Stub(side, kind, fmt, unit), threads, T, ms / 1e3, active,
+                      (limits or _limits())[str(threads)], 0.0)
+
+
+def test_result_row_floors_use_the_sides_unit_and_the_rows_thread_count():
+    r = _row("ktfp8 avx2", "fp8_per_channel", 512, 300.0, threads=1, unit="fma")
+    flops = 2 * 512 * 8 * EXPERT_BYTES
+    assert r["memory_floor_ms"] == pytest.approx(64 * EXPERT_BYTES / 10e9 * 1e3)
+    assert r["compute_floor_ms"] == pytest.approx(flops / 100e9 * 1e3)
+    assert r["roofline_fraction"] == pytest.approx(flops / 100e9 / 0.3)
+    peer = _row("torch bf16 F.linear", "bf16", 512, 300.0, limits=_limits(amx=2000.0))
+    assert peer["compute_unit"] == "amx"  # a peer is held to the fastest unit of the machine
+    assert peer["compute_floor_ms"] == pytest.approx(flops / 2000e9 * 1e3)
+
+
+def test_roofline_units():
+    lim = _limits()["2"]
+    assert roofline.backend_unit("amx") == "amx" and roofline.backend_unit("avx512_bf16") == "dpbf16"
+    assert roofline.backend_unit("avx2") == "fma" and roofline.backend_unit("avx512") == "fma512"
+    assert roofline.floor_seconds(lim, 2e9, 4e11, "fma") == pytest.approx((0.1, 2.0))
+    assert roofline.peak_gflops(lim, "amx") == 200.0  # not measured here: the fastest unit that is
+    assert roofline.best_unit(_limits(amx=1000.0)["2"]) == "amx"
+
+
+def test_goals_are_the_issues_four_on_the_default_backend():
+    rows = [_row("ktfp8 avx2", "fp8_per_channel", 1, 2.0), _row("ktfp8 avx2", "fp8_per_channel", 1, 5.0, threads=1),
+            _row("ktfp8 avx2", "bf16", 1, 3.0), _row("ktfp8 avx2", "fp8_block", 1, 2.0),
+            _row("ktfp8 other", "fp8_per_channel", 1, 1.9),
+            _row("ktfp8 avx2", "fp8_per_channel", 64, 20.0), _row("torch bf16 F.linear", "bf16", 64, 40.0),
+            _row("ktfp8 avx2", "fp8_per_channel", 512, 300.0),
+            _row("kt-kernel AVX2BF16_MOE", "bf16", 512, 1000.0), _row("torch bf16 F.linear", "bf16", 512, 600.0)]
+    goals = report.goals(rows, _limits(), "L", "avx2")
+    measured = [(g["goal"], g["measured"], g["reached"]) for g in goals]
+    floor_1 = 8 * EXPERT_BYTES / 20e9 * 1e3  # ms at 20 GB/s
+    assert measured[0][1:] == (pytest.approx(8 * EXPERT_BYTES / 5e-3 / 10e9), False)  # 1 thread: 75 %
+    assert measured[1][1:] == (pytest.approx(floor_1 / 2.0), True)                     # 2 threads: 94 %
+    assert measured[2][1:] == (pytest.approx(1.5), False)   # FP8 vs BF16: 3.0 / 2.0 < 1.8
+    assert measured[3][1:] == (pytest.approx(1.0), True)    # per-channel as fast as block-wise
+    assert measured[4][1:] == (pytest.approx(20.0 / (64 * EXPERT_BYTES / 20e9 * 1e3)), True)  # 1.32x the floor
+    assert measured[5][1:] == (pytest.approx(2.0), False)   # T=64 vs PyTorch: 40 / 20 < 2.5
+    assert "no AMX" in goals[6]["goal"] and measured[6][1:] == (
+        pytest.approx(2 * 512 * 8 * EXPERT_BYTES / 0.3 / 200e9), True)  # 64 % of the FMA peak
+    assert measured[7][1:] == (None, None) and "AMXBF16_MOE unavailable" in goals[7]["note"]
+    assert "AVX2BF16_MOE: 3.33x" in goals[7]["note"]
+    assert measured[8][1:] == (pytest.approx(2.0), False)   # T=512 vs PyTorch: 600 / 300 < 3
+    assert measured[9][1:] == (pytest.approx(2.0 / 1.9), False) and "ktfp8 other" in goals[9]["note"]
+    assert len(goals) == 10
+    text = report.goals_lines(goals)
+    assert "NOT reached" in text and "not measured" in text and "reached " in text and "<= 1.5x" in text
+    # with AMX the prefill goal is the roofline: max(bytes / bandwidth, FLOPs / AMX peak)
+    lim = _limits(amx=2000.0)
+    amx_rows = [_row("ktfp8 amx", "fp8_per_channel", 512, 100.0, unit="amx", limits=lim)]
+    g = [g for g in report.goals(amx_rows, lim, "L", "amx") if g["goal"].startswith("T=512: fraction")][0]
+    floor_ms = max(64 * EXPERT_BYTES / 20e9, 2 * 512 * 8 * EXPERT_BYTES / 2000e12 * 1e3) * 1e3
+    assert g["measured"] == pytest.approx(floor_ms / 100.0) and g["reached"] is False
+
+
+def test_speedups_pick_the_best_thread_count_of_each_side():
+    rows = [_row("ktfp8 avx2", "fp8_per_channel", 1, 4.0, threads=1), _row("ktfp8 avx2", "fp8_per_channel", 1, 2.0),
+            _row("ktfp8 avx2", "bf16", 1, 3.0), _row("kt-kernel AVX2FP8_MOE", "fp8_block", 1, 5.0, threads=1),
+            _row("kt-kernel AVX2FP8_MOE", "fp8_block", 1, 9.0), _row("torch bf16 F.linear", "bf16", 1, 6.0),
+            _row("numpy fp32 (dequantized)", "fp32", 1, 8.0)]
     ups = {s["peer"]: s for s in report.speedups(rows)}
     assert ups["torch bf16 F.linear"]["same_format"] == pytest.approx(2.0)       # 6 / 3
     assert ups["torch bf16 F.linear"]["fp8_per_channel"] == pytest.approx(3.0)   # 6 / 2
     assert ups["numpy fp32 (dequantized)"]["same_format"] == pytest.approx(4.0)  # vs fp8 per-channel
     assert ups["kt-kernel AVX2FP8_MOE"]["same_format"] is None                   # no ktfp8 fp8_block row
-    limits = {"1": dict(read_gbs=10.0, fma_gflops=100.0), "2": dict(read_gbs=20.0, fma_gflops=200.0)}
-    goals = {g["goal"]: g for g in report.goals(rows, limits, "L")}
-    kt = goals["decode T=1: ktfp8 FP8 per-channel faster than kt-kernel FP8"]
-    assert kt["measured"] == pytest.approx(2.5) and kt["reached"]                # 5 (1 thr) / 2 (2 thr)
-    bw = goals["decode T=1: fraction of measured read bandwidth"]
-    assert bw["measured"] == pytest.approx(1.0 / 20.0) and not bw["reached"]
-    torch_goal = goals["decode T=1: ktfp8 FP8 per-channel faster than PyTorch BF16"]
-    assert torch_goal["measured"] == pytest.approx(3.0) and torch_goal["reached"]
-    assert goals["prefill T=512: ktfp8 FP8 per-channel faster than kt-kernel FP8"]["reached"] is None
-    text = report.goals_lines(list(goals.values()))
-    assert "NOT reached" in text and "not measured" in text
+    assert ups["kt-kernel AVX2FP8_MOE"]["fp8_per_channel"] == pytest.approx(2.5)  # 5 (1 thr) / 2 (2 thr)
 
 
 def _cli(tmp_path, *args):
@@ -162,15 +303,24 @@ def test_cli_writes_json_text_and_plot(tmp_path):
     assert run.returncode == 0, run.stderr
     res = json.loads((tmp_path / "bench-results.json").read_text())
     assert set(res["limits"]) == {"1", "2"}
+    assert res["default_backend"] == ktfp8.available_backends()[0]
     rows = res["results"]
     layer = L.Layer("x", 8, 2, 128, 64)
     ours = [r for r in rows if r["kind"] == "ktfp8"]
+    assert "ktfp8 reference" not in {r["side"] for r in ours} or ktfp8.available_backends() == ["reference"]
     assert {(r["format"], r["threads"], r["tokens"]) for r in ours if r["side"] == "ktfp8 avx2"} >= {
         (f, n, t) for f in L.FORMATS for n in (1, 2) for t in (1, 4, 32)} or "avx2" not in ktfp8.available_backends()
     for r in rows:
+        lim = res["limits"][str(r["threads"])]
         assert r["tflops"] == pytest.approx(layer.flops(r["tokens"]) / (r["ms"] / 1e3) / 1e12, rel=1e-9)
-        assert r["bw_fraction"] == pytest.approx(r["gbs"] / res["limits"][str(r["threads"])]["read_gbs"])
+        assert r["bw_fraction"] == pytest.approx(r["gbs"] / lim["read_gbs"])
+        peak = lim[roofline.UNIT_FIELDS[r["compute_unit"]]]
+        floor_s = max(r["active_bytes"] / (lim["read_gbs"] * 1e9), layer.flops(r["tokens"]) / (peak * 1e9))
+        assert r["roofline_fraction"] == pytest.approx(floor_s / (r["ms"] / 1e3))
         assert r["ms"] == pytest.approx(float(np.median(r["samples_ms"])))
+        # the tiny layer is far below 4x any L3: every side walks the most copies allowed
+        assert r["copies"] == (L.MAX_COPIES if L.l3_bytes() else 1)
+        assert r["walk_bytes"] == r["copies"] * 8 * 3 * 128 * 64 * L.BYTES_PER_WEIGHT[r["format"]]
     for r in ours:
         assert r["rel_err"] < 1e-2
     # every peer either ran or says why not
@@ -180,8 +330,20 @@ def test_cli_writes_json_text_and_plot(tmp_path):
     png = (tmp_path / "bench-results.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     text = (tmp_path / "bench-results.txt").read_text()
-    assert "microseconds per token" in text and "ktfp8 avx2" in text
+    assert "microseconds per token" in text and "of-roof" in text and f"{rows[0]['copies']} distinct cop" in text
+    assert f"ktfp8 {res['default_backend']} *" in text
     assert "bench-results.json" in run.stdout
+
+
+def test_cli_says_up_front_that_the_plot_needs_matplotlib(monkeypatch, capsys, tmp_path):
+    from importlib import util
+    from ktfp8.bench import __main__ as cli
+    real = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_args(["--out", str(tmp_path)])
+    assert exit_.value.code == 2 and "pip install matplotlib, or pass --no-plot" in capsys.readouterr().err
+    assert cli.parse_args(["--out", str(tmp_path), "--no-plot"]).no_plot
 
 
 @pytest.mark.parametrize("args, message", [

@@ -74,3 +74,24 @@ def test_validates_calls_and_close_joins_its_threads():
     assert _threads() == before
     with pytest.raises(RuntimeError, match="closed"):
         side(x[:1], ids[:1], w[:1])
+
+
+def test_layers_share_one_pool_and_the_last_to_close_joins_it():
+    """As KTransformers runs a model's layers on one CPUInfer: no second set of spinning workers."""
+    (a_w, a_dense), (b_w, b_dense) = (make_experts("bf16", E, H, I, seed=s) for s in (6, 7))
+    before = _threads()
+    a = KtKernelMoE(a_w, K, threads=1, max_tokens=4)
+    with_pool = _threads()
+    b = KtKernelMoE(b_w, K, threads=1, max_tokens=4, pool=a, layer_idx=1)
+    assert _threads() == with_pool  # no new workers
+    with pytest.raises(ValueError, match="same thread count"):
+        KtKernelMoE(b_w, K, threads=2, max_tokens=4, pool=a)
+    with pytest.raises(ValueError, match="layer_idx"):
+        KtKernelMoE(b_w, K, threads=1, max_tokens=4, pool=a, layer_idx=-1)
+    x, ids, w = _inputs(3, seed=8)
+    for side, dense in ((a, a_dense), (b, b_dense), (a, a_dense)):
+        assert nmse(side(x, ids, w), moe_fp64(x.astype(np.float64), ids, w, *dense)) < 1e-4
+    a.close()  # the layer that built the pool first: b still runs on it
+    assert nmse(b(x, ids, w), moe_fp64(x.astype(np.float64), ids, w, *b_dense)) < 1e-4
+    b.close()
+    assert _threads() == before

@@ -12,10 +12,14 @@ extern "C" {
 
 /* Reads bytes (a multiple of 128) of buf once, spread over threads; returns a checksum. */
 uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads);
-/* Runs iters rounds of independent FP32 FMAs (AVX2) per thread; returns the flops done (0: no AVX2). */
+/* Runs iters rounds of independent FP32 FMAs (AVX2, ymm) per thread; returns the flops done (0: no AVX2). */
 double ktfp8_probe_fma(int64_t iters, int threads);
+/* Same on zmm (AVX-512F); returns the flops done (0: no AVX-512). */
+double ktfp8_probe_fma512(int64_t iters, int threads);
 /* Same with vdpbf16ps (AVX-512-BF16); returns the flops done (0: not available). */
 double ktfp8_probe_dpbf16(int64_t iters, int threads);
+/* Same with AMX tdpbf16ps on 4 C tiles per thread; returns the flops done (0: AMX not usable here). */
+double ktfp8_probe_tdpbf16(int64_t iters, int threads);
 
 #ifdef __cplusplus
 }

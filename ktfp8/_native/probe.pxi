@@ -5,7 +5,9 @@ from libc.stdint cimport uint64_t
 cdef extern from "ktfp8/probe.h":
     uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads) nogil
     double ktfp8_probe_fma(int64_t iters, int threads) nogil
+    double ktfp8_probe_fma512(int64_t iters, int threads) nogil
     double ktfp8_probe_dpbf16(int64_t iters, int threads) nogil
+    double ktfp8_probe_tdpbf16(int64_t iters, int threads) nogil
 
 
 def probe_read(buf, int threads):
@@ -22,8 +24,22 @@ def probe_fma(int64_t iters, int threads):
     return flops
 
 
+def probe_fma512(int64_t iters, int threads):
+    """FP32 FMA flops done on zmm (0.0 when this CPU has no AVX-512)."""
+    with nogil:
+        flops = ktfp8_probe_fma512(iters, threads)
+    return flops
+
+
 def probe_dpbf16(int64_t iters, int threads):
     """vdpbf16ps flops done (0.0 when this CPU has no AVX-512-BF16)."""
     with nogil:
         flops = ktfp8_probe_dpbf16(iters, threads)
+    return flops
+
+
+def probe_tdpbf16(int64_t iters, int threads):
+    """AMX tdpbf16ps flops done (0.0 when AMX tiles are not usable here)."""
+    with nogil:
+        flops = ktfp8_probe_tdpbf16(iters, threads)
     return flops

@@ -1,7 +1,9 @@
-/* AVX2 probes: streaming read bandwidth and FP32 FMA peak. */
+/* AVX2 probes: streaming read bandwidth and the FP32 FMA peak on ymm. */
 #include "ktfp8/probe.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/variant.h"
+#define KTFP8_PROBE_FMA_BYTES 32 /* ymm */
+#include "ktfp8/probe_fma.h"
 
 uint64_t KTFP8_SYM(ktfp8_probe_read)(const void *buf, size_t bytes, int threads) {
     const uint8_t *b = (const uint8_t *)buf;
@@ -23,21 +25,4 @@ uint64_t KTFP8_SYM(ktfp8_probe_read)(const void *buf, size_t bytes, int threads)
     return total;
 }
 
-double KTFP8_SYM(ktfp8_probe_fma)(int64_t iters, int threads) {
-    float sink = 0.0f;
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-    {
-        /* 12 independent chains: more than latency (4-5) x ports (2) needs */
-        __m256 acc[12];
-        const __m256 m = _mm256_set1_ps(0.999999f), a = _mm256_set1_ps(1e-7f);
-        for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_ps((float)i);
-        for (int64_t it = 0; it < iters; it++)
-#pragma GCC unroll 12
-            for (int i = 0; i < 12; i++) acc[i] = _mm256_fmadd_ps(acc[i], m, a);
-        for (int i = 1; i < 12; i++) acc[0] = _mm256_add_ps(acc[0], acc[i]);
-        float out[8];
-        _mm256_storeu_ps(out, acc[0]);
-        sink += out[0];
-    }
-    return sink != sink ? 0.0 : (double)iters * 12 * 16 * threads; /* 8 lanes x 2 flops per FMA */
-}
+double KTFP8_SYM(ktfp8_probe_fma)(int64_t iters, int threads) { return ktfp8_probe_fma_loop(iters, threads); }

@@ -1,10 +1,13 @@
 """python -m ktfp8.bench [--quick]: ktfp8 beside kt-kernel, PyTorch and NumPy on this machine.
 
-Prints the results table, ktfp8's speed-ups, scaling tables and the goals, and writes
-bench-results.json, bench-results.txt and bench-results.png into --out (default: this folder)."""
+Prints the results table (fractions of the measured roofline), ktfp8's speed-ups, scaling tables and
+the goals, and writes bench-results.json, bench-results.txt and bench-results.png into --out (default:
+this folder).  Every side walks distinct copies of the layer totalling at least 4x the L3 cache, as a
+model's forward walks its layers, so weights come from DRAM."""
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -16,7 +19,7 @@ from . import layers as L
 from . import report
 from .run import Plan, Runner
 
-QUICK = dict(tokens=[1, 4, 16, 64, 512], layers=["bench"], case_seconds=3.0, max_call_seconds=20.0,
+QUICK = dict(tokens=[1, 4, 16, 64, 512], layers=["bench"], case_seconds=2.0, max_call_seconds=10.0,
              read_buffer_bytes=1 << 28)
 FULL = dict(tokens=[1, 4, 16, 64, 512, 2048], layers=["bench", "deepseek-v3"], case_seconds=20.0,
             max_call_seconds=30.0, read_buffer_bytes=1 << 30)
@@ -57,9 +60,12 @@ def parse_args(argv):
     p.add_argument("--tokens", type=_int_list, help="token counts T, e.g. 1,4,16,64,512,2048")
     p.add_argument("--threads", type=_int_list, help=f"thread counts (default 1 and all: 1,{os.cpu_count()})")
     p.add_argument("--formats", type=lambda s: s.split(","), help=f"subset of {','.join(L.FORMATS)}")
-    p.add_argument("--backends", type=lambda s: s.split(","), help="ktfp8 backends (default: every usable one)")
+    p.add_argument("--backends", type=lambda s: s.split(","),
+                   help="ktfp8 backends (default: every usable one but the scalar 'reference')")
     p.add_argument("--no-peers", action="store_true", help="time ktfp8 only")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    p.add_argument("--all-backends", action="store_true",
+                   help="plot every ktfp8 backend timed (default: the default backend and the peers)")
     p.add_argument("--out", default=".", help="folder for bench-results.{json,txt,png} (default: here)")
     args = p.parse_args(argv)
     for f in args.formats or []:
@@ -71,6 +77,8 @@ def parse_args(argv):
             p.error(f"--backends: {b!r} is not usable here; usable: {', '.join(usable)}")
     if not os.path.isdir(args.out):
         p.error(f"--out: {args.out!r} is not a folder")
+    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the run
+        p.error("the plot needs matplotlib, which is not installed: pip install matplotlib, or pass --no-plot")
     return args
 
 
@@ -81,15 +89,23 @@ def make_plan(args):
                 tokens=sorted(set(args.tokens or preset["tokens"])),
                 threads=sorted(set(args.threads or [1, cores])),
                 formats=tuple(args.formats or L.FORMATS),
-                backends=args.backends or backends.available_backends(),
+                backends=args.backends or _default_backends(),
                 peers=not args.no_peers, case_seconds=preset["case_seconds"],
                 max_call_seconds=preset["max_call_seconds"],
                 read_buffer_bytes=preset["read_buffer_bytes"])
 
 
+def _default_backends():
+    """Every usable backend but the scalar reference (the oracle, never a contender) unless it is the
+    default one."""
+    default = backends.resolve_backend(None)
+    return [b for b in backends.available_backends() if b != "reference" or b == default]
+
+
 def _machine():
     info = cpu.report()
     return dict(cpu=info["cpu"], cores=os.cpu_count(), ram_gb=round(L.ram_bytes() / 2**30, 1),
+                l3_mib=round((L.l3_bytes() or 0) / 2**20, 1),
                 flags=[k for k, v in info["flags"].items() if v], usable_backends=info["usable_backends"],
                 python=platform.python_version(), platform=platform.platform())
 
@@ -117,18 +133,24 @@ def main(argv=None):
     limits = {str(n): dataclasses.asdict(r) for n, r in runner.limits.items()}
     rows = runner.results
     goal_layer = L.BENCH_LAYER.name if any(r["layer"] == L.BENCH_LAYER.name for r in rows) else None
-    goal_rows = report.goals(rows, limits, goal_layer) if goal_layer else []
+    default = backends.resolve_backend(None)
+    goal_rows = report.goals(rows, limits, goal_layer, default) if goal_layer else []
     results = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        ktfp8=__version__, machine=_machine(), versions=runner.versions, limits=limits,
+        ktfp8=__version__, machine=_machine(), versions=runner.versions, limits=limits, default_backend=default,
         layers=[dataclasses.asdict(layer) for layer in plan.layers],
         plan=dict(tokens=plan.tokens, threads=plan.threads, formats=list(plan.formats), backends=plan.backends,
-                  peers=plan.peers, quick=args.quick),
-        timing=("median wall time of one call (routing freshly drawn per call, one warm-up call first); "
-                "kt-kernel: submit + sync of one forward_task, its worker pool built per thread count"),
+                  peers=plan.peers, quick=args.quick, walk_bytes=plan.walk_bytes,
+                  walk_memory_bytes=plan.walk_memory_bytes, all_backends=args.all_backends),
+        timing=("median wall time of one call (routing freshly drawn per call, calls walking the side's "
+                "copies of the layer in turn, one warm-up call first); kt-kernel: submit + sync of one "
+                "forward_task, its worker pool (shared by its copies) built per thread count"),
         results=rows, skipped=runner.skipped, speedups=report.speedups(rows), goals=goal_rows)
+    machine = results["machine"]
+    header = (f"{machine['cpu']}: {machine['cores']} cores, L3 {machine['l3_mib']:.0f} MiB, {machine['ram_gb']} GiB; "
+              f"ktfp8 {__version__}, {results['date']}")
     text = "\n\n".join(part for part in (
-        report.results_table(rows, limits), report.scaling_table(rows),
+        header, report.results_table(rows, limits, default), report.scaling_table(rows),
         report.goals_lines(goal_rows) if goal_rows else "",
         "skipped:\n" + "\n".join(f"  {s['side']} [{s['format']}] on {s['layer']}: {s['reason']}"
                                  for s in runner.skipped) if runner.skipped else "") if part)
@@ -138,7 +160,8 @@ def main(argv=None):
     written = ["bench-results.json", "bench-results.txt"]
     if not args.no_plot:
         from . import plot
-        _write_atomically(os.path.join(args.out, "bench-results.png"), lambda f: plot.save(results, f))
+        _write_atomically(os.path.join(args.out, "bench-results.png"),
+                          lambda f: plot.save(results, f, all_backends=args.all_backends))
         written.append("bench-results.png")
     print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}")
     return 0

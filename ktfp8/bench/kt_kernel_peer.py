@@ -129,10 +129,15 @@ class KtKernelMoE:
     kt-kernel pins compute thread i to core i and adds a dispatcher thread that busy-waits through
     every call (so `threads` = 1 keeps two cores busy). Workers spin 50 ms after a call, then poll
     every 1 ms; close() joins them all. kt-kernel keeps a private copy of the weights after load,
-    so `experts` may be freed afterwards. Not safe to call from two Python threads at once."""
-    kind = "peer"
+    so `experts` may be freed afterwards. Not safe to call from two Python threads at once.
 
-    def __init__(self, experts, top_k, threads, max_tokens):
+    `pool`: another KtKernelMoE whose worker pool this layer shares, as KTransformers runs every layer
+    of a model on one CPUInfer (separate pools would spin beside each other); `layer_idx` tells the
+    layers apart."""
+    kind = "peer"
+    threads_fixed = True  # the pool's thread count is set when it is built
+
+    def __init__(self, experts, top_k, threads, max_tokens, pool=None, layer_idx=0):
         if not isinstance(experts, ExpertWeights):
             raise TypeError(f"experts must be ktfp8.experts.ExpertWeights, got {type(experts).__name__}")
         for label, value in (("top_k", top_k), ("threads", threads), ("max_tokens", max_tokens)):
@@ -140,6 +145,11 @@ class KtKernelMoE:
                 raise ValueError(f"{label} must be a positive int, got {value!r}")
         if top_k > experts.expert_num:
             raise ValueError(f"top_k={top_k} exceeds expert_num={experts.expert_num}")
+        if not isinstance(layer_idx, (int, np.integer)) or isinstance(layer_idx, bool) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
+        if pool is not None and (not isinstance(pool, KtKernelMoE) or pool._cpu_infer is None
+                                 or pool.threads != threads):
+            raise ValueError("pool must be an open KtKernelMoE built for the same thread count")
         ext = _import_kt_kernel().kt_kernel_ext
         self.version = kt_kernel_version()
         self.threads = int(threads)
@@ -157,15 +167,18 @@ class KtKernelMoE:
         self._moe = self._cpu_infer = None
 
         with _quiet_stdout(), _kt_kernel_fp_mode():
-            pool_config = ext.WorkerPoolConfig()
-            pool_config.subpool_count = 1
-            pool_config.subpool_numa_map = [0]
-            pool_config.subpool_thread_count = [int(threads)]
-            self._cpu_infer = ext.CPUInfer(pool_config)
+            if pool is None:
+                pool_config = ext.WorkerPoolConfig()
+                pool_config.subpool_count = 1
+                pool_config.subpool_numa_map = [0]
+                pool_config.subpool_thread_count = [int(threads)]
+                self._cpu_infer = ext.CPUInfer(pool_config)
+            else:
+                self._cpu_infer = pool._cpu_infer
             # kt-kernel reads the mask (experts living on a GPU: none) at every forward: keep it alive
             self._gpu_mask = np.zeros(E, np.bool_)
             config = ext.moe.MOEConfig(E, self._top_k, H, I, self._gpu_mask.ctypes.data)
-            config.layer_idx = 0
+            config.layer_idx = int(layer_idx)
             config.pool = self._cpu_infer.backend_
             config.max_len = self._max_tokens  # sizes its scratch; a longer batch overruns it
             code = _BF16 if experts.format == "bf16" else np.uint8
@@ -223,7 +236,8 @@ class KtKernelMoE:
         return self._out[:T].copy()
 
     def close(self):
-        """Frees kt-kernel's weight copy and joins its worker threads (layer before its pool)."""
+        """Frees kt-kernel's weight copy, then its worker pool unless another layer still shares it
+        (the layer goes before its pool; the last layer to close joins the workers)."""
         if self._cpu_infer is None:
             return
         with _quiet_stdout():

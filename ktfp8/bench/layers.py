@@ -1,4 +1,5 @@
 """The layers the benchmark runs, their random weights, and the routing each timed call uses."""
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ from ..experts import ExpertWeights
 FORMATS = ("fp8_per_channel", "fp8_block", "bf16")
 BYTES_PER_WEIGHT = {"fp8_per_channel": 1, "fp8_block": 1, "bf16": 2, "fp32": 4}
 BLOCK = 128  # DeepSeek-V3's block-wise FP8 uses 128x128 blocks
+WALK_L3_MULTIPLE = 4  # the copies of a layer a benchmark walks total at least this many L3s
+MAX_COPIES = 8        # ... but no more copies than this (a tiny layer would need thousands)
 
 
 @dataclass(frozen=True)
@@ -78,21 +81,77 @@ def activations(layer, tokens, seed=0):
     return np.random.default_rng(seed).standard_normal((tokens, layer.hidden)).astype(ml_dtypes.bfloat16)
 
 
-def routing_rounds(layer, tokens, rounds, seed=0):
-    """`rounds` (topk_ids, topk_weights) draws, one per timed call, each token picking top_k distinct
-    experts.  So that a call never finds its weights in cache, a call that touches at most half the
-    experts draws them from the half the previous call did not use; larger calls draw from all of
-    them (the whole layer, far beyond L3, is then streamed every call)."""
+def routing_rounds(layer, tokens, rounds, seed=0, copies=1):
+    """`rounds` draws (topk_ids, topk_weights, copy), one per timed call, each token picking top_k
+    distinct experts, so that no call finds its weights in cache, as in a model's forward:
+
+    - calls walk `copies` distinct copies of the layer in turn (copy = call number % copies), as a
+      forward walks its layers;
+    - within a copy, the experts are split into g = E // (tokens * top_k) disjoint pools (at least 1),
+      visited in turn, and a call draws only from its pool: at T=1 on 64 experts, top-8, each call
+      reads 8 experts no call of the last 8 * copies has read.  So an expert's weights are read again
+      only after about the whole walk (copies x the layer) has been streamed."""
     rng = np.random.default_rng(seed)
     E, k = layer.experts, layer.top_k
-    half = tokens * k <= E // 2 and k <= E // 2
+    pools = max(1, E // (tokens * k))
+    size = E // pools
+    order = rng.permutation(E)  # the pools: a random partition, so a call's experts lie apart in memory
     draws = []
     for r in range(rounds):
-        pool = (np.arange(E // 2) + (r % 2) * (E // 2)) if half else np.arange(E)
+        first = ((r // copies) % pools) * size
+        pool = order[first:first + size]
         ids = np.stack([rng.permutation(pool)[:k] for _ in range(tokens)]).astype(np.int64)
         w = rng.random((tokens, k)).astype(np.float32)
-        draws.append((ids, w / w.sum(axis=1, keepdims=True)))
+        draws.append((ids, w / w.sum(axis=1, keepdims=True), r % copies))
     return draws
+
+
+def l3_bytes():
+    """Total bytes of the distinct L3 caches this machine reports (sysfs), else glibc's figure for one
+    L3, else None."""
+    sizes = {}
+    base = "/sys/devices/system/cpu"
+    for cpu in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        caches = os.path.join(base, cpu, "cache")
+        if not (cpu.startswith("cpu") and cpu[3:].isdigit() and os.path.isdir(caches)):
+            continue
+        for index in os.listdir(caches):
+            try:
+                with open(os.path.join(caches, index, "level")) as f:
+                    if f.read().strip() != "3":
+                        continue
+                with open(os.path.join(caches, index, "size")) as f:
+                    size = _size_bytes(f.read().strip())
+                with open(os.path.join(caches, index, "shared_cpu_list")) as f:
+                    sizes[f.read().strip()] = size  # one entry per L3 instance
+            except (OSError, ValueError):
+                continue
+    if sizes:
+        return sum(sizes.values())
+    try:
+        return os.sysconf("SC_LEVEL3_CACHE_SIZE") or None
+    except (ValueError, OSError):
+        return None
+
+
+def _size_bytes(text):
+    """sysfs cache sizes: '32768K', '2M', '300M' or plain bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+def copies_for(walk_bytes, copy_bytes, memory_bytes, max_copies=MAX_COPIES):
+    """How many copies of a layer (copy_bytes each) a benchmark walks: enough that they total at
+    least `walk_bytes`, within `memory_bytes` and `max_copies`; at least 1."""
+    wanted = -(-int(walk_bytes) // max(1, int(copy_bytes)))
+    return max(1, min(wanted, int(memory_bytes) // max(1, int(copy_bytes)), max_copies))
+
+
+def copied(experts):
+    """The same weights in memory of their own (a second layer with identical values)."""
+    arrays = {f.name: getattr(experts, f.name) for f in dataclasses.fields(experts)}
+    return ExpertWeights(**{k: np.array(v, copy=True) if isinstance(v, np.ndarray) else v
+                            for k, v in arrays.items()})
 
 
 def active_weight_bytes(layer, ids, fmt):

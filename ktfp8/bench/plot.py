@@ -1,7 +1,14 @@
-"""The benchmark plot (matplotlib, PNG): per layer, effective bandwidth and TFLOP/s against T for every
-side at its best thread count with the machine's measured limits as lines, time per token against T,
-and the speed-up all threads give over one."""
+"""The benchmark plot (matplotlib, PNG), one row per layer, each side at its best thread count:
+time per token against T (log-log) with the memory and compute floors drawn, and each side's
+fraction of its roofline against T.  ktfp8 shows its default backend (every backend with
+all_backends); peers are all shown."""
 from . import report
+
+# line style by weight format, colour by side: a side's formats share a colour
+FORMAT_STYLE = {"fp8_per_channel": "-", "fp8_block": "--", "bf16": "-.", "fp32": ":"}
+FORMAT_LABEL = {"fp8_per_channel": "FP8 per-channel", "fp8_block": "FP8 block", "bf16": "BF16", "fp32": "FP32"}
+KTFP8_COLOURS = ("#1f4e99", "#2e8b57", "#6a3d9a", "#8c564b", "#17becf")
+PEER_COLOURS = ("#d62728", "#ff7f0e", "#e377c2", "#bcbd22", "#7f7f7f", "#9467bd")
 
 
 def _matplotlib():
@@ -14,72 +21,87 @@ def _matplotlib():
     return plt
 
 
-def _series(rows, value):
-    """(side, format) -> sorted [(T, value)]."""
+def _shown(rows, default, all_backends):
+    """The rows drawn: every peer, and ktfp8's default backend (every backend with all_backends)."""
+    return [r for r in rows if r["kind"] == "peer" or all_backends or r["side"] == f"ktfp8 {default}"]
+
+
+def _colours(rows, default):
+    ours = sorted({r["side"] for r in rows if r["kind"] == "ktfp8"}, key=lambda s: (s != f"ktfp8 {default}", s))
+    peers = sorted({r["side"] for r in rows if r["kind"] == "peer"})
+    colours = {s: KTFP8_COLOURS[i % len(KTFP8_COLOURS)] for i, s in enumerate(ours)}
+    colours.update({s: PEER_COLOURS[i % len(PEER_COLOURS)] for i, s in enumerate(peers)})
+    return colours
+
+
+def _series(rows):
+    """(side, format) -> sorted rows, ktfp8 first."""
     out = {}
     for r in rows:
-        out.setdefault((r["side"], r["format"]), []).append((r["tokens"], value(r)))
-    return {k: sorted(v) for k, v in sorted(out.items(), key=lambda kv: (report._side_order(kv[0][0]), kv[0][1]))}
+        out.setdefault((r["side"], r["format"]), []).append(r)
+    order = sorted(out, key=lambda k: (report._side_order(k[0]), list(FORMAT_STYLE).index(k[1])))
+    return {k: sorted(out[k], key=lambda r: r["tokens"]) for k in order}
 
 
-def _style(side, fmt, colors):
-    """ktfp8 solid with circles, peers dashed with squares; one colour per (side, format) in all panels."""
-    mine = side.startswith("ktfp8")
-    return dict(color=colors[(side, fmt)], linestyle="-" if mine else "--", marker="o" if mine else "s",
-                markersize=4, label=f"{side} [{fmt}]")
+def _floors(rows, limits, default):
+    """Floors per token (microseconds) of the default backend's FP8 per-channel and BF16 rows against
+    the machine's best limits: [(label, style, [(T, us)])]."""
+    lines = []
+    for fmt, style in (("fp8_per_channel", "--"), ("bf16", "-.")):
+        mine = [r for r in rows if r["side"] == f"ktfp8 {default}" and r["format"] == fmt]
+        if mine:
+            pts = [(r["tokens"], report.machine_floor_ms(r, limits)[0] * 1e3 / r["tokens"]) for r in mine]
+            lines.append((f"memory floor, {FORMAT_LABEL[fmt]}", style, sorted(pts)))
+    mine = [r for r in rows if r["side"] == f"ktfp8 {default}" and r["format"] == "fp8_per_channel"]
+    if mine:
+        unit = mine[0]["compute_unit"]
+        pts = [(r["tokens"], report.machine_floor_ms(r, limits)[1] * 1e3 / r["tokens"]) for r in mine]
+        lines.append((f"compute floor, {report.roofline.UNIT_NAMES[unit]} peak", ":", sorted(pts)))
+    return lines
 
 
-def save(results, out):
+def save(results, out, all_backends=False):
     """Writes the PNG to `out`, a path or a binary file."""
     plt = _matplotlib()
     rows, limits = results["results"], results["limits"]
+    default = results.get("default_backend") or next((r["side"][6:] for r in rows if r["kind"] == "ktfp8"), "")
     layers = list(dict.fromkeys(r["layer"] for r in rows))
-    fig, axes = plt.subplots(len(layers), 4, figsize=(24, 5.5 * len(layers)), squeeze=False)
-    all_threads = max(limits, key=int)
-    keys = sorted({(r["side"], r["format"]) for r in rows}, key=lambda k: (report._side_order(k[0]), k[1]))
-    palette = plt.get_cmap("tab20").colors
-    colors = {k: palette[i % len(palette)] for i, k in enumerate(keys)}
-    for layer, ax in zip(layers, axes):
-        mine = [r for r in rows if r["layer"] == layer]
-        best = report.best_threads(mine)
-        panels = [
-            (ax[0], _series(best, lambda r: r["gbs"]), "effective bandwidth (GB/s): active weight bytes / time",
-             [(lim["read_gbs"], f"measured read, {n} thr") for n, lim in limits.items()]),
-            (ax[1], _series(best, lambda r: r["tflops"]), "TFLOP/s",
-             [(lim["fma_gflops"] / 1e3, f"FP32 FMA peak, {n} thr") for n, lim in limits.items()]
-             + [(lim["dpbf16_gflops"] / 1e3, f"vdpbf16ps peak, {n} thr") for n, lim in limits.items()
-                if lim.get("dpbf16_gflops")]),
-            (ax[2], _series(best, lambda r: r["ms"] * 1e3 / r["tokens"]), "microseconds per token", []),
-        ]
-        for axis, series, ylabel, lines in panels:
-            for (side, fmt), pts in series.items():
-                axis.plot([t for t, _ in pts], [v for _, v in pts], **_style(side, fmt, colors))
-            for value, label in lines:
-                axis.axhline(value, color="grey", linewidth=1, linestyle=":" if str(label).endswith(" 1 thr") else "-")
-                axis.annotate(label, (1, value), xycoords=("axes fraction", "data"), ha="right", va="bottom",
-                              fontsize=7, color="dimgrey")
-            axis.set(xscale="log", yscale="log", xlabel="tokens T", ylabel=ylabel)
-            axis.grid(True, which="both", alpha=0.3)
-        _thread_speedup(ax[3], mine, all_threads, colors)
-        ax[0].set_title(f"{layer} (each side at its best thread count)", loc="left", fontsize=10)
-        ax[3].set_title("thread scaling", loc="left", fontsize=10)
-    handles = {h.get_label(): h for a in axes.ravel() for h in a.get_lines() if not h.get_label().startswith("_")}
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.04 + 0.02 * (len(handles) // 4), 1, 1))
+    fig, axes = plt.subplots(len(layers), 2, figsize=(15, 5.2 * len(layers)), squeeze=False)
+    colours = _colours(rows, default)
+    for layer, (time_ax, roof_ax) in zip(layers, axes):
+        best = report.best_threads([r for r in rows if r["layer"] == layer])
+        for (side, fmt), pts in _series(_shown(best, default, all_backends)).items():
+            mine = side.startswith("ktfp8")
+            name = side + (" (default)" if side == f"ktfp8 {default}" else "")
+            style = dict(color=colours[side], linestyle=FORMAT_STYLE.get(fmt, "-"), marker="o" if mine else "s",
+                         linewidth=2.4 if mine else 1.3, markersize=5 if mine else 3.5,
+                         label=f"{name} · {FORMAT_LABEL.get(fmt, fmt)}")
+            T = [r["tokens"] for r in pts]
+            time_ax.plot(T, [r["ms"] * 1e3 / r["tokens"] for r in pts], **style)
+            roof_ax.plot(T, [100 * r["roofline_fraction"] for r in pts], **style)
+        for label, style, pts in _floors(best, limits, default):
+            time_ax.plot([t for t, _ in pts], [v for _, v in pts], color="black", linewidth=1.1, linestyle=style,
+                         alpha=0.6, label=label)
+        time_ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="microseconds per token (lower is better)")
+        time_ax.set_title(f"{layer}: time per token", loc="left", fontsize=10)
+        roof_ax.axhline(100, color="black", linewidth=1, alpha=0.6)
+        roof_ax.set(xscale="log", xlabel="tokens T", ylabel="% of the roofline (higher is better)",
+                    ylim=(0, max(110, 10 + max((100 * r["roofline_fraction"] for r in best), default=0))))
+        roof_ax.set_title("fraction of the roofline: max(bytes / read bandwidth, FLOPs / unit peak) / time",
+                          loc="left", fontsize=10)
+        for ax in (time_ax, roof_ax):
+            ax.grid(True, which="both", alpha=0.3)
+    handles = {}
+    for ax in axes.ravel():
+        for h in ax.get_lines():
+            if not h.get_label().startswith("_"):
+                handles.setdefault(h.get_label(), h)
+    fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(0.76, 0.5), fontsize=8.5,
+               frameon=False)
+    fig.suptitle(f"{results.get('machine', {}).get('cpu', '')}: each side at its best thread count; "
+                 f"weights from DRAM", fontsize=10, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 0.76, 0.97))
     try:
-        fig.savefig(out, dpi=110, format="png")
+        fig.savefig(out, dpi=100, format="png")
     finally:
         plt.close(fig)
-
-
-def _thread_speedup(axis, rows, all_threads, colors):
-    one = {(r["side"], r["format"], r["tokens"]): r["ms"] for r in rows if int(r["threads"]) == 1}
-    many = [r for r in rows if str(r["threads"]) == str(all_threads)]
-    ratios = [dict(r, ratio=one[(r["side"], r["format"], r["tokens"])] / r["ms"]) for r in many
-              if (r["side"], r["format"], r["tokens"]) in one]
-    for (side, fmt), pts in _series(ratios, lambda r: r["ratio"]).items():
-        axis.plot([t for t, _ in pts], [v for _, v in pts], **_style(side, fmt, colors))
-    axis.axhline(float(all_threads), color="grey", linewidth=1)
-    axis.set(xscale="log", xlabel="tokens T", ylabel=f"speed-up of {all_threads} threads over 1",
-             ylim=(0, float(all_threads) * 1.25))
-    axis.grid(True, which="both", alpha=0.3)

@@ -1,5 +1,8 @@
-"""Turns a run's rows into what a user reads: the results table (each side at its best thread count),
-ktfp8's speed-up over every peer, time-per-token scaling over T and threads, and the issue's goals."""
+"""Turns a run's rows into what a user reads: the results table (each side at its best thread count,
+with its fraction of the roofline), ktfp8's speed-up over every peer, time-per-token scaling over T
+and threads, and the goals."""
+
+from .. import roofline
 
 PC = "fp8_per_channel"
 
@@ -42,29 +45,54 @@ def _x(v):
     return f"{v:6.2f}x" if v is not None else "     - "
 
 
-def results_table(rows, limits):
-    """Text table of the best-thread rows, layer by layer, with ktfp8's speed-ups on peer rows."""
+def results_table(rows, limits, default=None):
+    """Text table of the best-thread rows, layer by layer, with ktfp8's speed-ups on peer rows; the
+    default backend's rows are marked *."""
     ups = {(s["layer"], s["peer"], s["format"], s["tokens"]): s for s in speedups(rows)}
     lines = []
     for layer in _ordered(r["layer"] for r in rows):
         lines.append(f"{layer}")
-        lines.append(f"{'side':28s} {'format':15s} {'T':>5s} {'thr':>3s} {'ms':>9s} {'GB/s':>6s} {'of-bw':>5s} "
-                     f"{'TFLOP/s':>7s} {'of-peak':>7s} {'err':>7s}  ktfp8 speed-up: same fmt / fp8-pc")
+        lines.append(f"{'side':30s} {'format':15s} {'T':>5s} {'thr':>3s} {'ms':>9s} {'GB/s':>6s} {'of-bw':>5s} "
+                     f"{'TFLOP/s':>7s} {'unit':>6s} {'of-peak':>7s} {'floor':>8s} {'of-roof':>7s} {'err':>7s}"
+                     f"  ktfp8 speed-up: same fmt / fp8-pc")
         for r in sorted((r for r in best_threads(rows) if r["layer"] == layer), key=_row_order):
             s = ups.get((layer, r["side"], r["format"], r["tokens"]))
             tail = f"  {_x(s['same_format'])} / {_x(s['fp8_per_channel'])}" if s else ""
-            lines.append(f"{r['side']:28s} {r['format']:15s} {r['tokens']:5d} {r['threads']:3d} {r['ms']:9.2f} "
-                         f"{r['gbs']:6.1f} {r['bw_fraction']:5.0%} {r['tflops']:7.3f} {r['peak_fraction']:7.0%} "
+            name = r["side"] + (" *" if default and r["side"] == f"ktfp8 {default}" else "")
+            floor = max(r["memory_floor_ms"], r["compute_floor_ms"])
+            lines.append(f"{name:30s} {r['format']:15s} {r['tokens']:5d} {r['threads']:3d} {r['ms']:9.2f} "
+                         f"{r['gbs']:6.1f} {r['bw_fraction']:5.0%} {r['tflops']:7.3f} {r['compute_unit']:>6s} "
+                         f"{r['peak_fraction']:7.0%} {floor:8.2f} {r['roofline_fraction']:7.0%} "
                          f"{r['rel_err']:7.1e}{tail}")
         lines.append("")
-    lines += limits_lines(limits)
+    if default:
+        lines.append(f"* the default backend (what MoE() picks with no backend=): {default}")
+    lines.append("of-peak: TFLOP/s / the measured peak of the side's unit (peers: the fastest unit here); "
+                 "floor: max(active bytes / read bandwidth, FLOPs / that peak) in ms at the row's thread count; "
+                 "of-roof: floor / ms")
+    lines += walk_lines(rows) + limits_lines(limits)
     return "\n".join(lines)
 
 
+def walk_lines(rows):
+    """How many distinct copies of the layer each side walked, once per (layer, format, side)."""
+    seen = {}
+    for r in rows:
+        if r.get("walk_bytes"):
+            seen.setdefault((r["layer"], r["side"], r["format"]), (r["copies"], r["walk_bytes"]))
+    walks = sorted({(layer, fmt, copies, nbytes) for (layer, _, fmt), (copies, nbytes) in seen.items()})
+    return [f"weights walked in turn: {layer} [{fmt}]: {copies} distinct cop{'y' if copies == 1 else 'ies'} of the "
+            f"layer, {nbytes / 1e6:.0f} MB" for layer, fmt, copies, nbytes in walks]
+
+
 def limits_lines(limits):
-    return [f"measured limits, {n} thread(s): read {lim['read_gbs']:.1f} GB/s, FP32 FMA {lim['fma_gflops']:.0f} GFLOP/s"
-            + (f", vdpbf16ps {lim['dpbf16_gflops']:.0f} GFLOP/s" if lim.get("dpbf16_gflops") else "")
-            for n, lim in sorted(limits.items(), key=lambda kv: int(kv[0]))]
+    lines = []
+    for n, lim in sorted(limits.items(), key=lambda kv: int(kv[0])):
+        units = ", ".join(f"{roofline.UNIT_NAMES[u]} {lim[f]:.0f} GFLOP/s" for u, f in roofline.UNIT_FIELDS.items()
+                          if lim.get(f))
+        lines.append(f"measured limits, {n} thread(s): read {lim['read_gbs']:.1f} GB/s"
+                     + (f", {units}" if units else ""))
+    return lines
 
 
 def scaling_table(rows):
@@ -87,56 +115,112 @@ def scaling_table(rows):
     return "\n".join(lines)
 
 
-def goals(rows, limits, layer):
-    """The issue's targets on the benchmark layer, each at the best thread count of each side."""
-    best = [r for r in best_threads(rows) if r["layer"] == layer]
+def machine_floor_ms(row, limits):
+    """(memory, compute) floor in ms of a row against the machine's best figures over every thread
+    count measured (the bus with all threads, the peak of the row's unit)."""
+    best = {"read_gbs": max(lim["read_gbs"] for lim in limits.values())}
+    for field in roofline.UNIT_FIELDS.values():
+        best[field] = max((lim.get(field) or 0.0) for lim in limits.values()) or None
+    memory_s, compute_s = roofline.floor_seconds(best, row["active_bytes"], row["flops"], row["compute_unit"])
+    return memory_s * 1e3, compute_s * 1e3
 
-    def ours(T, fmt=PC):
-        return _ktfp8_best(best, layer, fmt, T)
 
-    def peer(T, prefix, fmt=None):
-        found = [r for r in best if r["kind"] == "peer" and r["side"].startswith(prefix) and r["tokens"] == T
-                 and (fmt is None or r["format"] == fmt)]
-        return min(found, key=lambda r: r["ms"]) if found else None
-
-    def kt_fp8(T):  # the per-channel class where kt-kernel has it, else its fastest FP8 class here
-        return peer(T, "kt-kernel", PC) or peer(T, "kt-kernel", "fp8_block")
-
+def goals(rows, limits, layer, default):
+    """The goals of issue 11 on the benchmark layer for the default backend `default`, FP8
+    per-channel, each side at its best thread count unless a goal names the thread count."""
+    mine = f"ktfp8 {default}"
+    layer_rows = [r for r in rows if r["layer"] == layer]
+    best = best_threads(layer_rows)
+    has_amx = any(lim.get("amx_gflops") for lim in limits.values())
     out = []
 
-    def ratio_goal(text, target, a, b, peer_name):
-        if a is None or b is None:
-            missing = "ktfp8 FP8 per-channel" if a is None else peer_name
-            out.append(dict(goal=text, target=target, measured=None, reached=None, note=f"no {missing} row at this T"))
-            return
-        v = b["ms"] / a["ms"]
-        out.append(dict(goal=text, target=target, measured=v, reached=v >= target,
-                        note=f"{a['side']} {a['ms']:.2f} ms ({a['threads']} thr) vs {b['side']} [{b['format']}] "
-                             f"{b['ms']:.2f} ms ({b['threads']} thr)"))
+    def find(side, T, fmt=PC, threads=None):
+        found = [r for r in (layer_rows if threads else best)
+                 if r["side"] == side and r["tokens"] == T and r["format"] == fmt
+                 and (threads is None or r["threads"] == threads)]
+        return min(found, key=lambda r: r["ms"]) if found else None
 
-    ratio_goal("decode T=1: ktfp8 FP8 per-channel faster than kt-kernel FP8", 1.6, ours(1), kt_fp8(1), "kt-kernel FP8")
-    d = ours(1)
-    if d is not None:
-        v = d["gbs"] / max(lim["read_gbs"] for lim in limits.values())
-        out.append(dict(goal="decode T=1: fraction of measured read bandwidth", target=0.85, measured=v,
-                        reached=v >= 0.85, note=f"{d['gbs']:.1f} GB/s with {d['threads']} thread(s)"))
-    ratio_goal("prefill T=512: ktfp8 FP8 per-channel faster than kt-kernel FP8", 1.3,
-               ours(512), kt_fp8(512), "kt-kernel FP8")
-    ratio_goal("prefill T=512: ktfp8 FP8 per-channel faster than PyTorch BF16", 3.0,
-               ours(512), peer(512, "torch bf16"), "PyTorch BF16")
-    ratio_goal("decode T=1: ktfp8 FP8 per-channel faster than PyTorch BF16", 2.0,
-               ours(1), peer(1, "torch bf16"), "PyTorch BF16")
+    def peer(T, prefix, fmt):
+        found = [r for r in best if r["kind"] == "peer" and r["side"].startswith(prefix) and r["tokens"] == T
+                 and r["format"] == fmt]
+        return min(found, key=lambda r: r["ms"]) if found else None
+
+    def add(goal, kind, target, measured, note):
+        reached = None if measured is None else measured <= target if kind == "at_most" else measured >= target
+        out.append(dict(goal=goal, kind=kind, target=target, measured=measured, reached=reached, note=note))
+
+    def faster(goal, target, ours, theirs, missing):
+        if ours is None or theirs is None:
+            add(goal, "speedup", target, None, missing if theirs is None else f"no {mine} [{PC}] row at this T")
+            return
+        add(goal, "speedup", target, theirs["ms"] / ours["ms"],
+            f"{ours['side']} [{ours['format']}] {ours['ms']:.2f} ms ({ours['threads']} thr) vs {theirs['side']} "
+            f"[{theirs['format']}] {theirs['ms']:.2f} ms ({theirs['threads']} thr)")
+
+    # 1. decode at the bus, on 1 thread and on all
+    for n in sorted(int(k) for k in limits):
+        r = find(mine, 1, threads=n)
+        add(f"decode T=1, {n} thread(s): {mine} FP8 per-channel, fraction of the measured read bandwidth",
+            "fraction", 0.85, r["bw_fraction"] if r else None,
+            f"{r['gbs']:.1f} of {limits[str(n)]['read_gbs']:.1f} GB/s" if r else "not timed")
+    faster("decode T=1: FP8 per-channel faster than BF16 weights (default backend)", 1.8,
+           find(mine, 1), find(mine, 1, "bf16"), f"no {mine} [bf16] row")
+    faster("decode T=1: per-channel not slower than block-wise (default backend)", 1.0,
+           find(mine, 1), find(mine, 1, "fp8_block"), f"no {mine} [fp8_block] row")
+    # 2. every expert active: near the memory floor
+    r = find(mine, 64)
+    floor = machine_floor_ms(r, limits)[0] if r else None
+    add("T=64: time over the memory floor (active bytes / best read bandwidth)", "at_most", 1.5,
+        r["ms"] / floor if r else None, f"{r['ms']:.2f} ms vs floor {floor:.2f} ms" if r else "not timed")
+    faster("T=64: faster than PyTorch BF16", 2.5, r, peer(64, "torch bf16", "bf16"),
+           "PyTorch BF16 not timed at T=64 (see skipped)")
+    # 3. prefill near the roofline
+    r = find(mine, 512)
+    if has_amx:
+        floor = max(machine_floor_ms(r, limits)) if r else None
+        add("T=512: fraction of the roofline (max(bytes / bandwidth, FLOPs / AMX peak))", "fraction", 0.5,
+            floor / r["ms"] if r else None, f"{r['ms']:.2f} ms vs floor {floor:.2f} ms" if r else "not timed")
+    else:  # no AMX here: the goal is the peak of the unit the backend computes on
+        unit = r["compute_unit"] if r else roofline.backend_unit(default)
+        peak = max(roofline.peak_gflops(lim, unit) for lim in limits.values())
+        add(f"T=512 (no AMX here): fraction of the measured {roofline.UNIT_NAMES[unit]} peak", "fraction", 0.6,
+            r["flops"] / (r["ms"] / 1e3) / 1e9 / peak if r else None,
+            f"{r['tflops'] * 1e3:.0f} of {peak:.0f} GFLOP/s" if r else "not timed")
+    amx_bf16 = peer(512, "kt-kernel AMXBF16_MOE", "bf16")
+    other = peer(512, "kt-kernel", "bf16")
+    faster("T=512: faster than kt-kernel AMX BF16", 3.0, r, amx_bf16,
+           "kt-kernel AMXBF16_MOE unavailable here" + (f" (its build here runs {other['side']}: "
+                                                        f"{other['ms'] / r['ms']:.2f}x)" if other and r else ""))
+    faster("T=512: faster than PyTorch BF16", 3.0, r, peer(512, "torch bf16", "bf16"),
+           "PyTorch BF16 not timed at T=512 (see skipped)")
+    # 4. the default choice is the best backend at every T
+    ratios = []
+    for T in sorted({r["tokens"] for r in best if r["kind"] == "ktfp8"}):
+        ours = find(mine, T)
+        rivals = [r for r in best if r["kind"] == "ktfp8" and r["tokens"] == T and r["format"] == PC]
+        if ours and rivals:
+            top = min(rivals, key=lambda r: r["ms"])
+            ratios.append((ours["ms"] / top["ms"], T, top))
+    worst = max(ratios, key=lambda v: v[0]) if ratios else None
+    backends_timed = len({r["side"] for r in best if r["kind"] == "ktfp8" and r["format"] == PC})
+    add("default choice: time over the fastest ktfp8 backend, worst T", "at_most", 1.0,
+        worst[0] if worst else None,
+        "not timed" if not worst else f"only {mine} was timed" if backends_timed == 1 else
+        f"T={worst[1]}: {worst[2]['side']} {worst[2]['ms']:.2f} ms" if worst[0] > 1 else
+        f"{mine} fastest at every T of {backends_timed} backends")
     return out
 
 
 def goals_lines(goal_rows):
-    lines = ["goals (benchmark layer, best thread count of each side):"]
+    lines = ["goals (benchmark layer, each side at its best thread count unless stated; floors from this run's "
+             "best measured limits):"]
     for g in goal_rows:
         verdict = "not measured" if g["reached"] is None else "reached" if g["reached"] else "NOT reached"
-        as_fraction = g["target"] < 1  # bandwidth goals are fractions, the others speed-ups
+        as_fraction = g["kind"] == "fraction"
+        sign = "<=" if g["kind"] == "at_most" else ">="
         figure = "" if g["measured"] is None else f"{g['measured']:.0%}" if as_fraction else f"{g['measured']:.2f}x"
         target = f"{g['target']:.0%}" if as_fraction else f"{g['target']}x"
-        lines.append(f"  {verdict:12s} {g['goal']} (target {target}): {figure}  {g['note']}")
+        lines.append(f"  {verdict:12s} {g['goal']} (target {sign} {target}): {figure}  {g['note']}")
     return "\n".join(lines)
 
 

@@ -1,59 +1,66 @@
 """Runs every side on every layer, weight format, thread count and token count of a Plan, on the same
 weights and routing, and collects medians, errors against a float64 oracle, and skip reasons."""
+import dataclasses
 import gc
 import statistics
 import time
-from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
 
 from .. import backends, roofline
 from . import layers as L
-from .sides import Ktfp8Side, PeerUnavailable, relative_error
+from .sides import Ktfp8Side, PeerUnavailable, Walk, available_memory, relative_error
 
 CHECK_TOKENS = 4           # tokens of the call whose output is checked against the float64 oracle
 REFERENCE_MAX_TOKENS = 4  # the scalar reference is timed at decode sizes only
 
 
-@dataclass
+@dataclasses.dataclass
 class Plan:
     layers: list
     tokens: list
     threads: list
     formats: tuple = L.FORMATS
-    backends: list = field(default_factory=backends.available_backends)
+    backends: list = dataclasses.field(default_factory=backends.available_backends)
     peers: bool = True
     case_seconds: float = 20.0      # time budget of one (side, threads, T) case (see time_calls)
     max_call_seconds: float = 30.0  # a side whose call would take longer stops growing T
     read_buffer_bytes: int = 1 << 30
+    # the copies of the layer each side walks total at least this many bytes (default: 4x L3) ...
+    walk_bytes: int = dataclasses.field(default_factory=lambda: L.WALK_L3_MULTIPLE * (L.l3_bytes() or 0))
+    # ... within this much memory for one side's copies (default: 4 GB, at most a third of what is free)
+    walk_memory_bytes: int = dataclasses.field(default_factory=lambda: min(4 * 10**9, available_memory() // 3))
 
     def rounds(self, tokens):
         return 20 if tokens <= 16 else 8 if tokens <= 64 else 4
 
 
+# A factory builds one copy of a side: factory(layer, experts, threads, max_tokens, first, index), with
+# `first` the walk's copy 0 (None when building it; kt-kernel runs every copy on its pool) and `index`
+# the copy's number.
 def _ktfp8_factory(backend):
-    def build(layer, experts, threads, max_tokens):
+    def build(layer, experts, threads, max_tokens, first=None, index=0):
         return Ktfp8Side(layer, experts, backend, threads)
     return build
 
 
-def _kt_kernel(layer, experts, threads, max_tokens):
+def _kt_kernel(layer, experts, threads, max_tokens, first=None, index=0):
     from .kt_kernel_peer import KtKernelMoE
-    return KtKernelMoE(experts, layer.top_k, threads, max_tokens)
+    return KtKernelMoE(experts, layer.top_k, threads, max_tokens, pool=first, layer_idx=index)
 
 
-def _torch_bf16(layer, experts, threads, max_tokens):
+def _torch_bf16(layer, experts, threads, max_tokens, first=None, index=0):
     from .torch_peers import TorchBF16MoE
     return TorchBF16MoE(layer, experts, threads)
 
 
-def _torch_scaled_mm(layer, experts, threads, max_tokens):
+def _torch_scaled_mm(layer, experts, threads, max_tokens, first=None, index=0):
     from .torch_peers import TorchScaledMMMoE
     return TorchScaledMMMoE(layer, experts, threads)
 
 
-def _numpy_fp32(layer, experts, threads, max_tokens):
+def _numpy_fp32(layer, experts, threads, max_tokens, first=None, index=0):
     from .numpy_peer import NumpyFP32MoE
     return NumpyFP32MoE(layer, experts, threads)
 
@@ -95,19 +102,45 @@ class OracleCheck:
 
     def __init__(self, layer, experts):
         self.x = L.activations(layer, CHECK_TOKENS, seed=99)
-        self.ids, self.w = L.routing_rounds(layer, CHECK_TOKENS, 1, seed=99)[0]
+        self.ids, self.w, _ = L.routing_rounds(layer, CHECK_TOKENS, 1, seed=99)[0]
         self.expected = oracle_forward(experts, self.x, self.ids, self.w)
 
     def error(self, side):
         return relative_error(side(self.x, self.ids, self.w), self.expected)
 
 
+def build_walk(factory, layer, experts, threads, max_tokens, walk_bytes, walk_memory_bytes):
+    """A Walk over as many copies of the side as L.copies_for() allows, each built on its own copy of
+    `experts` (peers that view the weights rather than copy them need that)."""
+    first = factory(layer, experts, threads, max_tokens)
+    copy_bytes = layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[first.format]
+    sides = [first]
+    try:
+        for index in range(1, L.copies_for(walk_bytes, copy_bytes, walk_memory_bytes)):
+            sides.append(factory(layer, L.copied(experts), threads, max_tokens, first, index))
+    except BaseException:
+        Walk(sides, 0).close()
+        raise
+    return Walk(sides, len(sides) * copy_bytes)
+
+
 def result_row(layer, side, threads, tokens, seconds, active_bytes, limits, rel_err):
-    """One measured case as the report, the JSON and the plot read it."""
-    gbs, tflops = active_bytes / seconds / 1e9, layer.flops(tokens) / seconds / 1e12
+    """One measured case as the report, the JSON and the plot read it.  `limits`: the Roofline of
+    this thread count as a dict; the roofline floor uses the peak of the side's compute unit."""
+    limits = dataclasses.asdict(limits) if dataclasses.is_dataclass(limits) else limits
+    unit = getattr(side, "compute_unit", None) or roofline.best_unit(limits)
+    flops = layer.flops(tokens)
+    memory_s, compute_s = roofline.floor_seconds(limits, active_bytes, flops, unit)
+    peak = roofline.peak_gflops(limits, unit)
+    gbs, tflops = active_bytes / seconds / 1e9, flops / seconds / 1e12
     return dict(layer=layer.name, side=side.name, kind=side.kind, format=side.format, threads=threads,
-                tokens=tokens, ms=seconds * 1e3, gbs=gbs, bw_fraction=gbs / limits.read_gbs, tflops=tflops,
-                peak_fraction=tflops * 1e3 / limits.compute_gflops, rel_err=rel_err)
+                tokens=tokens, ms=seconds * 1e3, active_bytes=active_bytes, flops=flops, gbs=gbs,
+                bw_fraction=gbs / limits["read_gbs"], tflops=tflops,
+                compute_unit=unit,
+                peak_fraction=tflops * 1e3 / peak if peak else 0.0,
+                memory_floor_ms=memory_s * 1e3, compute_floor_ms=compute_s * 1e3,
+                roofline_fraction=max(memory_s, compute_s) / seconds, rel_err=rel_err,
+                copies=len(getattr(side, "copies", [side])), walk_bytes=getattr(side, "walk_bytes", None))
 
 
 def too_slow(last, tokens, max_call_seconds):
@@ -123,17 +156,18 @@ def too_slow(last, tokens, max_call_seconds):
 
 
 def time_calls(side, x, draws, budget_seconds):
-    """Seconds of each timed call over fresh routing draws: one warm-up call, then calls until the
-    budget is spent, at least 3 of them unless the warm-up alone took a third of the budget."""
+    """Seconds of each timed call over fresh routing draws (each (topk_ids, topk_weights, copy) for a
+    Walk): one warm-up call, then calls until the budget is spent, at least 3 of them unless the
+    warm-up alone took a third of the budget."""
     t0 = time.perf_counter()
     side(x, *draws[0])
     warm = time.perf_counter() - t0
     min_calls = 3 if warm < budget_seconds / 3 else 1
     samples = []
     t_end = time.perf_counter() + budget_seconds
-    for ids, w in draws[1:]:
+    for draw in draws[1:]:
         t0 = time.perf_counter()
-        side(x, ids, w)
+        side(x, *draw)
         samples.append(time.perf_counter() - t0)
         if len(samples) >= min_calls and time.perf_counter() > t_end:
             break
@@ -170,23 +204,40 @@ class Runner:
                                               f"{REFERENCE_MAX_TOKENS} only")
                 if not tokens:
                     continue
-            refused = False
-            for threads in self.plan.threads:
-                try:
-                    side = factory(layer, experts, threads, max(tokens + [CHECK_TOKENS]))
-                except PeerUnavailable as why:
-                    if not refused:  # one line per side; a later thread count failing alone says which
-                        first = threads == self.plan.threads[0]
-                        self._skip(layer, label, fmt, str(why) if first else f"{threads} thread(s): {why}")
-                    refused = True
-                    continue
-                try:
-                    self._run_side(layer, side, threads, tokens, check.error(side))
-                finally:
-                    side.close()
-                    gc.collect()
+            self._run_walks(layer, label, factory, fmt, experts, check, tokens)
         del experts
         gc.collect()
+
+    def _run_walks(self, layer, label, factory, fmt, experts, check, tokens):
+        """One side at every thread count: one Walk re-threaded, or one per thread count where the
+        side runs only the thread count it was built for (kt-kernel's pool)."""
+        walk, refused = None, False
+        try:
+            for threads in self.plan.threads:
+                if walk is not None and not walk.threads_fixed:
+                    walk.threads = threads
+                else:
+                    if walk is not None:
+                        walk.close()
+                        walk = None
+                        gc.collect()
+                    try:
+                        walk = build_walk(factory, layer, experts, threads, max(tokens + [CHECK_TOKENS]),
+                                          self.plan.walk_bytes, self.plan.walk_memory_bytes)
+                    except PeerUnavailable as why:
+                        if not refused:  # one line per side; a later thread count failing alone says which
+                            first = threads == self.plan.threads[0]
+                            self._skip(layer, label, fmt, str(why) if first else f"{threads} thread(s): {why}")
+                        refused = True
+                        continue
+                    self.log(f"  {walk.name} [{walk.format}]: walking {len(walk.copies)} cop"
+                             f"{'y' if len(walk.copies) == 1 else 'ies'} of the layer, {walk.walk_bytes / 1e6:.0f} MB"
+                             f" (L3 {(L.l3_bytes() or 0) / 2**20:.0f} MiB)")
+                self._run_side(layer, walk, threads, tokens, check.error(walk))
+        finally:
+            if walk is not None:
+                walk.close()
+                gc.collect()
 
     def _run_side(self, layer, side, threads, tokens, rel_err):
         self.versions[side.name] = side.version
@@ -197,11 +248,11 @@ class Runner:
                 self._skip(layer, side.name, side.format, f"{threads} thread(s), T >= {T}: {reason}")
                 break
             x = L.activations(layer, T, seed=T)
-            draws = L.routing_rounds(layer, T, self.plan.rounds(T) + 1, seed=T)
+            draws = L.routing_rounds(layer, T, self.plan.rounds(T) + 1, seed=T, copies=len(side.copies))
             samples = time_calls(side, x, draws, self.plan.case_seconds)
             seconds = statistics.median(samples)
             last = (T, seconds)
-            active = statistics.median(L.active_weight_bytes(layer, ids, side.format) for ids, _ in draws[1:])
+            active = statistics.median(L.active_weight_bytes(layer, ids, side.format) for ids, _, _ in draws[1:])
             row = result_row(layer, side, threads, T, seconds, active, self.limits[threads], rel_err)
             row["samples_ms"] = [s * 1e3 for s in samples]
             self.results.append(row)
