@@ -47,9 +47,9 @@ def make_experts(fmt, experts, block=(128, 128), seed=0):
 
 
 def forward(backend, shape, weights, scales, x, ids, w, threads=2):
-    packed = _ext.moe_pack(backend, shape, *weights, *scales, threads)
+    kernel = _ext.PackedMoE(backends.variant(backend), shape, *weights, *scales, threads)
     y = np.zeros_like(x)
-    _ext.moe_forward(backend, shape, packed, x, ids, w, y, False, threads, ACT_BF16)
+    kernel.forward(x, ids, w, y, False, ACT_BF16)
     return y
 
 

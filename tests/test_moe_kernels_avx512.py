@@ -1,6 +1,6 @@
 """AVX-512 MoE kernels (avx512: F/BW/VL; avx512_bf16: + BF16 + VBMI) through the whole forward.
 
-Driven through the C seam (_ext.moe_pack / moe_forward) so that only the micro-kernel differs
+Driven through the C seam (_ext.PackedMoE) so that only the micro-kernel differs
 between runs.  Every kernel is checked against the portable `reference` kernel reading the same
 activation dtype (NMSE <= 1e-6) and against a float64 NumPy MoE on the dequantized weights
 (NMSE <= 2e-5).  On a CPU without AVX-512 the same sources run as the *_emulated variants (SIMDe);
@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ktfp8 import backends
 from ktfp8._native import _ext
 from moe_oracle import dequantize, nmse, quantize_block, quantize_per_channel
 
@@ -30,11 +31,11 @@ FORMAT_IDS = ["per_channel", "block128", "block64", "block32x34", "bf16"]
 
 
 def usable(backend):
-    return {name: ok for name, ok, _ in _ext.variants()}.get(backend, False)
+    return backend in backends.usable_variants()
 
 
 def need(backend):
-    if backend not in {name for name, _, _ in _ext.variants()}:
+    if backend not in backends.compiled_variants():
         pytest.skip(f"{backend} is not compiled in this build")
     if not usable(backend):
         pytest.skip(f"this CPU cannot run {backend}")
@@ -85,9 +86,9 @@ def make_inputs(tokens, seed=1, skip=True, hidden=HIDDEN):
 
 def forward(backend, experts, shape, x, ids, weights, act_dtype):
     g, u, d = experts["gate"], experts["up"], experts["down"]
-    packed = _ext.moe_pack(backend, shape, g[0], u[0], d[0], g[1], u[1], d[1], THREADS)
+    kernel = _ext.PackedMoE(backends.variant(backend), shape, g[0], u[0], d[0], g[1], u[1], d[1], THREADS)
     y = np.full_like(x, np.nan)  # not accumulate: every element must be written
-    _ext.moe_forward(backend, shape, packed, x, ids, weights, y, False, THREADS, act_dtype)
+    kernel.forward(x, ids, weights, y, False, act_dtype)
     return y
 
 
@@ -116,7 +117,7 @@ def test_matches_reference_kernel(backend, fmt, block, tokens):
     """Same activation dtype as the kernel, so only accumulation order separates the two.
     T = 1, 3 run the decode path (<= 4 tokens per expert), 17 and 64 the prefill path."""
     need(backend)
-    act = _ext.moe_act_dtype(backend)
+    act = backends.variant(backend).act_dtype
     experts, shape = make_experts(fmt, block)
     x, ids, weights = make_inputs(tokens)
     y = forward(backend, experts, shape, x, ids, weights, act)
@@ -133,7 +134,7 @@ def test_sizes_without_padding(backend, fmt, block, tokens):
     """hidden 256 and intermediate 96 are multiples of 32: no zero padding at the end of K, so a
     kernel that stops short of k, or reads a block's scale for the wrong K range, shows."""
     need(backend)
-    act = _ext.moe_act_dtype(backend)
+    act = backends.variant(backend).act_dtype
     experts, shape = make_experts(fmt, block, seed=7, hidden=256, inter=96)
     x, ids, weights = make_inputs(tokens, seed=8, hidden=256)
     y = forward(backend, experts, shape, x, ids, weights, act)
@@ -151,7 +152,7 @@ def test_matches_float64_oracle(backend, fmt, block, tokens):
     need(backend)
     experts, shape = make_experts(fmt, block, seed=3)
     x, ids, weights = make_inputs(tokens, seed=4)
-    y = forward(backend, experts, shape, x, ids, weights, _ext.moe_act_dtype(backend))
+    y = forward(backend, experts, shape, x, ids, weights, backends.variant(backend).act_dtype)
     err = nmse(y, moe64(experts, fmt, block, x, ids, weights))
     assert err <= 2e-5, f"{backend} {fmt} {block} T={tokens}: NMSE {err:.3g} vs float64"
 
@@ -179,7 +180,7 @@ def test_every_code_converts_exactly(backend, tokens):
     x[:, 0] = 1.0
     ids = np.zeros((tokens, 1), np.int64)
     weights = np.ones((tokens, 1), np.float32)
-    act = _ext.moe_act_dtype(backend)
+    act = backends.variant(backend).act_dtype
     y = forward(backend, experts, shape, x, ids, weights, act)
     ref = forward("reference", experts, shape, x, ids, weights, act)
     np.testing.assert_array_equal(y, ref)
@@ -207,7 +208,7 @@ def test_nan_code_propagates_to_its_outputs_only(backend, fmt, block, tokens):
     codes[2, 7, 40] = 0xFF
     experts["down"] = (codes, experts["down"][1])
     x, ids, weights = make_inputs(tokens, skip=False)
-    act = _ext.moe_act_dtype(backend)
+    act = backends.variant(backend).act_dtype
     y = forward(backend, experts, shape, x, ids, weights, act)
     ref = forward("reference", experts, shape, x, ids, weights, act)
     expected = np.zeros_like(y, dtype=bool)

@@ -35,10 +35,13 @@ fi
 KTFP8_SANITIZE=address,undefined "$PYTHON" setup.py -q build_ext --inplace >build.log 2>&1 || {
     tail -40 build.log; echo "sanitize: build failed" >&2; exit 1; }
 grep "ISA units compiled" build.log || true
-ext=$(ls ktfp8/_native/_ext*.so)
-libs=$(ldd "$ext")      # (not piped into grep -q: under pipefail its early exit would fail the pipe)
-case "$libs" in *libasan*) ;; *) echo "sanitize: $ext is not linked with ASan" >&2; exit 1;; esac
-case "$libs" in *libubsan*) ;; *) echo "sanitize: $ext is not linked with UBSan" >&2; exit 1;; esac
+# the package's module and the test module (the *_emulated variants the tests run)
+for ext in ktfp8/_native/_ext*.so ktfp8/_native/_testing*.so; do
+    [ -e "$ext" ] || { echo "sanitize: $ext was not built" >&2; exit 1; }
+    libs=$(ldd "$ext")  # (not piped into grep -q: under pipefail its early exit would fail the pipe)
+    case "$libs" in *libasan*) ;; *) echo "sanitize: $ext is not linked with ASan" >&2; exit 1;; esac
+    case "$libs" in *libubsan*) ;; *) echo "sanitize: $ext is not linked with UBSan" >&2; exit 1;; esac
+done
 
 # The extension links libasan; it must be the first library loaded into python, hence LD_PRELOAD.
 # detect_leaks=0: CPython does not free everything at exit by design.

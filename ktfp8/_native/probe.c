@@ -1,33 +1,15 @@
-/* Probe dispatcher (baseline flags): uses an ISA unit only when the CPU and OS run it. */
+/* Probe dispatcher (baseline flags): runs a probe_<unit>.c only when the build compiled it and
+ * this CPU and OS run its level (include/ktfp8/variants.def). */
+#include "ktfp8/dispatch.h"
 #include "ktfp8/probe.h"
-#include "ktfp8/cpu_features.h"
 
-#include <string.h>
-
-#ifdef KTFP8_HAVE_PROBE_AVX2
-uint64_t ktfp8_probe_read_avx2(const void *buf, size_t bytes, int threads);
-double ktfp8_probe_fma_avx2(int64_t iters, int threads);
-#endif
-#ifdef KTFP8_HAVE_PROBE_AVX512BF16
-double ktfp8_probe_dpbf16_avx512bf16(int64_t iters, int threads);
-#endif
-
-static int has_avx2(void) {
-    ktfp8_cpu c;
-    ktfp8_cpu_detect(&c);
-    return c.avx && c.os_avx && c.avx2 && c.fma && c.f16c;
-}
-
-static int has_avx512_bf16(void) {
-    ktfp8_cpu c;
-    ktfp8_cpu_detect(&c);
-    return has_avx2() && c.os_avx512 && c.avx512f && c.avx512dq && c.avx512bw && c.avx512vl && c.avx512bf16;
-}
+uint64_t ktfp8_probe_read_avx2(const void *buf, size_t bytes, int threads) KTFP8_OPTIONAL;
+double ktfp8_probe_fma_avx2(int64_t iters, int threads) KTFP8_OPTIONAL;
+double ktfp8_probe_dpbf16_avx512bf16(int64_t iters, int threads) KTFP8_OPTIONAL;
 
 uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads) {
-#ifdef KTFP8_HAVE_PROBE_AVX2
-    if (has_avx2()) return ktfp8_probe_read_avx2(buf, bytes, threads);
-#endif
+    if (ktfp8_probe_read_avx2 && ktfp8_isa_usable(KTFP8_ISA_avx2))
+        return ktfp8_probe_read_avx2(buf, bytes, threads);
     uint64_t sum = 0;
     const uint64_t *p = (const uint64_t *)buf;
 #pragma omp parallel for reduction(+ : sum) num_threads(threads) schedule(static)
@@ -36,17 +18,13 @@ uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads) {
 }
 
 double ktfp8_probe_fma(int64_t iters, int threads) {
-#ifdef KTFP8_HAVE_PROBE_AVX2
-    if (has_avx2()) return ktfp8_probe_fma_avx2(iters, threads);
-#endif
-    (void)iters, (void)threads;
+    if (ktfp8_probe_fma_avx2 && ktfp8_isa_usable(KTFP8_ISA_avx2)) return ktfp8_probe_fma_avx2(iters, threads);
     return 0.0;
 }
 
 double ktfp8_probe_dpbf16(int64_t iters, int threads) {
-#ifdef KTFP8_HAVE_PROBE_AVX512BF16
-    if (has_avx512_bf16()) return ktfp8_probe_dpbf16_avx512bf16(iters, threads);
-#endif
-    (void)iters, (void)threads;
+    /* the unit is compiled with the whole avx512bf16 level's flags, -mavx512vbmi included */
+    if (ktfp8_probe_dpbf16_avx512bf16 && ktfp8_isa_usable(KTFP8_ISA_avx512bf16))
+        return ktfp8_probe_dpbf16_avx512bf16(iters, threads);
     return 0.0;
 }
