@@ -20,8 +20,8 @@ from ktfp8._native import _ext
 from moe_oracle import nmse, quantize_block, quantize_per_channel
 
 HIDDEN, INTER = 200, 72
-FMT_CHANNEL, FMT_BLOCK, FMT_BF16 = 0, 1, 2
-ACT_BF16 = 1
+FMT_CHANNEL, FMT_BLOCK, FMT_BF16 = _ext.ktfp8_wformat
+ACT_BF16 = _ext.ktfp8_dtype.KTFP8_BF16
 
 AMX_BACKENDS = ["amx_emulated"] + (["amx"] if "amx" in backends.usable_variants() else [])
 

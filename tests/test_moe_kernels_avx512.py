@@ -18,7 +18,7 @@ from moe_oracle import dequantize, nmse, quantize_block, quantize_per_channel
 
 E, HIDDEN, INTER, TOP_K = 5, 200, 72, 3
 THREADS = 2
-FMT = {"fp8_per_channel": 0, "fp8_block": 1, "bf16": 2}
+FMT = dict(zip(("fp8_per_channel", "fp8_block", "bf16"), _ext.ktfp8_wformat))
 BF16 = 1  # moe_act_dtype(): 0 float32, 1 bfloat16
 E4M3 = ml_dtypes.float8_e4m3fn
 
