@@ -1,5 +1,4 @@
 """MoE forward on every backend this machine runs, against a float64 oracle and the reference."""
-import os
 import threading
 
 import ml_dtypes
