@@ -2,7 +2,7 @@
 # Builds a copy of ktfp8 with AddressSanitizer + UndefinedBehaviorSanitizer (KTFP8_SANITIZE) in a
 # temporary folder -- the normal in-place build and .venv are not touched -- and runs the kernel, codec
 # and driver tests against it.  Fails on any sanitizer report.
-#   tools/sanitize_tests.sh [pytest args...]      (default: the codec / MoE / property tests)
+#   tools/sanitize_tests.sh [pytest args...]      (default: the codec / MoE / routing / property tests)
 # PYTHON picks the interpreter (default: .venv/bin/python if present, else python3).
 # KTFP8_SANITIZE_DIR=DIR builds in DIR and keeps it (to debug a finding); default: a temp folder.
 set -euo pipefail
@@ -13,7 +13,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(tests/test_fp8_codec.py tests/test_moe.py tests/test_moe_errors.py
-                                 tests/test_properties.py tests/test_concurrency.py)
+                                 tests/test_properties.py tests/test_concurrency.py tests/test_routing.py)
 
 if [ -n "${KTFP8_SANITIZE_DIR:-}" ]; then
     mkdir -p "$KTFP8_SANITIZE_DIR" && work=$(cd "$KTFP8_SANITIZE_DIR" && pwd)
