@@ -77,7 +77,8 @@ class MoE:
                        _FORMAT_CODES[fmt], int(block[0]), int(block[1]))
         bits = np.uint16 if fmt == "bf16" else np.uint8
         proj = [np.ascontiguousarray(p).view(bits) for p in (experts.gate, experts.up, experts.down)]
-        scales = (experts.gate_scale, experts.up_scale, experts.down_scale)
+        scales = [None if s is None else np.ascontiguousarray(s, dtype=np.float32)
+                  for s in (experts.gate_scale, experts.up_scale, experts.down_scale)]
         self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, self.threads)
 
     @property

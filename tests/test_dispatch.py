@@ -91,3 +91,25 @@ def test_a_variant_the_cpu_cannot_run_is_refused_by_name():
         pytest.skip("this CPU runs every compiled variant")
     with pytest.raises(ValueError, match=f"backend='{unusable[0]}' is compiled but this CPU/OS cannot run it"):
         ktfp8.fp8.encode(np.zeros(4, np.float32), backend=unusable[0])
+
+
+def test_the_seam_refuses_buffers_of_the_wrong_size():
+    """The seam trusts ktfp8.moe's validation but still never reads or writes past a buffer."""
+    from ktfp8._native import _ext
+    v = backends.variant("reference")
+    E, H, I = 2, 32, 16
+    shape = (E, H, I, _ext.ktfp8_wformat.KTFP8_FMT_FP8_CHANNEL, 0, 0)
+    codes = [np.zeros((E, I, H), np.uint8), np.zeros((E, I, H), np.uint8), np.zeros((E, H, I), np.uint8)]
+    scales = [np.ones((E, I, 1), np.float32), np.ones((E, I, 1), np.float32), np.ones((E, H, 1), np.float32)]
+    with pytest.raises(ValueError, match="gate holds 992 bytes, expected 1024"):
+        _ext.PackedMoE(v, shape, codes[0][:, :, 1:].copy(), *codes[1:], *scales, 1)
+    kernel = _ext.PackedMoE(v, shape, *codes, *scales, 1)
+    x, ids, w = np.ones((3, H), np.float32), np.zeros((3, 2), np.int64), np.ones((3, 2), np.float32)
+    with pytest.raises(ValueError, match="y holds"):
+        kernel.forward(x, ids, w, np.empty((2, H), np.float32), False, 0)
+    with pytest.raises(ValueError, match="y must be writeable"):
+        y = np.empty_like(x)
+        y.flags.writeable = False
+        kernel.forward(x, ids, w, y, False, 0)
+    with pytest.raises(ValueError, match="topk_ids holds"):
+        kernel.forward(x, ids[:2], w, np.empty_like(x), False, 0)
