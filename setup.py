@@ -1,14 +1,22 @@
 """Build of ktfp8: one Cython seam plus C kernels, one translation unit per ISA level.
 
-Each ISA unit (``ktfp8/_native/<name>_<isa>.c``) is compiled with its own ``-m`` flags, never
-``-march=native`` (unless KTFP8_NATIVE=1), and only when its build option allows and the compiler
+The ISA levels -- their compiler flags, build options and emulated twins -- are the rows of
+include/ktfp8/variants.def, the table dispatch.c reads too.  Each unit of a level
+(``ktfp8/_native/<name>_<level>.c``) is compiled with that level's ``-m`` flags, never
+``-march=native`` (unless KTFP8_NATIVE=1), and only when its build options allow and the compiler
 accepts the flags.  The dispatcher, built with baseline flags, picks among them at run time.
 
+Two extension modules:
+  ktfp8._native._ext      everything ``import ktfp8`` needs
+  ktfp8._native._testing  test-only: the *_emulated twins (the same kernel sources compiled against
+                          SIMDe + the AMX tile emulation) and the tile-emulation hook; built unless
+                          KTFP8_ENABLE_EMULATED=OFF (twins only where SIMDe's headers are found)
+
 Build options (environment), each ON | OFF | AUTO (default AUTO = build when the compiler can):
-  KTFP8_ENABLE_AVX2, KTFP8_ENABLE_AVX512, KTFP8_ENABLE_AVX512_BF16, KTFP8_ENABLE_AVX512_VBMI,
-  KTFP8_ENABLE_AMX, KTFP8_ENABLE_EMULATED (test-only variants against SIMDe + tile emulation).
-  KTransformers' CPUINFER_ENABLE_AVX512_BF16 / _AVX512_VBMI / _AMX are read when ours are unset.
-  KTFP8_SANITIZE=address,undefined  compiles everything with those sanitizers.
+  KTFP8_ENABLE_<option> for every option variants.def names (AVX2, AVX512, AVX512_BF16,
+  AVX512_VBMI, AMX), and KTFP8_ENABLE_EMULATED.  KTransformers' CPUINFER_ENABLE_* spellings are
+  read when ours are unset.  KTFP8_SANITIZE=address,undefined compiles everything with those
+  sanitizers.
 """
 import os
 import sys
@@ -23,37 +31,39 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 NATIVE = Path("ktfp8") / "_native"
+VARIANTS_DEF = ROOT / "include" / "ktfp8" / "variants.def"
 INCLUDE = ["include", np.get_include()]
-BASE_CFLAGS = ["-O3", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function"]
+BASE_CFLAGS = ["-O3", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wall"]
+EMULATION_FLAGS = ["-DKTFP8_EMULATE_SIMD", "-DKTFP8_EMULATE_AMX", "-Wno-psabi"]
+TWIN_BASES = ("fp8_codec", "moe")  # kernels worth checking under emulation (not the speed probes)
 
-AVX2 = ["-mavx", "-mavx2", "-mfma", "-mf16c"]
-AVX512 = AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-AVX512_BF16 = AVX512 + ["-mavx512bf16", "-mavx512vbmi"]
-AMX = AVX512_BF16 + ["-mamx-tile", "-mamx-bf16"]
 
-# isa suffix -> (flags, options that must allow it, probe source)
-ISA = {
-    "avx2": (AVX2, ["AVX2"],
-             "#include <immintrin.h>\nint f(float*p){__m256 a=_mm256_fmadd_ps(_mm256_loadu_ps(p),"
-             "_mm256_cvtph_ps(_mm_setzero_si128()),_mm256_set1_ps(1));_mm256_storeu_ps(p,a);return 0;}"),
-    "avx512": (AVX512, ["AVX512"],
-               "#include <immintrin.h>\nint f(short*p){__m512i a=_mm512_add_epi16(_mm512_loadu_si512(p),"
-               "_mm512_set1_epi16(1));_mm512_storeu_si512(p,a);return 0;}"),
-    "avx512bf16": (AVX512_BF16, ["AVX512", "AVX512_BF16", "AVX512_VBMI"],
-                   "#include <immintrin.h>\nint f(float*p){__m512i t=_mm512_permutex2var_epi8("
-                   "_mm512_setzero_si512(),_mm512_setzero_si512(),_mm512_setzero_si512());"
-                   "__m512 a=_mm512_dpbf16_ps(_mm512_loadu_ps(p),(__m512bh)t,(__m512bh)t);"
-                   "_mm512_storeu_ps(p,a);return 0;}"),
-    "amx": (AMX, ["AVX512", "AVX512_BF16", "AVX512_VBMI", "AMX"],
-            "#include <immintrin.h>\nint f(void){_tile_zero(0);_tile_dpbf16ps(0,1,2);return 0;}"),
-}
-EMULATED_FLAGS = AVX2 + ["-DKTFP8_EMULATE_SIMD", "-DKTFP8_EMULATE_AMX", "-Wno-psabi"]
-EMULATED_PROBE = ("#define SIMDE_ENABLE_NATIVE_ALIASES\n#include <simde/x86/avx512.h>\n"
-                  "int f(float*p){__m512 a=_mm512_dpbf16_ps(_mm512_loadu_ps(p),(__m512bh)"
-                  "_mm512_permutex2var_epi8(_mm512_setzero_si512(),_mm512_setzero_si512(),"
-                  "_mm512_setzero_si512()),(__m512bh)_mm512_setzero_si512());_mm512_storeu_ps(p,a);return 0;}")
-EMULATED_ISAS = ("avx512", "avx512bf16", "amx")
-EMULATED_BASES = ("fp8_codec", "moe")  # kernels worth checking under emulation (not the speed probes)
+def isa_levels():
+    """{unit: (flags, options, twin)} from include/ktfp8/variants.def, best first; flags and options
+    include those of the levels a level extends."""
+    text = VARIANTS_DEF.read_text()
+    while "/*" in text:  # drop comments
+        start = text.index("/*")
+        text = text[:start] + text[text.index("*/", start) + 2:]
+    rows = {}
+    for row in text.split("KTFP8_ISA(")[1:]:
+        args = [a.strip() for a in row.strip().removesuffix(")").split(",")]
+        if len(args) != 8:
+            sys.exit(f"ktfp8 build: {VARIANTS_DEF.name}: a KTFP8_ISA row needs 8 arguments, got {args}")
+        unit, _variant, extends, _needs, flags, options, _codec, twin = args
+        rows[unit] = (extends, flags.strip('"').split(), options.strip('"').split(), twin)
+
+    def inherited(unit):
+        if unit == "none":
+            return [], []
+        extends, flags, options, _ = rows[unit]
+        below_flags, below_options = inherited(extends)
+        return below_flags + flags, below_options + options
+
+    return {unit: (*inherited(unit), rows[unit][3]) for unit in rows}
+
+
+ISA = isa_levels()
 
 
 def option(name):
@@ -75,8 +85,14 @@ def sanitize_flags():
     return [f"-fsanitize={wanted}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1"]
 
 
+def unit_sources(level, bases=None):
+    """The level's sources <base>_<level>.c, optionally only those of the given bases."""
+    return [src for src in sorted((ROOT / NATIVE).glob(f"*_{level}.c"))
+            if bases is None or src.stem[: -len(level) - 1] in bases]
+
+
 class BuildNative(build_ext):
-    """Compiles each ISA unit with its own flags, then links them into the one extension."""
+    """Compiles each ISA unit with its own flags, then links them into their extension."""
 
     def compiles(self, source, flags):
         with tempfile.TemporaryDirectory() as tmp:
@@ -88,45 +104,41 @@ class BuildNative(build_ext):
             except Exception:
                 return False
 
-    def decide(self):
-        """Which ISA levels (and the emulated set) this build compiles."""
-        chosen = {}
-        for isa, (flags, options, probe) in ISA.items():
+    def plan(self):
+        """{extension name: [(source, variant dir, flags)]}: the ISA units (and emulated twins) this
+        build compiles, decided once and announced in one line."""
+        if hasattr(self, "_plan"):
+            return self._plan
+        units = {"ktfp8._native._ext": [], "ktfp8._native._testing": []}
+        for level, (flags, options, _) in ISA.items():
             modes = [option(o) for o in options]
             if "OFF" in modes:
                 continue
-            if self.compiles(probe, flags):
-                chosen[isa] = flags
+            if self.compiles("#include <immintrin.h>\nint f(void) { return 0; }", flags):
+                units["ktfp8._native._ext"] += [(src, level, flags) for src in unit_sources(level)]
             elif "ON" in modes:
-                sys.exit(f"ktfp8 build: {isa} was requested (ON) but this compiler does not accept "
+                sys.exit(f"ktfp8 build: {level} was requested (ON) but this compiler does not accept "
                          f"{' '.join(flags)} with its intrinsics; upgrade the compiler or set it to OFF/AUTO")
         emulated = option("EMULATED")
         if emulated != "OFF":
-            if self.compiles(EMULATED_PROBE, EMULATED_FLAGS):
-                chosen["emulated"] = EMULATED_FLAGS
+            twins = [(level, ISA[twin][0] + EMULATION_FLAGS) for level, (_, _, twin) in ISA.items() if twin != "none"]
+            if all(self.compiles("#include <simde/x86/avx512.h>\nint f(void) { return 0; }", flags)
+                   for _, flags in twins):
+                units["ktfp8._native._testing"] += [(src, level + "_emulated", flags) for level, flags in twins
+                                                     for src in unit_sources(level, TWIN_BASES)]
             elif emulated == "ON":
                 sys.exit("ktfp8 build: emulated variants requested (ON) but SIMDe headers were not found "
                          "(Debian/Ubuntu: apt-get install libsimde-dev)")
-        return chosen
+        compiled = sorted({variant for unit_list in units.values() for _, variant, _ in unit_list})
+        print(f"ktfp8 build: ISA units compiled: {', '.join(compiled) or 'none (portable C only)'}")
+        self._plan = units
+        return units
 
     def build_extension(self, ext):
-        chosen = self.decide()
+        units = self.plan()[ext.name]
         common = BASE_CFLAGS + sanitize_flags()
         if os.environ.get("KTFP8_NATIVE") == "1":
             common = common + ["-march=native"]
-        units, macros = [], []
-        for src in sorted((ROOT / NATIVE).glob("*.c")):
-            stem = src.stem
-            isa = next((i for i in ISA if stem.endswith("_" + i)), None)
-            if isa is None:
-                continue
-            base = stem[: -len(isa) - 1]  # e.g. "moe" or "fp8_codec"
-            if isa in chosen:
-                units.append((src, isa, chosen[isa]))
-                macros.append(f"KTFP8_HAVE_{base_macro(base)}_{isa.upper()}")
-            if isa in EMULATED_ISAS and base in EMULATED_BASES and "emulated" in chosen:
-                units.append((src, isa + "_emulated", chosen["emulated"]))
-                macros.append(f"KTFP8_HAVE_{base_macro(base)}_{isa.upper()}_EMULATED")
 
         def compile_unit(unit):
             src, variant, flags = unit
@@ -139,34 +151,34 @@ class BuildNative(build_ext):
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             ext.extra_objects = [obj for objs in pool.map(compile_unit, units) for obj in objs]
-        ext.define_macros = list(ext.define_macros or []) + [(m, "1") for m in macros]
         ext.extra_compile_args = common
         ext.extra_link_args = ["-fopenmp"] + sanitize_flags()
-        compiled = sorted({v for _, v, _ in units})
-        print(f"ktfp8 build: ISA units compiled: {', '.join(compiled) or 'none (portable C only)'}")
-        # Always rebuild and relink: the baseline objects depend on the chosen macros and the .so on
-        # the ISA objects, neither of which setuptools' timestamp check sees.
+        # Always relink: the .so depends on which ISA objects were chosen, which setuptools'
+        # timestamp check does not see.
         self.force = True
         super().build_extension(ext)
 
 
-def base_macro(base):
-    return {"fp8_codec": "CODEC"}.get(base, base.upper())
+def baseline_sources(pyx, c_sources):
+    """A Cython seam and the C files compiled with baseline flags (left out: every ISA unit, and
+    the C that Cython generates from a .pyx)."""
+    units = {src for level in ISA for src in unit_sources(level)}
+    return [str(NATIVE / pyx)] + [str(p.relative_to(ROOT)) for p in sorted(c_sources)
+                                  if p not in units and not p.with_suffix(".pyx").exists()]
 
 
-def baseline_sources():
-    """The Cython seam and every C file that is not an ISA unit (compiled with baseline flags)."""
-    isa_suffixes = tuple("_" + i + ".c" for i in ISA)
-    return [str(NATIVE / "_ext.pyx")] + [
-        str(p.relative_to(ROOT)) for p in sorted((ROOT / NATIVE).glob("*.c"))
-        if not p.name.endswith(isa_suffixes) and p.name != "_ext.c"]
+def extension(name, sources):
+    return Extension(name, sources=sources, include_dirs=INCLUDE,
+                     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
 
 
-extension = Extension("ktfp8._native._ext", sources=baseline_sources(), include_dirs=INCLUDE,
-                      define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
+extensions = [extension("ktfp8._native._ext", baseline_sources("_ext.pyx", (ROOT / NATIVE).glob("*.c")))]
+if option("EMULATED") != "OFF":
+    extensions.append(extension("ktfp8._native._testing",
+                                baseline_sources("_testing.pyx", (ROOT / NATIVE / "testing").glob("*.c"))))
 
 setup(
-    ext_modules=cythonize([extension], language_level=3, compiler_directives={"boundscheck": False,
-                                                                               "wraparound": False}),
+    ext_modules=cythonize(extensions, language_level=3, compiler_directives={"boundscheck": False,
+                                                                              "wraparound": False}),
     cmdclass={"build_ext": BuildNative},
 )

@@ -1,8 +1,14 @@
 """Backend registry: which kernel variants this build compiled, which this CPU runs, which to use.
 
-Preference order, best first: amx > avx512_bf16 > avx512 > avx2 > reference.  The *_emulated
-variants (the AVX-512 / AMX sources compiled against software emulation) exist for the test suite:
-they can be forced by name but are never chosen automatically."""
+Preference order, best first: amx > avx512_bf16 > avx512 > avx2 > reference (the rows of
+include/ktfp8/variants.def).  The registry is read once per process: a backend is then a Variant
+object holding its function tables, which the codec and MoE seams call through without looking a
+name up or asking CPUID again.
+
+The *_emulated variants (the AVX-512 / AMX sources compiled against software emulation) exist for
+the test suite and live in the test-only module ktfp8._native._testing, which is imported only when
+one of them is named or listed: they can be forced by name but are never chosen automatically."""
+import importlib
 import os
 
 from ._native import _ext
@@ -11,43 +17,96 @@ ENV_BACKEND = "KTFP8_BACKEND"
 ENV_THREADS = "KTFP8_NUM_THREADS"
 ENV_OMP_THREADS = "OMP_NUM_THREADS"
 
+# os.environ.get() of an unset variable raises and catches KeyError inside os.environ, which costs
+# microseconds on every codec call (three variables are read there).  os.environ's own backing dict,
+# keyed by the encoded name, holds the same live state (os.environ writes through it, monkeypatch
+# included) and answers in tens of nanoseconds; plain os.environ where it has no such dict.
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+_ENV_KEYS = {name: os.fsencode(name) for name in (ENV_BACKEND, ENV_THREADS, ENV_OMP_THREADS)}
+
+
+def _getenv(name):
+    """$name (one of the variables above), or None when unset."""
+    if _ENVIRON_DATA is None:
+        return os.environ.get(name)
+    value = _ENVIRON_DATA.get(_ENV_KEYS[name])
+    return None if value is None else os.fsdecode(value)
+
+
+_NATIVE = {v.name: v for v in _ext.variants()}          # this build's variants, best first
+_BEST = next(v for v in _NATIVE.values() if v.usable)  # `reference` runs everywhere
+_emulated = None                                       # name -> Variant, once the test module is asked for
+
+
+def _emulated_variants():
+    """The test module's *_emulated variants; empty when this build has no test module."""
+    global _emulated
+    if _emulated is None:
+        try:
+            module = importlib.import_module("ktfp8._native._testing")
+        except ImportError:
+            _emulated = {}
+        else:
+            _emulated = {v.name: v for v in _ext.test_variants(module)}
+    return _emulated
+
 
 def cpu_features():
     """CPUID/XGETBV facts: {'avx2': 1, 'avx512f': 0, ..., 'os_avx512': 0, 'brand': '...'}."""
     return _ext.cpu_features()
 
 
+def isa_levels():
+    """{level: (features it needs, usable here)} for every ISA level, best first."""
+    return _ext.isa_levels()
+
+
 def compiled_variants():
     """Names of every variant compiled into this build, best first (emulated ones last)."""
-    return [name for name, _, _ in _ext.variants()]
+    return [*_NATIVE, *_emulated_variants()]
 
 
 def usable_variants():
     """Compiled variants this CPU and OS can run, emulated ones included."""
-    return [name for name, usable, _ in _ext.variants() if usable]
+    return [name for name, v in {**_NATIVE, **_emulated_variants()}.items() if v.usable]
 
 
 def available_backends():
     """Backends this build *and* this CPU can run, best first; never empty ('reference')."""
-    return [name for name, usable, emulated in _ext.variants() if usable and not emulated]
+    return [name for name, v in _NATIVE.items() if v.usable]
+
+
+def variant(name=None):
+    """The Variant to run: `name`, else $KTFP8_BACKEND, else the best available one."""
+    if name is None:
+        name = _getenv(ENV_BACKEND)
+        if not name:
+            return _BEST
+        source = ENV_BACKEND
+    else:
+        source = "backend"
+    found = _NATIVE.get(name) if isinstance(name, str) else None
+    if found is not None and found.usable:
+        return found
+    return _named_elsewhere(name, source)
+
+
+def _named_elsewhere(name, source):
+    """An emulated variant by that name, else the error saying why `name` cannot run."""
+    if not isinstance(name, str):
+        raise TypeError(f"{source} must be a str, got {type(name).__name__}")
+    found = _emulated_variants().get(name)
+    if found is not None and found.usable:
+        return found
+    usable = usable_variants()
+    why = "is not compiled in this build" if name not in compiled_variants() else \
+        "is compiled but this CPU/OS cannot run it"
+    raise ValueError(f"{source}={name!r} {why}; usable backends: {', '.join(usable)}")
 
 
 def resolve_backend(name=None):
-    """The backend to use: `name`, else $KTFP8_BACKEND, else the best available one."""
-    source = "backend"
-    if name is None:
-        name = os.environ.get(ENV_BACKEND) or None
-        source = ENV_BACKEND
-    if name is None:
-        return available_backends()[0]
-    if not isinstance(name, str):
-        raise TypeError(f"{source} must be a str, got {type(name).__name__}")
-    usable = usable_variants()
-    if name not in usable:
-        why = "is not compiled in this build" if name not in compiled_variants() else \
-            "is compiled but this CPU/OS cannot run it"
-        raise ValueError(f"{source}={name!r} {why}; usable backends: {', '.join(usable)}")
-    return name
+    """The name of the backend variant(name) picks."""
+    return variant(name).name
 
 
 def default_threads(threads=None):
@@ -56,7 +115,7 @@ def default_threads(threads=None):
     ValueError naming it (a typo should not silently mean "all cores")."""
     if threads is None:
         for var in (ENV_THREADS, ENV_OMP_THREADS):
-            env = os.environ.get(var, "").strip()
+            env = (_getenv(var) or "").strip()
             if env:
                 return _positive_env(var, env.split(",")[0] if var == ENV_OMP_THREADS else env)
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

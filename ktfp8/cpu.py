@@ -5,33 +5,33 @@ import sys
 
 from . import backends
 
-# (report name, key in cpu_features())
-FLAGS = [("avx2", "avx2"), ("fma", "fma"), ("f16c", "f16c"), ("avx512f", "avx512f"),
-         ("avx512dq", "avx512dq"), ("avx512bw", "avx512bw"), ("avx512vl", "avx512vl"),
-         ("avx512_bf16", "avx512_bf16"),
-         ("avx512_vnni", "avx512_vnni"), ("avx512_vbmi", "avx512_vbmi"), ("amx_tile", "amx_tile"),
-         ("amx_bf16", "amx_bf16")]
-FULL = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi")
+# The level whose absence the verdict explains: the native FP8 path (AVX-512-BF16 + VBMI).
+NATIVE_FP8_LEVEL = "avx512bf16"
+
+
+def _missing(f, needs):
+    """What of `needs` this CPU lacks; the OS register state only once the CPU has everything."""
+    missing = [name for name in needs if not name.startswith("os_") and not f[name]]
+    return missing or [f"OS support for {name[3:].upper()} state (XCR0)" for name in needs if not f[name]]
 
 
 def report():
     """Everything the text and JSON reports show, as one dict."""
     f = backends.cpu_features()
     usable = backends.available_backends()
-    missing = [name for name in FULL if not f[name]]
-    if not f["os_avx512"] and not missing:
-        missing = ["OS support for ZMM state (XCR0)"]
+    needs, _ = backends.isa_levels()[NATIVE_FP8_LEVEL]
+    missing = _missing(f, needs)
     if not missing:
         verdict = "✅ Your CPU supports full AVX512 (F/BF16/VBMI) – FP8 MoE will work!"
     else:
         verdict = (f"⚠️ Your CPU lacks {', '.join(missing)} – FP8 MoE will run on the "
                    f"'{usable[0]}' fallback (correct, slower than the AVX-512-BF16 path).")
+    features = [name for name in f if name not in ("vendor", "brand")]
     return {
         "cpu": f["brand"] or f["vendor"],
         "vendor": f["vendor"],
-        "flags": {name: bool(f[key]) for name, key in FLAGS},
-        "os_support": {"avx_state": bool(f["os_avx"]), "avx512_state": bool(f["os_avx512"]),
-                       "amx_tile_state": bool(f["os_amx"])},
+        "flags": {name: bool(f[name]) for name in features if not name.startswith("os_")},
+        "os_support": {f"{name[3:]}_state": bool(f[name]) for name in features if name.startswith("os_")},
         "compiled_variants": backends.compiled_variants(),
         "usable_backends": usable,
         "selected_backend": _selected(),

@@ -22,11 +22,13 @@ import numpy as np
 
 from ._native import _ext
 from ._torch import accepts_tensors
-from .backends import default_threads, resolve_backend
+from .backends import default_threads, variant
 
 # dtype -> code understood by the C side (enum ktfp8_dtype)
-_FLOAT_INPUTS = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.float16): 2}
-_FLOAT_OUTPUTS = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1}
+_C = _ext.ktfp8_dtype
+_FLOAT_INPUTS = {np.dtype(np.float32): _C.KTFP8_F32, np.dtype(ml_dtypes.bfloat16): _C.KTFP8_BF16,
+                 np.dtype(np.float16): _C.KTFP8_F16}
+_FLOAT_OUTPUTS = {np.dtype(np.float32): _C.KTFP8_F32, np.dtype(ml_dtypes.bfloat16): _C.KTFP8_BF16}
 _CODE_DTYPES = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))
 _SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
@@ -36,7 +38,7 @@ def encode(x, *, backend=None, threads=None):
     """E4M3 codes (uint8, shape of `x`) of a float32 / bfloat16 / float16 array, without scaling.
     Equal to ``np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)``."""
     x, dtype_code = _float_array(x, "x")
-    backend, threads = resolve_backend(backend), default_threads(threads)
+    backend, threads = variant(backend), default_threads(threads)
     codes = np.empty(x.shape, np.uint8)
     if codes.size:
         _ext.codec_encode(backend, x, dtype_code, codes, threads)
@@ -49,7 +51,7 @@ def decode(codes, dtype=np.float32, *, backend=None, threads=None):
     exact for every code; NaN codes give NaN."""
     codes = _codes_array(codes, "codes")
     out_dtype = _output_dtype(dtype, "dtype")
-    backend, threads = resolve_backend(backend), default_threads(threads)
+    backend, threads = variant(backend), default_threads(threads)
     out = np.empty(codes.shape, out_dtype)
     if out.size:
         _ext.codec_decode(backend, codes, _as_bits(out), _FLOAT_OUTPUTS[out_dtype], threads)
@@ -68,7 +70,7 @@ def quantize(w, per_channel=True, block=(128, 128), *, backend=None, threads=Non
     _check_matrix_shape(w, "w")
     per_channel = _check_bool(per_channel, "per_channel")
     bn, bk = _block(block)
-    backend, threads = resolve_backend(backend), default_threads(threads)
+    backend, threads = variant(backend), default_threads(threads)
     mats, rows, cols = _as_3d(w.shape)
     if per_channel:
         bn, bk = 1, cols
@@ -89,7 +91,7 @@ def dequantize(codes, scale, out_dtype=np.float32, block=(128, 128), *, backend=
     out_dtype = _output_dtype(out_dtype, "out_dtype")
     bn, bk = _block(block)
     scale = _scale_array(scale, "scale")
-    backend, threads = resolve_backend(backend), default_threads(threads)
+    backend, threads = variant(backend), default_threads(threads)
     mats, rows, cols = _as_3d(codes.shape)
     lead = codes.shape[:-2]
     blockwise_shape = lead + (-(-rows // bn), -(-cols // bk))

@@ -13,9 +13,13 @@ from ._torch import accepts_tensors
 from .config import MoeConfig
 from .experts import ExpertWeights
 
-_FORMAT_CODES = {"fp8_per_channel": 0, "fp8_block": 1, "bf16": 2}
+_W = _ext.ktfp8_wformat
+_FORMAT_CODES = {"fp8_per_channel": _W.KTFP8_FMT_FP8_CHANNEL, "fp8_block": _W.KTFP8_FMT_FP8_BLOCK,
+                 "bf16": _W.KTFP8_FMT_BF16}
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-_ACT_DTYPES = {"float32": 0, "bfloat16": 1}
+_X_DTYPES = (np.dtype(np.float32), _BF16)
+_ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_WEIGHT_DTYPES = (np.dtype(np.float32),)
 
 
 def _expected_format(quant_config):
@@ -69,37 +73,37 @@ class MoE:
         _check_matches(config, experts)
         self.config = config
         self.copy_to_cpu = bool(copy_to_cpu)
-        self.backend = backends.resolve_backend(backend)
+        variant = backends.variant(backend)
+        self.backend = variant.name
         self.threads = backends.default_threads(threads if threads is not None else config.threads)
-        self._act_dtype = _ext.moe_act_dtype(self.backend)
+        self._act_dtype = variant.act_dtype
         fmt = experts.format
         block = experts.block or (0, 0)
         self._shape = (experts.expert_num, experts.hidden_size, experts.intermediate_size,
                        _FORMAT_CODES[fmt], int(block[0]), int(block[1]))
         bits = np.uint16 if fmt == "bf16" else np.uint8
         proj = [np.ascontiguousarray(p).view(bits) for p in (experts.gate, experts.up, experts.down)]
-        scales = (experts.gate_scale, experts.up_scale, experts.down_scale)
-        self._packed = _ext.moe_pack(self.backend, self._shape, *proj, *scales, self.threads)
+        scales = [None if s is None else np.ascontiguousarray(s, dtype=np.float32)
+                  for s in (experts.gate_scale, experts.up_scale, experts.down_scale)]
+        self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, self.threads)
 
     @property
     def nbytes(self):
         """Resident bytes of the packed weights (FP8: about one byte per weight)."""
-        return self._packed.nbytes
+        return self._kernel.packed.nbytes
 
     @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def __call__(self, x, topk_ids, topk_weights, out=None, accumulate=False):
         cfg = self.config
-        x = _as_c_array("x", x, (np.dtype(np.float32), _BF16), 2)
+        x = _as_c_array("x", x, _X_DTYPES, 2)
         if x.shape[1] != cfg.hidden_size:
             raise ValueError(f"x must have shape [T, {cfg.hidden_size}], got {x.shape}")
         T, k = x.shape[0], cfg.num_experts_per_tok
-        topk_ids = _as_c_array("topk_ids", topk_ids, (np.dtype(np.int32), np.dtype(np.int64)), 2)
-        topk_weights = _as_c_array("topk_weights", topk_weights, (np.dtype(np.float32),), 2)
+        topk_ids = _as_c_array("topk_ids", topk_ids, _ID_DTYPES, 2)
+        topk_weights = _as_c_array("topk_weights", topk_weights, _WEIGHT_DTYPES, 2)
         for name, a in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             if a.shape != (T, k):
                 raise ValueError(f"{name} must have shape [T, num_experts_per_tok] = {(T, k)}, got {a.shape}")
-        if T and topk_ids.max() >= cfg.expert_num:
-            raise ValueError(f"topk_ids holds expert id {int(topk_ids.max())} >= expert_num {cfg.expert_num}")
         if out is None:
             if accumulate:
                 raise ValueError("accumulate=True needs out= (the array to add into)")
@@ -111,10 +115,8 @@ class MoE:
             if not out.flags.writeable:
                 raise ValueError("out must be writeable")
         ids = topk_ids.astype(np.int64, copy=False)
-        x_bits = x.view(np.uint16) if x.dtype == _BF16 else x
-        out_bits = out.view(np.uint16) if out.dtype == _BF16 else out
-        _ext.moe_forward(self.backend, self._shape, self._packed, x_bits, ids, topk_weights, out_bits,
-                         bool(accumulate), self.threads, self._act_dtype)
+        # expert ids >= expert_num are refused there, before anything is written
+        self._kernel.forward(x, ids, topk_weights, out, bool(accumulate), self._act_dtype)
         return out
 
     @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)

@@ -6,14 +6,13 @@ logit dtype), so the weights agree with them to float32 rounding of exp and sums
 import ml_dtypes
 import numpy as np
 
+from ._native import _ext
 from ._torch import accepts_tensors
 from .config import MoeConfig
 
 _LOGIT_DTYPES = tuple(np.dtype(t) for t in (np.float32, ml_dtypes.bfloat16, np.float16))
 _BIAS_DTYPES = _LOGIT_DTYPES + (np.dtype(np.float64),)
-# DeepSeek adds this to the renormalisation denominator. For softmax top-k the sum is >= 1/expert_num,
-# so in float32 the epsilon changes nothing there and one formula serves every family.
-_RENORM_EPS = np.float32(1e-20)
+_SCORING = {"softmax": _ext.ktfp8_scoring.KTFP8_SOFTMAX, "sigmoid": _ext.ktfp8_scoring.KTFP8_SIGMOID}
 
 
 @accepts_tensors("router_logits")
@@ -53,19 +52,11 @@ def route(router_logits, cfg, correction_bias=None):
     if T == 0:
         return np.empty((0, k), np.int64), np.empty((0, k), np.float32)
 
-    logits = router_logits.astype(np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):
-        scores = _softmax(logits) if cfg.scoring_func == "softmax" else _sigmoid(logits)
-        choice = scores if bias is None else scores + bias
-        if cfg.n_group > 1:
-            choice = _keep_best_groups(choice, cfg)
-        topk_ids = _top_k(choice, k)
-        topk_weights = np.take_along_axis(scores, topk_ids, axis=1)
-        if cfg.norm_topk_prob:
-            topk_weights = topk_weights / (topk_weights.sum(axis=1, keepdims=True) + _RENORM_EPS)
-        topk_weights = topk_weights * np.float32(cfg.routed_scaling_factor)
-    topk_weights[np.isnan(scores).any(axis=1)] = np.nan
-    return topk_ids.astype(np.int64), topk_weights.astype(np.float32, copy=False)
+    topk_ids, topk_weights = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
+    _ext.route(np.ascontiguousarray(router_logits, dtype=np.float32), bias, topk_ids, topk_weights,
+               _SCORING[cfg.scoring_func], cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+               cfg.routed_scaling_factor)
+    return topk_ids, topk_weights
 
 
 def _check_bias(correction_bias, E):
@@ -80,32 +71,3 @@ def _check_bias(correction_bias, E):
     if not np.isfinite(bias).all():
         raise ValueError("correction_bias must be finite")
     return bias
-
-
-def _softmax(logits):
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    e = np.exp(shifted)
-    return e / e.sum(axis=1, keepdims=True)
-
-
-def _sigmoid(logits):
-    return np.float32(1) / (np.float32(1) + np.exp(-logits))
-
-
-def _top_k(values, k):
-    # Stable sort of the negated values: largest first, ties to the lower index, NaN last.
-    return np.argsort(-values, axis=1, kind="stable")[:, :k]
-
-
-def _keep_best_groups(choice, cfg):
-    """choice with every expert outside the topk_group best groups set to -inf."""
-    T, E = choice.shape
-    per_group = E // cfg.n_group
-    grouped = choice.reshape(T, cfg.n_group, per_group)
-    if cfg.scoring_func == "softmax":
-        group_scores = grouped.max(axis=2)
-    else:
-        group_scores = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2)   # a group of one: its score
-    keep = np.zeros((T, cfg.n_group), dtype=bool)
-    np.put_along_axis(keep, _top_k(group_scores, cfg.topk_group), True, axis=1)
-    return np.where(np.repeat(keep, per_group, axis=1), choice, np.float32(-np.inf))

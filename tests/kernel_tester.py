@@ -185,16 +185,17 @@ def _run_seam(variant, experts, x, ids, w, threads):
     """The only use of ktfp8's private extension in the kernel tests: what MoE.__call__ does, for a
     block MoeConfig cannot express.  Mirror MoE when the seam changes."""
     from ktfp8._native import _ext
-    fmt = {"fp8_per_channel": 0, "fp8_block": 1, "bf16": 2}[experts.format]
-    shape = (experts.expert_num, experts.hidden_size, experts.intermediate_size, fmt, *experts.block)
+    from ktfp8.moe import _FORMAT_CODES
+    v = backends.variant(variant)
+    shape = (experts.expert_num, experts.hidden_size, experts.intermediate_size,
+             _FORMAT_CODES[experts.format], *experts.block)
     bits = np.uint16 if experts.format == "bf16" else np.uint8
     proj = [np.ascontiguousarray(p).view(bits) for p in (experts.gate, experts.up, experts.down)]
-    packed = _ext.moe_pack(variant, shape, *proj, experts.gate_scale, experts.up_scale, experts.down_scale,
-                           threads)
+    scales = [None if s is None else np.ascontiguousarray(s, dtype=np.float32)
+              for s in (experts.gate_scale, experts.up_scale, experts.down_scale)]
+    kernel = _ext.PackedMoE(v, shape, *proj, *scales, threads)
     y = np.empty_like(x)
-    as_bits = (lambda a: a.view(np.uint16)) if x.dtype == BF16 else (lambda a: a)
-    _ext.moe_forward(variant, shape, packed, as_bits(x), ids, w, as_bits(y), False, threads,
-                     _ext.moe_act_dtype(variant))
+    kernel.forward(x, ids, w, y, False, v.act_dtype)
     return y
 
 

@@ -14,7 +14,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from ktfp8._native import _ext
+_testing = pytest.importorskip("ktfp8._native._testing", reason="the test module is not built (KTFP8_ENABLE_EMULATED=OFF)")
 
 TWO_M126 = Fraction(1, 2**126)
 
@@ -87,7 +87,7 @@ def run_emulated(c, a, b, rows, pairs, cols, tiles=(1, 4, 6), strides=None):
     cfg = tilecfg({d: (rows, 4 * cols), ta: (rows, 4 * pairs), tb: (pairs, 4 * cols)})
     out = np.full(c.shape, np.float32(0), np.float32)
     out.view(np.uint8)[...] = 0xAB
-    ok = _ext.amx_emulated_dpbf16ps(cfg, d, ta, tb, c.view(np.uint8).reshape(-1), c.strides[0],
+    ok = _testing.amx_emulated_dpbf16ps(cfg, d, ta, tb, c.view(np.uint8).reshape(-1), c.strides[0],
                                     a.view(np.uint8).reshape(-1), a.strides[0],
                                     b.view(np.uint8).reshape(-1), b.strides[0], out.view(np.uint8).reshape(-1))
     assert ok
@@ -182,7 +182,7 @@ def test_short_buffer_is_refused():
     b = np.zeros((15, 32), np.uint16)  # one row short of the 16 x 64-byte B tile
     cfg = tilecfg({0: (16, 64), 1: (16, 64), 2: (16, 64)})
     out = np.zeros_like(c)
-    assert not _ext.amx_emulated_dpbf16ps(cfg, 0, 1, 2, c.view(np.uint8).reshape(-1), 64,
+    assert not _testing.amx_emulated_dpbf16ps(cfg, 0, 1, 2, c.view(np.uint8).reshape(-1), 64,
                                           a.view(np.uint8).reshape(-1), 64, b.view(np.uint8).reshape(-1), 64,
                                           out.view(np.uint8).reshape(-1))
 
@@ -196,10 +196,10 @@ def test_shapes_the_hardware_faults_on_abort(shapes, tiles, message):
     """Where TDPBF16PS raises #UD the emulation aborts with a message (it is a kernel bug)."""
     code = f"""
 import numpy as np
-from ktfp8._native import _ext
+from ktfp8._native import _testing
 cfg = np.frombuffer({bytes(tilecfg(shapes))!r}, np.uint8).copy()
 buf = np.zeros(1024, np.uint8)
-_ext.amx_emulated_dpbf16ps(cfg, *{tiles!r}, buf, 64, buf, 64, buf, 64, buf.copy())
+_testing.amx_emulated_dpbf16ps(cfg, *{tiles!r}, buf, 64, buf, 64, buf, 64, buf.copy())
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0

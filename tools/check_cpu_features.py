@@ -3,11 +3,10 @@
 import sys
 from pathlib import Path
 
-try:
-    from ktfp8.cpu import main
-except ImportError:  # run from a source checkout that was built in place
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from ktfp8.cpu import main
+CHECKOUT = Path(__file__).resolve().parent.parent
+if (CHECKOUT / "ktfp8" / "__init__.py").exists():
+    sys.path.insert(0, str(CHECKOUT))  # run from a source checkout: report on this tree's build
+from ktfp8.cpu import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

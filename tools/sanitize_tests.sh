@@ -2,7 +2,7 @@
 # Builds a copy of ktfp8 with AddressSanitizer + UndefinedBehaviorSanitizer (KTFP8_SANITIZE) in a
 # temporary folder -- the normal in-place build and .venv are not touched -- and runs the kernel, codec
 # and driver tests against it.  Fails on any sanitizer report.
-#   tools/sanitize_tests.sh [pytest args...]      (default: the codec / MoE / property tests)
+#   tools/sanitize_tests.sh [pytest args...]      (default: the codec / MoE / routing / property tests)
 # PYTHON picks the interpreter (default: .venv/bin/python if present, else python3).
 # KTFP8_SANITIZE_DIR=DIR builds in DIR and keeps it (to debug a finding); default: a temp folder.
 set -euo pipefail
@@ -13,7 +13,8 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(tests/test_fp8_codec.py tests/test_moe.py tests/test_moe_errors.py
-                                 tests/test_properties.py tests/test_concurrency.py tests/test_kernels.py)
+                                 tests/test_properties.py tests/test_concurrency.py tests/test_routing.py
+                                 tests/test_kernels.py)
 
 if [ -n "${KTFP8_SANITIZE_DIR:-}" ]; then
     mkdir -p "$KTFP8_SANITIZE_DIR" && work=$(cd "$KTFP8_SANITIZE_DIR" && pwd)
@@ -35,10 +36,13 @@ fi
 KTFP8_SANITIZE=address,undefined "$PYTHON" setup.py -q build_ext --inplace >build.log 2>&1 || {
     tail -40 build.log; echo "sanitize: build failed" >&2; exit 1; }
 grep "ISA units compiled" build.log || true
-ext=$(ls ktfp8/_native/_ext*.so)
-libs=$(ldd "$ext")      # (not piped into grep -q: under pipefail its early exit would fail the pipe)
-case "$libs" in *libasan*) ;; *) echo "sanitize: $ext is not linked with ASan" >&2; exit 1;; esac
-case "$libs" in *libubsan*) ;; *) echo "sanitize: $ext is not linked with UBSan" >&2; exit 1;; esac
+# the package's module and the test module (the *_emulated variants the tests run)
+for ext in ktfp8/_native/_ext*.so ktfp8/_native/_testing*.so; do
+    [ -e "$ext" ] || { echo "sanitize: $ext was not built" >&2; exit 1; }
+    libs=$(ldd "$ext")  # (not piped into grep -q: under pipefail its early exit would fail the pipe)
+    case "$libs" in *libasan*) ;; *) echo "sanitize: $ext is not linked with ASan" >&2; exit 1;; esac
+    case "$libs" in *libubsan*) ;; *) echo "sanitize: $ext is not linked with UBSan" >&2; exit 1;; esac
+done
 
 # The extension links libasan; it must be the first library loaded into python, hence LD_PRELOAD.
 # detect_leaks=0: CPython does not free everything at exit by design.

@@ -3,25 +3,59 @@
 #ifndef KTFP8_CPU_FEATURES_H
 #define KTFP8_CPU_FEATURES_H
 
+#include <stdint.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
+/* X(name, leaf, subleaf, register, bit): one CPUID feature bit.  The names are the keys of
+ * ktfp8.cpu_features() and what include/ktfp8/variants.def lists as an ISA level's needs. */
+#define KTFP8_CPUID_FEATURES(X)          \
+    X(avx, 1, 0, ecx, 28)                \
+    X(fma, 1, 0, ecx, 12)                \
+    X(f16c, 1, 0, ecx, 29)               \
+    X(avx2, 7, 0, ebx, 5)                \
+    X(avx512f, 7, 0, ebx, 16)            \
+    X(avx512dq, 7, 0, ebx, 17)           \
+    X(avx512bw, 7, 0, ebx, 30)           \
+    X(avx512vl, 7, 0, ebx, 31)           \
+    X(avx512_bf16, 7, 1, eax, 5)         \
+    X(avx512_vnni, 7, 0, ecx, 11)        \
+    X(avx512_vbmi, 7, 0, ecx, 1)         \
+    X(amx_tile, 7, 0, edx, 24)           \
+    X(amx_bf16, 7, 0, edx, 22)
+
+/* X(name, xcr0 mask): register state the OS saves on a context switch (XCR0, read with XGETBV);
+ * an instruction set whose registers the OS does not save must not be used. */
+#define KTFP8_OS_STATES(X)                                                                  \
+    X(os_avx, 0x6)           /* SSE + AVX (XMM, YMM) */                                     \
+    X(os_avx512, 0xe6)       /* + opmask, ZMM_Hi256, Hi16_ZMM */                            \
+    X(os_amx, 0x60000)       /* XTILECFG (17) + XTILEDATA (18); Linux also wants a request */
+
+enum ktfp8_feature {
+#define KTFP8_FEATURE_ENUM(name, ...) KTFP8_FEATURE_##name,
+    KTFP8_CPUID_FEATURES(KTFP8_FEATURE_ENUM) KTFP8_OS_STATES(KTFP8_FEATURE_ENUM)
+#undef KTFP8_FEATURE_ENUM
+    KTFP8_FEATURE_COUNT
+};
+
+/* A set of features: bit (1 << KTFP8_FEATURE_<name>). */
+typedef uint32_t ktfp8_features;
+#define KTFP8_NEED(name) ((ktfp8_features)1 << KTFP8_FEATURE_##name)
+
 typedef struct ktfp8_cpu {
-    /* CPUID feature bits */
-    int avx, avx2, fma, f16c;
-    int avx512f, avx512dq, avx512bw, avx512vl, avx512bf16, avx512vnni, avx512vbmi;
-    int amx_tile, amx_bf16;
-    /* OS support: XCR0 says the kernel saves the register state */
-    int os_avx;     /* XMM + YMM */
-    int os_avx512;  /* + opmask, ZMM_Hi256, Hi16_ZMM */
-    int os_amx;     /* XTILECFG + XTILEDATA enabled in XCR0 */
+    ktfp8_features features;
     char vendor[13];
     char brand[49];
 } ktfp8_cpu;
 
-/* Fills *cpu; cheap, may be called any time. */
-void ktfp8_cpu_detect(ktfp8_cpu *cpu);
+/* This CPU, detected on the first call and cached for the process (CPUID is slow under a
+ * hypervisor, which traps it; the answer never changes). */
+const ktfp8_cpu *ktfp8_cpu_get(void);
+
+/* The name of feature i (< KTFP8_FEATURE_COUNT), as in the tables above. */
+const char *ktfp8_feature_name(int i);
 
 /* Asks Linux for permission to use AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM) once per
  * process.  Returns 1 when tiles may be used, 0 otherwise (no AMX, not Linux, or refused). */

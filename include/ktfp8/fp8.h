@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "ktfp8/abi.h" /* enum ktfp8_dtype */
+
 #define KTFP8_E4M3_MAX 448.0f
 
 static inline uint32_t ktfp8_f32_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
@@ -64,8 +66,8 @@ static inline float ktfp8_f16_to_f32(uint16_t h) {
 /* One element of an F32 / BF16 / F16 array as float. */
 static inline float ktfp8_load_f32(const void *src, int dtype, size_t i) {
     switch (dtype) {
-    case 1: return ktfp8_bf16_to_f32(((const uint16_t *)src)[i]);
-    case 2: return ktfp8_f16_to_f32(((const uint16_t *)src)[i]);
+    case KTFP8_BF16: return ktfp8_bf16_to_f32(((const uint16_t *)src)[i]);
+    case KTFP8_F16: return ktfp8_f16_to_f32(((const uint16_t *)src)[i]);
     default: return ((const float *)src)[i];
     }
 }

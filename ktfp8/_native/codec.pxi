@@ -1,9 +1,6 @@
-# FP8 codec seam (fp8_codec.h).  Arguments arrive validated from ktfp8.fp8: C-contiguous, non-empty
-# arrays; float inputs as float32 or uint16 bit patterns with their dtype code (0 f32, 1 bf16,
-# 2 f16), codes as uint8, scales as float32.
-
-from libc.stdint cimport int64_t, uint8_t
-import numpy as np
+# FP8 codec seam (fp8_codec.h).  Arguments arrive validated from ktfp8.fp8: C-contiguous arrays;
+# float inputs as float32 or uint16 bit patterns with their enum ktfp8_dtype, codes as uint8,
+# scales as float32.  Sizes are checked once more against the counts (c_buffer).
 
 cdef extern from "ktfp8/fp8_codec.h":
     void ktfp8_encode(const ktfp8_codec_ops *ops, const void *src, int dtype, int64_t n, uint8_t *codes,
@@ -18,45 +15,53 @@ cdef extern from "ktfp8/fp8_codec.h":
                                  void *dst, int dtype, int threads) nogil
 
 
-def codec_encode(str backend, src, int dtype, codes, int threads):
-    """codes[...] = e4m3(src[...]); src and codes of the same size."""
-    cdef const ktfp8_codec_ops *ops = variant_by_name(backend).codec
-    cdef const uint8_t[::1] s = src.reshape(-1).view(np.uint8)
-    cdef uint8_t[::1] c = codes.reshape(-1)
+def codec_encode(Variant variant, src, int dtype, codes, int threads):
+    """codes[...] = e4m3(src[...]); src (dtype) and codes (uint8) of the same element count."""
+    cdef const ktfp8_codec_ops *ops = runnable(variant).codec
+    cdef int64_t n = cnp.PyArray_SIZE(codes) if isinstance(codes, cnp.ndarray) else 0
+    cdef const void *s = c_buffer(src, n * dtype_size(dtype), "src")
+    cdef uint8_t *c = <uint8_t *>c_buffer(codes, n, "codes", True)
     with nogil:
-        ktfp8_encode(ops, &s[0], dtype, c.shape[0], &c[0], threads)
+        ktfp8_encode(ops, s, dtype, n, c, threads)
 
 
-def codec_decode(str backend, codes, dst, int dtype, int threads):
-    """dst[...] = decode(codes[...]); dst float32 (dtype 0) or uint16 bf16 bits (dtype 1)."""
-    cdef const ktfp8_codec_ops *ops = variant_by_name(backend).codec
-    cdef const uint8_t[::1] c = codes.reshape(-1)
-    cdef uint8_t[::1] d = dst.reshape(-1).view(np.uint8)
+def codec_decode(Variant variant, codes, dst, int dtype, int threads):
+    """dst[...] = decode(codes[...]); dst float32 (KTFP8_F32) or uint16 bf16 bits (KTFP8_BF16)."""
+    cdef const ktfp8_codec_ops *ops = runnable(variant).codec
+    cdef int64_t n = cnp.PyArray_SIZE(codes) if isinstance(codes, cnp.ndarray) else 0
+    cdef const uint8_t *c = <const uint8_t *>c_buffer(codes, n, "codes")
+    cdef void *d = c_buffer(dst, n * dtype_size(dtype), "dst", True)
     with nogil:
-        ktfp8_decode(ops, &c[0], c.shape[0], &d[0], dtype, threads)
+        ktfp8_decode(ops, c, n, d, dtype, threads)
 
 
-def codec_quantize_blocks(str backend, src, int dtype, tuple dims, codes, scale, int threads):
+cdef int64_t blocks(int64_t n, int64_t edge):
+    return (n + edge - 1) // edge
+
+
+def codec_quantize_blocks(Variant variant, src, int dtype, tuple dims, codes, scale, int threads):
     """dims = (mats, rows, cols, bn, bk); fills codes [mats, rows, cols] and scale
     [mats, ceil(rows / bn), ceil(cols / bk)]."""
-    cdef const ktfp8_codec_ops *ops = variant_by_name(backend).codec
+    cdef const ktfp8_codec_ops *ops = runnable(variant).codec
     cdef int64_t mats, rows, cols, bn, bk
     mats, rows, cols, bn, bk = dims
-    cdef const uint8_t[::1] s = src.reshape(-1).view(np.uint8)
-    cdef uint8_t[::1] c = codes.reshape(-1)
-    cdef float[::1] sc = scale.reshape(-1)
+    cdef int64_t n = mats * rows * cols
+    cdef const void *s = c_buffer(src, n * dtype_size(dtype), "src")
+    cdef uint8_t *c = <uint8_t *>c_buffer(codes, n, "codes", True)
+    cdef float *sc = <float *>c_buffer(scale, 4 * mats * blocks(rows, bn) * blocks(cols, bk), "scale", True)
     with nogil:
-        ktfp8_quantize_blocks(ops, &s[0], dtype, mats, rows, cols, bn, bk, &c[0], &sc[0], threads)
+        ktfp8_quantize_blocks(ops, s, dtype, mats, rows, cols, bn, bk, c, sc, threads)
 
 
-def codec_dequantize_blocks(str backend, codes, scale, tuple dims, dst, int dtype, int threads):
-    """dims = (mats, rows, cols, bn, bk); dst [mats, rows, cols] float32 (dtype 0) or uint16 bf16
-    bits (dtype 1) = decode(codes) * scale of the block."""
-    cdef const ktfp8_codec_ops *ops = variant_by_name(backend).codec
+def codec_dequantize_blocks(Variant variant, codes, scale, tuple dims, dst, int dtype, int threads):
+    """dims = (mats, rows, cols, bn, bk); dst [mats, rows, cols] float32 (KTFP8_F32) or uint16 bf16
+    bits (KTFP8_BF16) = decode(codes) * scale of the block."""
+    cdef const ktfp8_codec_ops *ops = runnable(variant).codec
     cdef int64_t mats, rows, cols, bn, bk
     mats, rows, cols, bn, bk = dims
-    cdef const uint8_t[::1] c = codes.reshape(-1)
-    cdef const float[::1] sc = scale.reshape(-1)
-    cdef uint8_t[::1] d = dst.reshape(-1).view(np.uint8)
+    cdef int64_t n = mats * rows * cols
+    cdef const uint8_t *c = <const uint8_t *>c_buffer(codes, n, "codes")
+    cdef const float *sc = <const float *>c_buffer(scale, 4 * mats * blocks(rows, bn) * blocks(cols, bk), "scale")
+    cdef void *d = c_buffer(dst, n * dtype_size(dtype), "dst", True)
     with nogil:
-        ktfp8_dequantize_blocks(ops, &c[0], mats, rows, cols, bn, bk, &sc[0], &d[0], dtype, threads)
+        ktfp8_dequantize_blocks(ops, c, mats, rows, cols, bn, bk, sc, d, dtype, threads)

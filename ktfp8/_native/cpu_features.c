@@ -1,10 +1,24 @@
-/* CPUID / XGETBV feature detection.  Built with baseline flags: it must run on every x86-64. */
+/* CPUID / XGETBV feature detection, once per process.  Built with baseline flags: it must run on
+ * every x86-64.  The bits it reads are the tables in cpu_features.h. */
 #include "ktfp8/cpu_features.h"
 
+#include <pthread.h>
 #include <string.h>
+
+static const char *const feature_names[KTFP8_FEATURE_COUNT] = {
+#define KTFP8_FEATURE_NAME(name, ...) #name,
+    KTFP8_CPUID_FEATURES(KTFP8_FEATURE_NAME) KTFP8_OS_STATES(KTFP8_FEATURE_NAME)
+#undef KTFP8_FEATURE_NAME
+};
+
+const char *ktfp8_feature_name(int i) {
+    return i >= 0 && i < KTFP8_FEATURE_COUNT ? feature_names[i] : NULL;
+}
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+
+enum { eax, ebx, ecx, edx }; /* register columns of KTFP8_CPUID_FEATURES */
 
 static void cpuid(unsigned leaf, unsigned sub, unsigned r[4]) {
     __cpuid_count(leaf, sub, r[0], r[1], r[2], r[3]);
@@ -17,12 +31,22 @@ static unsigned long long xgetbv0(void) {
     return ((unsigned long long)hi << 32) | lo;
 }
 
-void ktfp8_cpu_detect(ktfp8_cpu *cpu) {
+/* 1 when CPUID answers (leaf, sub): leaf within CPUID.0.EAX, sub within the leaf's subleaf count
+ * (EAX of subleaf 0, as leaf 7 reports it). */
+static int has_leaf(unsigned leaf, unsigned sub, unsigned max_leaf) {
+    unsigned r[4];
+    if (leaf > max_leaf) return 0;
+    if (sub == 0) return 1;
+    cpuid(leaf, 0, r);
+    return sub <= r[0];
+}
+
+static void detect(ktfp8_cpu *cpu) {
     unsigned r[4];
     memset(cpu, 0, sizeof(*cpu));
 
     cpuid(0, 0, r);
-    unsigned max_leaf = r[0];
+    const unsigned max_leaf = r[0];
     memcpy(cpu->vendor + 0, &r[1], 4);
     memcpy(cpu->vendor + 4, &r[3], 4);
     memcpy(cpu->vendor + 8, &r[2], 4);
@@ -35,38 +59,33 @@ void ktfp8_cpu_detect(ktfp8_cpu *cpu) {
         }
     }
 
-    cpuid(1, 0, r);
-    int osxsave = (r[2] >> 27) & 1;
-    cpu->avx = (r[2] >> 28) & 1;
-    cpu->fma = (r[2] >> 12) & 1;
-    cpu->f16c = (r[2] >> 29) & 1;
-
-    unsigned long long xcr0 = osxsave ? xgetbv0() : 0;
-    cpu->os_avx = (xcr0 & 0x6) == 0x6;              /* SSE + AVX state */
-    cpu->os_avx512 = cpu->os_avx && (xcr0 & 0xe0) == 0xe0; /* opmask, ZMM_Hi256, Hi16_ZMM */
-    cpu->os_amx = (xcr0 & 0x60000) == 0x60000;      /* XTILECFG (17) + XTILEDATA (18) */
-
-    if (max_leaf >= 7) {
-        cpuid(7, 0, r);
-        unsigned max_sub = r[0];
-        cpu->avx2 = (r[1] >> 5) & 1;
-        cpu->avx512f = (r[1] >> 16) & 1;
-        cpu->avx512dq = (r[1] >> 17) & 1;
-        cpu->avx512bw = (r[1] >> 30) & 1;
-        cpu->avx512vl = (r[1] >> 31) & 1;
-        cpu->avx512vbmi = (r[2] >> 1) & 1;
-        cpu->avx512vnni = (r[2] >> 11) & 1;
-        cpu->amx_bf16 = (r[3] >> 22) & 1;
-        cpu->amx_tile = (r[3] >> 24) & 1;
-        if (max_sub >= 1) {
-            cpuid(7, 1, r);
-            cpu->avx512bf16 = (r[0] >> 5) & 1;
-        }
+#define KTFP8_READ_CPUID(name, leaf, sub, reg, bit)                         \
+    if (has_leaf(leaf, sub, max_leaf)) {                                    \
+        cpuid(leaf, sub, r);                                                \
+        if ((r[reg] >> (bit)) & 1) cpu->features |= KTFP8_NEED(name);       \
     }
+    KTFP8_CPUID_FEATURES(KTFP8_READ_CPUID)
+#undef KTFP8_READ_CPUID
+
+    cpuid(1, 0, r);
+    const unsigned long long xcr0 = (r[2] >> 27) & 1 ? xgetbv0() : 0; /* OSXSAVE */
+#define KTFP8_READ_XCR0(name, mask) \
+    if ((xcr0 & (mask)) == (mask)) cpu->features |= KTFP8_NEED(name);
+    KTFP8_OS_STATES(KTFP8_READ_XCR0)
+#undef KTFP8_READ_XCR0
 }
 #else
-void ktfp8_cpu_detect(ktfp8_cpu *cpu) { memset(cpu, 0, sizeof(*cpu)); }
+static void detect(ktfp8_cpu *cpu) { memset(cpu, 0, sizeof(*cpu)); }
 #endif
+
+static ktfp8_cpu cached;
+static pthread_once_t cached_once = PTHREAD_ONCE_INIT;
+static void detect_cached(void) { detect(&cached); }
+
+const ktfp8_cpu *ktfp8_cpu_get(void) {
+    pthread_once(&cached_once, detect_cached);
+    return &cached;
+}
 
 #if defined(__linux__) && defined(__x86_64__)
 #include <sys/syscall.h>
@@ -80,11 +99,9 @@ int ktfp8_amx_permission(void) {
      * (idempotent) syscall, which is harmless. */
     static volatile int state = -1;
     if (state < 0) {
-        ktfp8_cpu cpu;
-        ktfp8_cpu_detect(&cpu);
-        int ok = cpu.amx_tile && cpu.amx_bf16 && cpu.os_amx &&
-                 syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-        state = ok;
+        const ktfp8_features amx = KTFP8_NEED(amx_tile) | KTFP8_NEED(amx_bf16) | KTFP8_NEED(os_amx);
+        state = (ktfp8_cpu_get()->features & amx) == amx &&
+                syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }
     return state;
 }

@@ -1,6 +1,6 @@
-# MoE seam (moe.h): pack once, forward many times.  Arguments arrive validated from ktfp8.moe.
+# MoE seam (moe.h): pack once into a PackedMoE (variant and shape checked there), forward many times.
+# Arguments arrive validated from ktfp8.moe; sizes are checked once more against the shape.
 
-from libc.stdint cimport int64_t, int32_t, uint8_t
 import numpy as np
 
 cdef extern from "ktfp8/abi.h":
@@ -30,86 +30,81 @@ cdef extern from "ktfp8/moe.h":
     void ktfp8_pack(const ktfp8_moe_shape *shape, const ktfp8_layout *layout, const ktfp8_proj_src *src,
                     void *dst, int threads) nogil
     int ktfp8_moe_forward(const ktfp8_variant *variant, const ktfp8_moe_call *call) nogil
-    int KTFP8_ENOMEM, KTFP8_EINVAL
+    enum: KTFP8_ENOMEM, KTFP8_EINVAL
 
 
-cdef ktfp8_moe_shape make_shape(tuple shape) except *:
+cdef class PackedMoE:
+    """The experts of one layer packed once for one variant, their shape checked once.
+
+    PackedMoE(variant, shape, gate, up, down, gate_scale, up_scale, down_scale, threads):
+    shape = (experts, hidden, inter, format, block_n, block_k) with format an enum ktfp8_wformat;
+    weights [E, out, in] uint8 codes or uint16 bf16 bits, scales float32 (None for bf16)."""
+    cdef const ktfp8_variant *v
     cdef ktfp8_moe_shape s
-    s.experts, s.hidden, s.inter, s.format, s.block_n, s.block_k = shape
-    if ktfp8_shape_check(&s) != 0:
-        raise ValueError(f"invalid MoE shape {shape}")
-    return s
+    cdef readonly object packed   # uint8, 64-byte aligned
+    cdef const void *packed_data
+    cdef readonly int threads
 
+    def __cinit__(self, Variant variant, tuple shape, gate, up, down, gate_scale, up_scale, down_scale,
+                  int threads):
+        self.v = runnable(variant)
+        self.threads = threads
+        self.s.experts, self.s.hidden, self.s.inter, self.s.format, self.s.block_n, self.s.block_k = shape
+        if ktfp8_shape_check(&self.s) != 0:
+            raise ValueError(f"invalid MoE shape {shape}")
+        cdef int64_t E = self.s.experts, H = self.s.hidden, I = self.s.inter
+        cdef ktfp8_proj_src src[3]
+        cdef int i
+        cdef int64_t out, inp
+        cdef size_t wsize = 2 if self.s.format == KTFP8_FMT_BF16 else 1
+        weights, scales = (gate, up, down), (gate_scale, up_scale, down_scale)
+        for i in range(3):
+            out, inp = (H, I) if i == 2 else (I, H)
+            src[i].w = c_buffer(weights[i], E * out * inp * wsize, ("gate", "up", "down")[i])
+            if self.s.format == KTFP8_FMT_BF16:
+                src[i].scale = NULL
+            elif self.s.format == KTFP8_FMT_FP8_CHANNEL:
+                src[i].scale = <const float *>c_buffer(scales[i], 4 * E * out, "scale")
+            else:
+                src[i].scale = <const float *>c_buffer(
+                    scales[i], 4 * E * blocks(out, self.s.block_n) * blocks(inp, self.s.block_k), "scale")
+        cdef size_t size = ktfp8_packed_size(&self.s, &self.v.moe.layout)
+        raw = np.empty(size + 64, dtype=np.uint8)  # over-allocate, then slice a 64-byte aligned start
+        offset = (-raw.ctypes.data) % 64
+        self.packed = raw[offset:offset + size]
+        self.packed_data = cnp.PyArray_DATA(<cnp.ndarray>self.packed)
+        cdef void *dst = <void *>self.packed_data
+        with nogil:
+            ktfp8_pack(&self.s, &self.v.moe.layout, src, dst, threads)
 
-def moe_act_dtype(str backend):
-    """0 (float32) or 1 (bfloat16): the activation dtype the backend's micro-kernel reads."""
-    return variant_by_name(backend).moe.act_dtype
-
-
-def moe_pack(str backend, tuple shape, gate, up, down, gate_scale, up_scale, down_scale, int threads):
-    """Packs [E, out, in] weights (uint8 codes or uint16 bf16 bits) into the backend's layout.
-    shape = (experts, hidden, inter, format, block_n, block_k).  Returns a uint8 array."""
-    cdef const ktfp8_variant *v = variant_by_name(backend)
-    cdef ktfp8_moe_shape s = make_shape(shape)
-    cdef ktfp8_proj_src src[3]
-    arrays = (gate, up, down)
-    scales = (gate_scale, up_scale, down_scale)
-    cdef Py_buffer views[6]
-    cdef int i
-    cdef size_t size = ktfp8_packed_size(&s, &v.moe.layout)
-    # 64-byte aligned backing store: over-allocate and slice
-    raw = np.empty(size + 64, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % 64
-    out = raw[offset:offset + size]
-    cdef uint8_t[::1] dst = out
-    cdef const uint8_t[::1] wv
-    cdef const float[::1] sv
-    keep = []
-    for i in range(3):
-        wv = np.ascontiguousarray(arrays[i]).reshape(-1).view(np.uint8)
-        keep.append(wv)
-        src[i].w = &wv[0]
-        if scales[i] is None:
-            src[i].scale = NULL
-        else:
-            sv = np.ascontiguousarray(scales[i], dtype=np.float32).reshape(-1)
-            keep.append(sv)
-            src[i].scale = &sv[0]
-    with nogil:
-        ktfp8_pack(&s, &v.moe.layout, src, &dst[0], threads)
-    return out
-
-
-def moe_forward(str backend, tuple shape, packed, x, topk_ids, topk_weights, y, bint accumulate,
-                int threads, int act_dtype):
-    """y (+)= MoE(x).  x, y: float32 or bfloat16 (as uint16) [T, H] C-contiguous; topk_ids int64,
-    topk_weights float32, both [T, k] C-contiguous."""
-    cdef const ktfp8_variant *v = variant_by_name(backend)
-    cdef ktfp8_moe_shape s = make_shape(shape)
-    cdef ktfp8_moe_call c
-    cdef const uint8_t[::1] pk = packed
-    cdef const uint8_t[::1] xb = x.reshape(-1).view(np.uint8)
-    cdef uint8_t[::1] yb = y.reshape(-1).view(np.uint8)
-    cdef const int64_t[::1] ids = topk_ids.reshape(-1)
-    cdef const float[::1] w = topk_weights.reshape(-1)
-    cdef int rc
-    if x.shape[0] == 0:
-        return
-    c.shape = &s
-    c.packed = &pk[0]
-    c.tokens = x.shape[0]
-    c.top_k = topk_ids.shape[1]
-    c.x = &xb[0]
-    c.x_dtype = 0 if x.dtype == np.float32 else 1
-    c.topk_ids = &ids[0] if ids.shape[0] else NULL
-    c.topk_weights = &w[0] if w.shape[0] else NULL
-    c.y = &yb[0]
-    c.accumulate = accumulate
-    c.threads = threads
-    c.act_dtype = act_dtype
-    with nogil:
-        rc = ktfp8_moe_forward(v, &c)
-    if rc == KTFP8_ENOMEM:
-        raise MemoryError("ktfp8: out of memory in the MoE forward")
-    if rc == KTFP8_EINVAL:
-        raise ValueError(f"topk_ids holds an expert id >= expert_num ({s.experts})")
+    def forward(self, x, topk_ids, topk_weights, y, bint accumulate, int act_dtype):
+        """y (+)= MoE(x).  x, y: float32 or bfloat16 (any 2-byte dtype holding its bits) [T, H] C-contiguous; topk_ids int64,
+        topk_weights float32, both [T, k] C-contiguous."""
+        if not isinstance(x, cnp.ndarray) or cnp.PyArray_NDIM(<cnp.ndarray>x) != 2 or \
+                not isinstance(topk_ids, cnp.ndarray) or cnp.PyArray_NDIM(<cnp.ndarray>topk_ids) != 2:
+            raise ValueError("x and topk_ids must be 2-D numpy arrays")
+        cdef int64_t T = cnp.PyArray_DIM(<cnp.ndarray>x, 0), k = cnp.PyArray_DIM(<cnp.ndarray>topk_ids, 1)
+        cdef int x_dtype = KTFP8_F32 if cnp.PyArray_ITEMSIZE(<cnp.ndarray>x) == 4 else KTFP8_BF16
+        cdef size_t xbytes = T * self.s.hidden * dtype_size(x_dtype)
+        cdef ktfp8_moe_call c
+        c.shape = &self.s
+        c.packed = self.packed_data
+        c.tokens = T
+        c.top_k = k
+        c.x = c_buffer(x, xbytes, "x")
+        c.x_dtype = x_dtype
+        c.topk_ids = <const int64_t *>c_buffer(topk_ids, 8 * T * k, "topk_ids")
+        c.topk_weights = <const float *>c_buffer(topk_weights, 4 * T * k, "topk_weights")
+        c.y = c_buffer(y, xbytes, "y", True)
+        c.accumulate = accumulate
+        c.threads = self.threads
+        c.act_dtype = act_dtype
+        if T == 0:
+            return
+        cdef int rc
+        with nogil:
+            rc = ktfp8_moe_forward(self.v, &c)
+        if rc == KTFP8_ENOMEM:
+            raise MemoryError("ktfp8: out of memory in the MoE forward")
+        if rc == KTFP8_EINVAL:  # checked before anything is written; found here, not scanned for per call
+            raise ValueError(f"topk_ids holds expert id {int(np.max(topk_ids))} >= expert_num {self.s.experts}")

@@ -1,16 +1,37 @@
-# Test hook of the AMX tile emulation (amx_emulation_hook.c); used by tests/test_amx_emulation.py only.
+# cython: language_level=3
+"""Test-only native code, kept out of the package's import (as NumPy keeps _umath_tests): the
+*_emulated variants and a hook into the AMX tile emulation.  Built with the test suite's build
+(KTFP8_ENABLE_EMULATED not OFF); ktfp8.backends loads it only when an emulated variant is named or
+listed."""
+
+from libc.stdint cimport uint8_t
+from cpython.pycapsule cimport PyCapsule_New
+
+cdef extern from "ktfp8/dispatch.h":
+    ctypedef struct ktfp8_variant_entry:
+        pass
 
 cdef extern from *:
     """
+    const ktfp8_variant_entry *ktfp8_emulated_variants(int *count);
     int ktfp8_amx_emulated_dpbf16ps(const void *cfg, int d, int a, int b, const void *c, long c_stride,
                                     size_t c_bytes, const void *av, long a_stride, size_t a_bytes,
                                     const void *bv, long b_stride, size_t b_bytes, void *out,
                                     size_t out_bytes);
     """
+    const ktfp8_variant_entry *ktfp8_emulated_variants(int *count)
     int ktfp8_amx_emulated_dpbf16ps(const void *cfg, int d, int a, int b, const void *c, long c_stride,
                                     size_t c_bytes, const void *av, long a_stride, size_t a_bytes,
                                     const void *bv, long b_stride, size_t b_bytes, void *out,
                                     size_t out_bytes) nogil
+
+
+def variant_table():
+    """(count, capsule of the ktfp8_variant_entry table) of the emulated twins, for
+    ktfp8._native._ext.test_variants(); rows this build did not compile hold NULL tables."""
+    cdef int count
+    cdef const ktfp8_variant_entry *table = ktfp8_emulated_variants(&count)
+    return count, PyCapsule_New(<void *>table, "ktfp8_variant_entry", NULL)
 
 
 def amx_emulated_dpbf16ps(const uint8_t[::1] cfg, int d, int a, int b, const uint8_t[::1] c, long c_stride,
