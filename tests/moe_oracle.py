@@ -40,12 +40,17 @@ def dequantize(codes, scale, block=None):
     return v * full[:, :v.shape[1], :v.shape[2]]
 
 
-def make_experts(fmt, E, H, I, seed=0, block=64):
-    """(ExpertWeights, float64 (gate, up, down) they stand for)."""
+def make_experts(fmt, E, H, I, seed=0, block=64, outliers=False):
+    """(ExpertWeights, float64 (gate, up, down) they stand for).  block: fp8_block's edge or
+    (block_n, block_k).  outliers: a few rows and columns scaled up 20-30x, so that per-channel and
+    block scales differ a lot between rows and blocks."""
     rng = np.random.default_rng(seed)
     gate = (rng.standard_normal((E, I, H)) / np.sqrt(H)).astype(np.float32)
     up = (rng.standard_normal((E, I, H)) / np.sqrt(H)).astype(np.float32)
     down = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
+    if outliers:
+        gate[:, ::7, min(3, H - 1)] *= 20
+        down[:, min(5, H - 1), ::5] *= 30
     if fmt == "bf16":
         ws = [a.astype(ml_dtypes.bfloat16) for a in (gate, up, down)]
         return ExpertWeights("bf16", *ws), [a.astype(np.float64) for a in ws]
@@ -53,25 +58,38 @@ def make_experts(fmt, E, H, I, seed=0, block=64):
         q = [quantize_per_channel(a) for a in (gate, up, down)]
         ew = ExpertWeights(fmt, q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1])
         return ew, [dequantize(c, s) for c, s in q]
+    block = (block, block) if np.isscalar(block) else tuple(block)
     q = [quantize_block(a, block) for a in (gate, up, down)]
-    ew = ExpertWeights(fmt, q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1], block=(block, block))
+    ew = ExpertWeights(fmt, q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1], block=block)
     return ew, [dequantize(c, s, block) for c, s in q]
 
 
-def moe_fp64(x, topk_ids, topk_weights, gate, up, down):
+def round_to(a, dtype):
+    """a rounded to dtype (float32 or bfloat16; None: unchanged), returned as float64.  float64
+    values go through float32 first, as a kernel that computes in FP32 and then rounds."""
+    if dtype is None:
+        return np.asarray(a, np.float64)
+    return np.asarray(a).astype(np.float32).astype(dtype).astype(np.float64)
+
+
+def moe_fp64(x, topk_ids, topk_weights, gate, up, down, act=None):
     """y[t] = sum_s w[t,s] * down_e @ (silu(gate_e @ x_t) * (up_e @ x_t)), float64, ids < 0 skipped.
-    Elementwise products and sums only (no BLAS), so it also runs under an emulated CPU."""
-    x = np.asarray(x, dtype=np.float64)
+
+    act (None, np.float32 or ml_dtypes.bfloat16): the activation dtype of a kernel -- x and h are
+    rounded to it where the kernel rounds them (moe_driver.c), so that only summation order
+    separates the kernel from this.  einsum without BLAS, so it also runs under an emulated CPU."""
+    x = round_to(x, act)
     y = np.zeros(x.shape, np.float64)
-    for t in range(x.shape[0]):
-        for s in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, s])
-            if e < 0:
-                continue
-            g = (gate[e] * x[t]).sum(axis=1)
-            u = (up[e] * x[t]).sum(axis=1)
-            h = g / (1 + np.exp(-g)) * u
-            y[t] += float(topk_weights[t, s]) * (down[e] * h).sum(axis=1)
+    ids = np.asarray(topk_ids)
+    for e in np.unique(ids[ids >= 0]):
+        tokens, slots = np.nonzero(ids == e)
+        xe = x[tokens]
+        g = np.einsum("th,ih->ti", xe, gate[e])
+        u = np.einsum("th,ih->ti", xe, up[e])
+        with np.errstate(over="ignore", invalid="ignore"):  # exp(-g) of a very negative g; NaN codes
+            h = round_to(g / (1 + np.exp(-g)) * u, act)
+        z = np.einsum("ti,hi->th", h, down[e])
+        np.add.at(y, tokens, np.asarray(topk_weights, np.float64)[tokens, slots][:, None] * z)
     return y
 
 
