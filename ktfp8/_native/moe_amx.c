@@ -18,6 +18,15 @@
  * So AMX starts where its first A tile is full (m >= 16); 8..15 is the band where measurement on
  * hardware may move the threshold down.
  *
+ * Weight conversion overlaps the tile products: the first pass converts slab s + 1 into scratch
+ * while the TDPBF16PS of slab s run (the profile on the Xeon had 25 % of the kernel in the
+ * conversion, stalled on DRAM, before any TDP could start); later passes reuse the scratch.
+ *
+ * Blocking: each converted B tile (one 32-K slab of the 16-row weight tile) feeds up to 4 C tiles
+ * (4 x 16 tokens), i.e. 5 tile loads per 4 TDPBF16PS.  kt-kernel's 2 A x 2 B -> 4 C (4 loads per 4
+ * TDPs) needs two B tiles of different output columns, i.e. 32-row weight tiles: a layout change
+ * (rows_per_tile 32) with its own small-m kernel, not done here.
+ *
  * Tiles (palette 1, configured at the start of every call and released at its end, so a thread
  * never holds AMX state between calls):
  *   tmm0..3  C: FP32 [16][16] sums of up to 4 chunks of 16 tokens (a pass); the last chunk of the
@@ -31,6 +40,7 @@
 #include <string.h>
 
 #include "ktfp8/abi.h"
+#include "ktfp8/amx_tilecfg.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/variant.h"
 #ifdef KTFP8_EMULATE_AMX
@@ -45,9 +55,13 @@
 #define SLAB 32      /* K per TDPBF16PS */
 #define SLAB_BYTES (SLAB * NB * 2) /* one converted B tile */
 
+/* Tile register numbers: literals, as the tile instructions take them as immediates (GCC's
+ * intrinsics paste them into the asm text). */
 #define TILE_A 4
 #define TILE_A_TAIL 5
 #define TILE_B 6
+
+#define INLINE static inline __attribute__((always_inline))
 
 /* The small-m kernel of the same backend: the build always compiles avx512bf16 with amx, in the
  * same (native or emulated) mode. */
@@ -61,17 +75,10 @@ extern const ktfp8_moe_kernel SMALL_M_KERNEL;
 /* GCC's tile intrinsics are asm statements that tell the compiler nothing about the memory they
  * read (LDTILECFG: only 8 of its 64 bytes; TILELOADD: none): a compiler barrier makes sure the
  * config and the converted weights are in memory first. */
-#define COMPILER_BARRIER() __asm__ __volatile__("" ::: "memory")
-
-/* LDTILECFG memory operand, palette 1. */
-typedef struct tilecfg {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) tilecfg;
+INLINE void compiler_barrier(void) { __asm__ __volatile__("" ::: "memory"); }
 
 static void configure(int chunks, int tail_rows) {
-    tilecfg cfg;
+    ktfp8_amx_tilecfg cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
     for (int c = 0; c < chunks; c++) {
@@ -86,12 +93,12 @@ static void configure(int chunks, int tail_rows) {
     }
     cfg.rows[TILE_B] = SLAB / 2;
     cfg.colsb[TILE_B] = NB * 4;
-    COMPILER_BARRIER();
+    compiler_barrier();
     _tile_loadconfig(&cfg);
 }
 
-/* Tile numbers must be literals (immediates of the instructions), hence one macro per step,
- * expanded once per C tile c = 0..3. */
+/* The per-tile steps of one pass, for C tile c = 0..3 (a literal): with chunks and tail_rows
+ * constants the conditions fold away. */
 #define ZERO_C(c) \
     if (c < chunks) _tile_zero(c)
 #define DOT_CHUNK(c)                                                          \
@@ -108,6 +115,59 @@ static void configure(int chunks, int tail_rows) {
 #define STORE_C(c) \
     if (c < chunks) _tile_stored(c, cbuf[c], NB * sizeof(float))
 
+/* Tokens m0 .. m0 + rows - 1 (chunks C tiles, the last one tail_rows high when non-zero): the K
+ * reduction slab by slab, block by block, scaled into the FP32 output.  codes != NULL: w is the
+ * scratch, still to be filled slab by slab from codes (the first pass). */
+INLINE void pass(const ktfp8_tile_job *j, const uint8_t *codes, const uint8_t *w, int64_t m0, const int chunks,
+                 const int tail_rows) {
+    const uint16_t *a = (const uint16_t *)j->a;
+    const int64_t a_stride = j->a_stride, a_bytes = a_stride * 2;
+    const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
+    const int64_t slabs = j->k / SLAB, nkb = blockwise ? j->n_kblocks : 1;
+    const int64_t block_slabs = blockwise ? j->block_k / SLAB : slabs;
+    const int64_t rows = (chunks - (tail_rows != 0)) * CHUNK + tail_rows;
+    float cbuf[CHUNKS][CHUNK][NB] __attribute__((aligned(64)));
+
+    if (codes) { /* slab 0 now; slab s + 1 while slab s's products run */
+        ktfp8_e4m3_tile_to_bf16(codes, SLAB, (uint16_t *)w);
+        compiler_barrier();
+    }
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        const int64_t s0 = kb * block_slabs, s1 = kb == nkb - 1 ? slabs : s0 + block_slabs;
+        ZERO_C(0);
+        ZERO_C(1);
+        ZERO_C(2);
+        ZERO_C(3);
+        for (int64_t s = s0; s < s1; s++) {
+            _tile_loadd(TILE_B, w + s * SLAB_BYTES, NB * 4);
+            if (codes && s + 1 < slabs) {
+                ktfp8_e4m3_tile_to_bf16(codes + (s + 1) * SLAB * NB, SLAB, (uint16_t *)(w + (s + 1) * SLAB_BYTES));
+                compiler_barrier();
+            }
+            DOT_CHUNK(0);
+            DOT_CHUNK(1);
+            DOT_CHUNK(2);
+            DOT_CHUNK(3);
+        }
+        STORE_C(0);
+        STORE_C(1);
+        STORE_C(2);
+        STORE_C(3);
+
+        /* C rows to the FP32 output: per-channel and block 0 write, later blocks add */
+        const __m512 scale = j->format == KTFP8_FMT_BF16 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(j->scale + kb * NB);
+        for (int64_t i = 0; i < rows; i++) {
+            float *out = j->c + (m0 + i) * j->c_stride;
+            __m512 v = _mm512_mul_ps(_mm512_load_ps(cbuf[i / CHUNK][i % CHUNK]), scale);
+            if (kb > 0) v = _mm512_add_ps(v, _mm512_loadu_ps(out));
+            _mm512_storeu_ps(out, v);
+        }
+    }
+}
+#undef ZERO_C
+#undef DOT_CHUNK
+#undef STORE_C
+
 static void tile_matmul(const ktfp8_tile_job *j) {
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     if (j->m < AMX_MIN_M || (blockwise && j->block_k % SLAB)) {
@@ -115,61 +175,20 @@ static void tile_matmul(const ktfp8_tile_job *j) {
         return;
     }
     /* weights as bf16 [k/2][16][2]: BF16 weights are already packed that way; FP8 codes are
-     * converted once into scratch and reused by every token */
-    const uint8_t *w = (const uint8_t *)j->w;
-    if (j->format != KTFP8_FMT_BF16) {
-        ktfp8_e4m3_tile_to_bf16((const uint8_t *)j->w, j->k, (uint16_t *)j->scratch);
-        w = (const uint8_t *)j->scratch;
+     * converted into scratch during the first pass and reused by the later ones */
+    const uint8_t *codes = j->format == KTFP8_FMT_BF16 ? NULL : (const uint8_t *)j->w;
+    const uint8_t *w = codes ? (const uint8_t *)j->scratch : (const uint8_t *)j->w;
+    const int64_t full = j->m / (CHUNKS * CHUNK) * (CHUNKS * CHUNK), left = j->m - full;
+    if (full) {
+        configure(CHUNKS, 0);
+        for (int64_t m0 = 0; m0 < full; m0 += CHUNKS * CHUNK) {
+            pass(j, m0 == 0 ? codes : NULL, w, m0, CHUNKS, 0);
+        }
     }
-    COMPILER_BARRIER();
-
-    const uint16_t *a = (const uint16_t *)j->a;
-    const int64_t a_stride = j->a_stride, a_bytes = a_stride * 2, m = j->m;
-    const int64_t slabs = j->k / SLAB, nkb = blockwise ? j->n_kblocks : 1;
-    const int64_t block_slabs = blockwise ? j->block_k / SLAB : slabs;
-    float cbuf[CHUNKS][CHUNK][NB] __attribute__((aligned(64)));
-    int cfg_chunks = -1, cfg_tail = -1;
-
-    for (int64_t m0 = 0; m0 < m; m0 += CHUNKS * CHUNK) {
-        const int64_t left = m - m0;
-        const int chunks = left >= CHUNKS * CHUNK ? CHUNKS : (int)((left + CHUNK - 1) / CHUNK);
-        const int tail_rows = left >= CHUNKS * CHUNK ? 0 : (int)(left % CHUNK);
-        if (chunks != cfg_chunks || tail_rows != cfg_tail) { /* only the last pass differs */
-            configure(chunks, tail_rows);
-            cfg_chunks = chunks;
-            cfg_tail = tail_rows;
-        }
-        for (int64_t kb = 0; kb < nkb; kb++) {
-            const int64_t s0 = kb * block_slabs, s1 = kb == nkb - 1 ? slabs : s0 + block_slabs;
-            ZERO_C(0);
-            ZERO_C(1);
-            ZERO_C(2);
-            ZERO_C(3);
-            for (int64_t s = s0; s < s1; s++) {
-                _tile_loadd(TILE_B, w + s * SLAB_BYTES, NB * 4);
-                DOT_CHUNK(0);
-                DOT_CHUNK(1);
-                DOT_CHUNK(2);
-                DOT_CHUNK(3);
-            }
-            STORE_C(0);
-            STORE_C(1);
-            STORE_C(2);
-            STORE_C(3);
-
-            /* C rows to the FP32 output: per-channel and block 0 write, later blocks add */
-            const float *scale = j->format == KTFP8_FMT_BF16 ? NULL : j->scale + kb * NB;
-            for (int64_t i = 0; i < left && i < CHUNKS * CHUNK; i++) {
-                const float *sum = cbuf[i / CHUNK][i % CHUNK];
-                float *out = j->c + (m0 + i) * j->c_stride;
-                if (!scale)
-                    for (int n = 0; n < NB; n++) out[n] = sum[n];
-                else if (kb == 0)
-                    for (int n = 0; n < NB; n++) out[n] = sum[n] * scale[n];
-                else
-                    for (int n = 0; n < NB; n++) out[n] += sum[n] * scale[n];
-            }
-        }
+    if (left) { /* the last pass: fewer chunks, maybe a short one */
+        const int chunks = (int)((left + CHUNK - 1) / CHUNK), tail_rows = (int)(left % CHUNK);
+        configure(chunks, tail_rows);
+        pass(j, full == 0 ? codes : NULL, w, full, chunks, tail_rows);
     }
     _tile_release();
 }

@@ -26,8 +26,9 @@ typedef struct call_buffers {
     int64_t *fill;         /* [E] counting-sort cursor */
     int64_t *pair_token;   /* [n_pairs] */
     float *pair_weight;    /* [n_pairs] */
-    void *xa;              /* [n_pairs][Hp] gathered token rows, activation dtype */
-    void *h;               /* [n_pairs][Ip] silu(gate) * up, activation dtype */
+    void *xa;              /* [n_pairs][x_stride] gathered token rows, activation dtype, K padded to Hp */
+    void *h;               /* [n_pairs][h_stride] silu(gate) * up, activation dtype, K padded to Ip */
+    int64_t x_stride, h_stride; /* elements */
     float *yacc;           /* [T][H] FP32 accumulator of y when y is BF16 (else y itself) */
     int64_t n_pairs, n_active, max_m;
 } call_buffers;
@@ -67,14 +68,23 @@ static void group_pairs(const ktfp8_moe_call *c, call_buffers *b) {
 }
 
 /* Carves every per-call buffer out of one arena allocation, then groups the pairs. */
+/* Row stride (elements) of k_pad activations: one cache line more when the rows would be a multiple
+ * of 4 KiB apart, which maps all 16 rows of an AMX A tile (or a register block's broadcasts) to one
+ * L1 set (12 ways on Sapphire Rapids): H = 2048 in BF16 is exactly that. */
+static int64_t row_stride(int64_t k_pad, size_t esz) {
+    return (k_pad * (int64_t)esz) % 4096 == 0 ? k_pad + 64 / (int64_t)esz : k_pad;
+}
+
 static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t esz, call_buffers *b) {
     const int64_t E = c->shape->experts, T = c->tokens, H = c->shape->hidden;
     const int64_t routed = routed_pairs(c);
     if (routed < 0) return (int)routed;
     const size_t n = (size_t)routed;
+    b->x_stride = row_stride(Hp, esz);
+    b->h_stride = row_stride(Ip, esz);
     const size_t sizes[] = {
         sizeof(int64_t) * (size_t)(E + 1), sizeof(int64_t) * (size_t)E, sizeof(int64_t) * (size_t)E,
-        sizeof(int64_t) * n, sizeof(float) * n, esz * n * (size_t)Hp, esz * n * (size_t)Ip,
+        sizeof(int64_t) * n, sizeof(float) * n, esz * n * (size_t)b->x_stride, esz * n * (size_t)b->h_stride,
         c->x_dtype == KTFP8_F32 ? 0 : sizeof(float) * (size_t)(T * H)};
     enum { N_BUFS = sizeof(sizes) / sizeof(sizes[0]) };
     size_t total = 0;
@@ -99,10 +109,11 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     return 0;
 }
 
-/* One micro-kernel call: tile `tile` of expert e's projection p over m activation rows of
- * a_stride elements starting at a; FP32 results into c[m][NB]. */
+/* One micro-kernel call: tile `tile` of expert e's projection p over m activation rows, a_stride
+ * elements apart, starting at a; FP32 results into c[m][NB]. */
 static void run_tile(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, const ktfp8_packed_proj *p,
-                     int64_t e, int64_t tile, const void *a, int act, int64_t m, float *c, void *scratch) {
+                     int64_t e, int64_t tile, const void *a, int64_t a_stride, int act, int64_t m, float *c,
+                     void *scratch) {
     const size_t at = (size_t)(e * p->n_tiles + tile);
     ktfp8_tile_job job = {0};
     job.w = p->w + at * p->tile_w_bytes;
@@ -112,7 +123,7 @@ static void run_tile(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, con
     job.block_k = s->block_k;
     job.n_kblocks = p->n_kblocks;
     job.a = a;
-    job.a_stride = p->k_pad;
+    job.a_stride = a_stride;
     job.act_dtype = act;
     job.m = m;
     job.c = c;
@@ -126,7 +137,7 @@ static void run_tile(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, con
 static void gather_row(const ktfp8_moe_call *c, const call_buffers *b, int64_t p, int act, size_t esz,
                        int64_t Hp, int64_t Ip) {
     const int64_t H = c->shape->hidden, I = c->shape->inter;
-    char *row = (char *)b->xa + esz * (size_t)(p * Hp);
+    char *row = (char *)b->xa + esz * (size_t)(p * b->x_stride);
     const void *src = (const char *)c->x + (c->x_dtype == KTFP8_F32 ? 4 : 2) * (size_t)(b->pair_token[p] * H);
     if (c->x_dtype == act)
         memcpy(row, src, esz * (size_t)H);
@@ -135,7 +146,7 @@ static void gather_row(const ktfp8_moe_call *c, const call_buffers *b, int64_t p
     else /* FP32 x, BF16 activations */
         ktfp8_store_row(row, act, (const float *)src, H);
     memset(row + esz * (size_t)H, 0, esz * (size_t)(Hp - H));
-    memset((char *)b->h + esz * (size_t)(p * Ip + I), 0, esz * (size_t)(Ip - I));
+    memset((char *)b->h + esz * (size_t)(p * b->h_stride + I), 0, esz * (size_t)(Ip - I));
 }
 
 /* Phase 2 prologue / epilogue of the columns [n0, n0 + cols) of y that one item owns. */
@@ -197,13 +208,13 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
             if (!ok) continue;
             const int64_t e = b.active[it / tiles1], tile = it % tiles1;
             const int64_t p0 = b.offset[e], m = b.offset[e + 1] - p0;
-            const void *a = (const char *)b.xa + esz * (size_t)(p0 * Hp);
-            run_tile(kern, s, &proj[KTFP8_GATE], e, tile, a, act, m, gbuf, scratch);
-            run_tile(kern, s, &proj[KTFP8_UP], e, tile, a, act, m, ubuf, scratch);
+            const void *a = (const char *)b.xa + esz * (size_t)(p0 * b.x_stride);
+            run_tile(kern, s, &proj[KTFP8_GATE], e, tile, a, b.x_stride, act, m, gbuf, scratch);
+            run_tile(kern, s, &proj[KTFP8_UP], e, tile, a, b.x_stride, act, m, ubuf, scratch);
             ktfp8_silu_mul(gbuf, ubuf, m * nb);
             const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
             for (int64_t i = 0; i < m; i++)
-                ktfp8_store_row((char *)b.h + esz * (size_t)((p0 + i) * Ip + n0), act, gbuf + i * nb, rows);
+                ktfp8_store_row((char *)b.h + esz * (size_t)((p0 + i) * b.h_stride + n0), act, gbuf + i * nb, rows);
         }
 
         /* phase 2: y[token, tile] += weight * (h @ down_tile^T), experts in id order */
@@ -215,8 +226,8 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
             y_columns_begin(c, &b, n0, cols);
             for (int64_t a = 0; a < b.n_active; a++) {
                 const int64_t e = b.active[a], p0 = b.offset[e], m = b.offset[e + 1] - p0;
-                const void *hrows = (const char *)b.h + esz * (size_t)(p0 * Ip);
-                run_tile(kern, s, &proj[KTFP8_DOWN], e, tile, hrows, act, m, gbuf, scratch);
+                const void *hrows = (const char *)b.h + esz * (size_t)(p0 * b.h_stride);
+                run_tile(kern, s, &proj[KTFP8_DOWN], e, tile, hrows, b.h_stride, act, m, gbuf, scratch);
                 for (int64_t i = 0; i < m; i++)
                     ktfp8_axpy(b.yacc + b.pair_token[p0 + i] * H + n0, b.pair_weight[p0 + i], gbuf + i * nb, cols);
             }
