@@ -1,32 +1,86 @@
-"""Independent oracle for MoE tests: weights quantized with ml_dtypes, the layer computed in float64."""
+"""The independent oracle of the tests, shared by every test module: FP8 E4M3 encoding, scales and
+block quantization by their definitions with ml_dtypes and NumPy; the MoE layer in float64."""
 import ml_dtypes
 import numpy as np
 
 from ktfp8.experts import ExpertWeights
 
 E4M3 = ml_dtypes.float8_e4m3fn
+TINY = np.finfo(np.float32).smallest_subnormal
+
+
+def oracle_encode(x):
+    """ml_dtypes' E4M3 of clip(x, -448, 448), as uint8 codes (x converted exactly to float32)."""
+    with np.errstate(invalid="ignore"):  # NaN -> E4M3 NaN is wanted
+        return np.clip(x.astype(np.float32), -448, 448).astype(E4M3).view(np.uint8)
+
+
+def oracle_scale(amax):
+    """amax / 448 in float32; 1 where amax is 0; the smallest subnormal where the quotient underflows."""
+    amax = amax.astype(np.float32)
+    scale = amax / np.float32(448)
+    scale = np.where((amax > 0) & (scale == 0), TINY, scale)
+    return np.where(amax > 0, scale, np.float32(1)).astype(np.float32)
+
+
+def finite_abs(w):
+    w = w.astype(np.float32)
+    return np.where(np.isfinite(w), np.abs(w), np.float32(0))
+
+
+def oracle_quantize(w, per_channel, block):
+    """Codes and scales by the definition: blocks cut at the edges, codes = E4M3(clip(w32 / scale))."""
+    w32 = w.astype(np.float32)
+    *lead, rows, cols = w.shape
+    bn, bk = (1, cols) if per_channel else block
+    nrb, ncb = -(-rows // bn), -(-cols // bk)
+    scale = np.empty((*lead, nrb, ncb), np.float32)
+    full_scale = np.empty(w.shape, np.float32)
+    for i in range(nrb):
+        for j in range(ncb):
+            rs, cs = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            s = oracle_scale(finite_abs(w32[..., rs, cs]).max(axis=(-2, -1)))
+            scale[..., i, j] = s
+            full_scale[..., rs, cs] = s[..., None, None]
+    with np.errstate(all="ignore"):
+        codes = oracle_encode(w32 / full_scale)
+    return codes, scale
+
+
+def oracle_dequantize(codes, scale, block):
+    """decode(codes) * scale of its block, in float32."""
+    values = codes.view(E4M3).astype(np.float32)
+    *_, rows, cols = codes.shape
+    bn, bk = (1, cols) if scale.shape[-2:] == (rows, 1) else block
+    full = np.repeat(np.repeat(scale, bn, axis=-2), bk, axis=-1)[..., :rows, :cols]
+    with np.errstate(all="ignore"):
+        return values * full
+
+
+def same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+    bad = np.flatnonzero(a.view(width).ravel() != b.view(width).ravel())
+    assert bad.size == 0, f"{bad.size} mismatches, first at {bad[:5]}: {a.ravel()[bad[:5]]} vs {b.ravel()[bad[:5]]}"
+
+
+def same_values(a, b):
+    """Equal as numbers, NaN == NaN (NaN payloads of products are the FPU's business)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    a32, b32 = a.astype(np.float32), b.astype(np.float32)
+    nan = np.isnan(a32)
+    assert np.array_equal(nan, np.isnan(b32))
+    same_bits(np.where(nan, 0, a32).astype(np.float32), np.where(nan, 0, b32).astype(np.float32))
 
 
 def quantize_per_channel(w):
-    """[E, out, in] float32 -> (codes uint8, scale float32 [E, out, 1]), with ml_dtypes."""
-    scale = (np.abs(w).max(axis=-1, keepdims=True) / 448).astype(np.float32)
-    scale[scale == 0] = 1
-    codes = np.clip(w / scale, -448, 448).astype(E4M3).view(np.uint8)
-    return codes, scale
+    """[E, out, in] float32 -> (codes uint8, scale float32 [E, out, 1])."""
+    return oracle_quantize(w, True, None)
 
 
 def quantize_block(w, block):
     """[E, out, in] -> (codes, scale [E, ceil(out/bn), ceil(in/bk)]); block = edge or (bn, bk)."""
-    bn, bk = (block, block) if np.isscalar(block) else block
-    E, n, k = w.shape
-    nbn, nbk = -(-n // bn), -(-k // bk)
-    padded = np.zeros((E, nbn * bn, nbk * bk), np.float32)
-    padded[:, :n, :k] = w
-    amax = np.abs(padded.reshape(E, nbn, bn, nbk, bk)).max(axis=(2, 4))
-    scale = np.where(amax > 0, amax / 448, 1).astype(np.float32)
-    full = np.repeat(np.repeat(scale, bn, axis=1), bk, axis=2)[:, :n, :k]
-    codes = np.clip(w / full, -448, 448).astype(E4M3).view(np.uint8)
-    return codes, scale
+    return oracle_quantize(w, False, (block, block) if np.isscalar(block) else tuple(block))
 
 
 def dequantize(codes, scale, block=None):

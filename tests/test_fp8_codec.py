@@ -1,83 +1,17 @@
 """ktfp8.fp8 against an independent oracle (ml_dtypes + NumPy), for every codec variant this CPU runs.
 
 Each usable variant (the *_emulated ones included) is forced in turn with backend=...; the oracle
-never calls ktfp8."""
+(moe_oracle.oracle_*) never calls ktfp8."""
 import ml_dtypes
 import numpy as np
 import pytest
 
 from ktfp8 import backends, fp8
+from moe_oracle import TINY, oracle_dequantize, oracle_encode, oracle_quantize, same_bits, same_values
 
 F8 = ml_dtypes.float8_e4m3fn
 BF16 = ml_dtypes.bfloat16
 VARIANTS = backends.usable_variants()
-TINY = np.finfo(np.float32).smallest_subnormal
-
-
-# ------------------------------------------------------------------------------------ the oracle
-
-def oracle_encode(x):
-    """ml_dtypes' E4M3 of clip(x, -448, 448), as uint8 codes (x converted exactly to float32)."""
-    with np.errstate(invalid="ignore"):  # NaN -> E4M3 NaN is wanted
-        return np.clip(x.astype(np.float32), -448, 448).astype(F8).view(np.uint8)
-
-
-def oracle_scale(amax):
-    """amax / 448 in float32; 1 where amax is 0; the smallest subnormal where the quotient underflows."""
-    amax = amax.astype(np.float32)
-    scale = amax / np.float32(448)
-    scale = np.where((amax > 0) & (scale == 0), TINY, scale)
-    return np.where(amax > 0, scale, np.float32(1)).astype(np.float32)
-
-
-def finite_abs(w):
-    w = w.astype(np.float32)
-    return np.where(np.isfinite(w), np.abs(w), np.float32(0))
-
-
-def oracle_quantize(w, per_channel, block):
-    """Codes and scales by the definition: blocks cut at the edges, codes = E4M3(clip(w32 / scale))."""
-    w32 = w.astype(np.float32)
-    *lead, rows, cols = w.shape
-    bn, bk = (1, cols) if per_channel else block
-    nrb, ncb = -(-rows // bn), -(-cols // bk)
-    scale = np.empty((*lead, nrb, ncb), np.float32)
-    full_scale = np.empty(w.shape, np.float32)
-    for i in range(nrb):
-        for j in range(ncb):
-            rs, cs = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
-            s = oracle_scale(finite_abs(w32[..., rs, cs]).max(axis=(-2, -1)))
-            scale[..., i, j] = s
-            full_scale[..., rs, cs] = s[..., None, None]
-    with np.errstate(all="ignore"):
-        codes = oracle_encode(w32 / full_scale)
-    return codes, scale
-
-
-def oracle_dequantize(codes, scale, block):
-    """decode(codes) * scale of its block, in float32."""
-    values = codes.view(F8).astype(np.float32)
-    *_, rows, cols = codes.shape
-    bn, bk = (1, cols) if scale.shape[-2:] == (rows, 1) else block
-    full = np.repeat(np.repeat(scale, bn, axis=-2), bk, axis=-1)[..., :rows, :cols]
-    with np.errstate(all="ignore"):
-        return values * full
-
-
-def same_bits(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
-    bad = np.flatnonzero(a.view(width).ravel() != b.view(width).ravel())
-    assert bad.size == 0, f"{bad.size} mismatches, first at {bad[:5]}: {a.ravel()[bad[:5]]} vs {b.ravel()[bad[:5]]}"
-
-
-def same_values(a, b):
-    """Equal as numbers, NaN == NaN (NaN payloads of products are the FPU's business)."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    a32, b32 = a.astype(np.float32), b.astype(np.float32)
-    nan = np.isnan(a32)
-    assert np.array_equal(nan, np.isnan(b32))
-    same_bits(np.where(nan, 0, a32).astype(np.float32), np.where(nan, 0, b32).astype(np.float32))
 
 
 # ------------------------------------------------------------------------------------ inputs

@@ -13,7 +13,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(tests/test_fp8_codec.py tests/test_moe.py tests/test_moe_errors.py
-                                 tests/test_properties.py tests/test_concurrency.py)
+                                 tests/test_properties.py tests/test_concurrency.py tests/test_kernels.py)
 
 if [ -n "${KTFP8_SANITIZE_DIR:-}" ]; then
     mkdir -p "$KTFP8_SANITIZE_DIR" && work=$(cd "$KTFP8_SANITIZE_DIR" && pwd)

@@ -2,15 +2,16 @@
  *
  * Encode lets the FPU round each float32 to e4m3 precision (a magic-number add, 8 lanes at a time)
  * and reads the code off the result's bits; decode goes code -> IEEE half bits -> vcvtph2ps, which
- * is exact.  Runs are processed 32 values per step; a tail shorter than that goes through the same
- * vector step via a zero-padded stack buffer, so every value takes the vector path.  Like the
- * reference (division, nearbyintf), this relies on the FPU's default round-to-nearest-even mode. */
+ * is exact (e4m3_f16.h).  These are the vector steps, 32 values each; the loops, the tail and the
+ * exported table are codec_skeleton.h's. */
 #include "ktfp8/abi.h"
+#include "ktfp8/e4m3_f16.h"
 #include "ktfp8/fp8.h"
 #include "ktfp8/simd.h"
-#include "ktfp8/variant.h"
 
-#define STEP 32 /* values per loop step: four vectors of 8 */
+enum { CODEC_STEP = 32 }; /* values per step: four vectors of 8 */
+typedef __m256 codec_scale;
+typedef struct codec_amax_acc { __m256i best[4]; } codec_amax_acc;
 
 /* ------------------------------------------------------------------ loads: 8 values -> float32 */
 
@@ -57,8 +58,10 @@ static inline __m256i pack_codes(__m256i c0, __m256i c1, __m256i c2, __m256i c3)
     return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-static inline __attribute__((always_inline)) void quantize_step(const void *src, int dtype, size_t i,
-                                                                __m256 scale, int divide, uint8_t *codes) {
+static inline __attribute__((always_inline)) codec_scale codec_broadcast(float scale) { return _mm256_set1_ps(scale); }
+
+static inline __attribute__((always_inline)) void codec_quantize_step(const void *src, int dtype, size_t i,
+                                                                      codec_scale scale, int divide, uint8_t *codes) {
     __m256 v[4];
     for (int k = 0; k < 4; k++) {
         v[k] = load8(src, dtype, i + 8 * k);
@@ -69,30 +72,6 @@ static inline __attribute__((always_inline)) void quantize_step(const void *src,
     _mm256_storeu_si256((__m256i *)(codes + i), out);
 }
 
-static inline __attribute__((always_inline)) void quantize_run(const void *src, int dtype, size_t n,
-                                                               float scale, uint8_t *codes) {
-    const __m256 s = _mm256_set1_ps(scale);
-    const int divide = scale != 1.0f; /* v / 1 == v, bit for bit */
-    size_t i = 0;
-    for (; i + STEP <= n; i += STEP) quantize_step(src, dtype, i, s, divide, codes);
-    if (i < n) {
-        const size_t esize = dtype == KTFP8_F32 ? 4 : 2, rest = n - i;
-        float in[STEP] = {0};
-        uint8_t out[STEP];
-        memcpy(in, (const char *)src + i * esize, rest * esize);
-        quantize_step(in, dtype, 0, s, divide, out);
-        memcpy(codes + i, out, rest);
-    }
-}
-
-static void quantize(const void *src, int dtype, size_t n, float scale, uint8_t *codes) {
-    switch (dtype) { /* one specialised loop per input type */
-    case KTFP8_BF16: quantize_run(src, KTFP8_BF16, n, scale, codes); break;
-    case KTFP8_F16: quantize_run(src, KTFP8_F16, n, scale, codes); break;
-    default: quantize_run(src, KTFP8_F32, n, scale, codes); break;
-    }
-}
-
 /* ------------------------------------------------------------------ amax */
 
 /* Largest finite |v|, compared as integers: non-negative floats order like their bit patterns. */
@@ -101,18 +80,17 @@ static inline __attribute__((always_inline)) __m256i finite_mag(__m256 v) {
     return _mm256_and_si256(mag, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), mag));
 }
 
-static inline __attribute__((always_inline)) float amax_run(const void *src, int dtype, size_t n) {
-    __m256i best[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                       _mm256_setzero_si256()};
-    size_t i = 0;
-    for (; i + STEP <= n; i += STEP)
-        for (int k = 0; k < 4; k++) best[k] = _mm256_max_epi32(best[k], finite_mag(load8(src, dtype, i + 8 * k)));
-    if (i < n) {
-        const size_t esize = dtype == KTFP8_F32 ? 4 : 2;
-        float in[STEP] = {0}; /* zero padding never raises the max */
-        memcpy(in, (const char *)src + i * esize, (n - i) * esize);
-        for (int k = 0; k < 4; k++) best[k] = _mm256_max_epi32(best[k], finite_mag(load8(in, dtype, 8 * k)));
-    }
+static inline __attribute__((always_inline)) void codec_amax_zero(codec_amax_acc *acc) {
+    for (int k = 0; k < 4; k++) acc->best[k] = _mm256_setzero_si256();
+}
+
+static inline __attribute__((always_inline)) void codec_amax_step(codec_amax_acc *acc, const void *src, int dtype,
+                                                                  size_t i) {
+    for (int k = 0; k < 4; k++) acc->best[k] = _mm256_max_epi32(acc->best[k], finite_mag(load8(src, dtype, i + 8 * k)));
+}
+
+static inline __attribute__((always_inline)) float codec_amax_value(const codec_amax_acc *acc) {
+    const __m256i *best = acc->best;
     __m256i m = _mm256_max_epi32(_mm256_max_epi32(best[0], best[1]), _mm256_max_epi32(best[2], best[3]));
     __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
     h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -120,28 +98,11 @@ static inline __attribute__((always_inline)) float amax_run(const void *src, int
     return ktfp8_bits_f32((uint32_t)_mm_cvtsi128_si32(h));
 }
 
-static float amax(const void *src, int dtype, size_t n) {
-    switch (dtype) {
-    case KTFP8_BF16: return amax_run(src, KTFP8_BF16, n);
-    case KTFP8_F16: return amax_run(src, KTFP8_F16, n);
-    default: return amax_run(src, KTFP8_F32, n);
-    }
-}
-
 /* ------------------------------------------------------------------ decode */
 
-/* 16 codes -> 16 floats.  S.EEEE.MMM placed as half bits S.0EEEE.MMM0000000 is the same number
- * times 2^-8 for every code, subnormals included (half bias 15 = e4m3 bias 7 + 8), so vcvtph2ps
- * and one exact multiply by 256 decode it.  NaN codes become the half NaN 0x7E00 | sign, which
- * converts to the reference's 0x7FC00000 | sign (NaN * 256 keeps its bits). */
+/* 16 codes -> 16 floats (e4m3_f16.h), NaN codes -> the reference's 0x7FC00000 | sign. */
 static inline void decode16(__m128i codes, __m256 *lo, __m256 *hi) {
-    const __m256i w = _mm256_cvtepu8_epi16(codes);
-    const __m256i m7 = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
-    __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16((short)0x8000)),
-                                _mm256_slli_epi16(m7, 7));
-    /* a NaN code gives 0x3F80 | sign here; 0x3F80 ^ 0x4180 = 0x7E00 */
-    const __m256i is_nan = _mm256_cmpeq_epi16(m7, _mm256_set1_epi16(0x7F));
-    h = _mm256_xor_si256(h, _mm256_and_si256(is_nan, _mm256_set1_epi16(0x4180)));
+    const __m256i h = ktfp8_e4m3x16_to_f16_nan(codes);
     const __m256 k256 = _mm256_set1_ps(256.0f);
     *lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k256);
     *hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k256);
@@ -158,8 +119,8 @@ static inline __m256i bf16_from_f32x8(__m256 v) {
     return _mm256_blendv_epi8(rounded, quiet, _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000)));
 }
 
-static inline __attribute__((always_inline)) void dequantize_step(const uint8_t *codes, size_t i, __m256 scale,
-                                                                  void *dst, int dtype) {
+static inline __attribute__((always_inline)) void codec_dequantize_step(const uint8_t *codes, size_t i,
+                                                                        codec_scale scale, void *dst, int dtype) {
     for (int half = 0; half < 2; half++) {
         __m256 lo, hi;
         decode16(_mm_loadu_si128((const __m128i *)(codes + i + 16 * half)), &lo, &hi);
@@ -177,26 +138,4 @@ static inline __attribute__((always_inline)) void dequantize_step(const uint8_t 
     }
 }
 
-static inline __attribute__((always_inline)) void dequantize_run(const uint8_t *codes, size_t n, float scale,
-                                                                 void *dst, int dtype) {
-    const __m256 s = _mm256_set1_ps(scale);
-    size_t i = 0;
-    for (; i + STEP <= n; i += STEP) dequantize_step(codes, i, s, dst, dtype);
-    if (i < n) {
-        const size_t esize = dtype == KTFP8_F32 ? 4 : 2, rest = n - i;
-        uint8_t in[STEP] = {0};
-        float out[STEP];
-        memcpy(in, codes + i, rest);
-        dequantize_step(in, 0, s, out, dtype);
-        memcpy((char *)dst + i * esize, out, rest * esize);
-    }
-}
-
-static void dequantize(const uint8_t *codes, size_t n, float scale, void *dst, int dtype) {
-    if (dtype == KTFP8_BF16)
-        dequantize_run(codes, n, scale, dst, KTFP8_BF16);
-    else
-        dequantize_run(codes, n, scale, dst, KTFP8_F32);
-}
-
-const ktfp8_codec_ops KTFP8_SYM(ktfp8_codec) = {amax, quantize, dequantize};
+#include "ktfp8/codec_skeleton.h"

@@ -2,14 +2,16 @@
  *
  * The same arithmetic as fp8_codec_avx2.c, 16 lanes wide with mask registers.  This source is also
  * compiled as the test-only avx512_emulated variant against SIMDe (simd.h), so it sticks to
- * intrinsics that SIMDe 0.7 implements (or that simd.h stands in for).  Runs are processed 64
- * values per step; a shorter tail goes through the same step via a zero-padded stack buffer. */
+ * intrinsics that SIMDe 0.7 implements (or that simd.h stands in for).  These are the vector steps,
+ * 64 values each; the loops, the tail and the exported table are codec_skeleton.h's. */
 #include "ktfp8/abi.h"
+#include "ktfp8/e4m3_f16.h"
 #include "ktfp8/fp8.h"
 #include "ktfp8/simd.h"
-#include "ktfp8/variant.h"
 
-#define STEP 64 /* values per loop step: four vectors of 16 */
+enum { CODEC_STEP = 64 }; /* values per step: four vectors of 16 */
+typedef __m512 codec_scale;
+typedef struct codec_amax_acc { __m512i best[4]; } codec_amax_acc;
 
 /* ------------------------------------------------------------------ loads: 16 values -> float32 */
 
@@ -57,8 +59,10 @@ static inline __m512i pack_codes(__m512i c0, __m512i c1, __m512i c2, __m512i c3)
     return _mm512_permutexvar_epi32(idx, b);
 }
 
-static inline __attribute__((always_inline)) void quantize_step(const void *src, int dtype, size_t i,
-                                                                __m512 scale, int divide, uint8_t *codes) {
+static inline __attribute__((always_inline)) codec_scale codec_broadcast(float scale) { return _mm512_set1_ps(scale); }
+
+static inline __attribute__((always_inline)) void codec_quantize_step(const void *src, int dtype, size_t i,
+                                                                      codec_scale scale, int divide, uint8_t *codes) {
     __m512 v[4];
     for (int k = 0; k < 4; k++) {
         v[k] = load16(src, dtype, i + 16 * k);
@@ -67,30 +71,6 @@ static inline __attribute__((always_inline)) void quantize_step(const void *src,
     const __m512i out = pack_codes(e4m3_from_f32x16(v[0]), e4m3_from_f32x16(v[1]), e4m3_from_f32x16(v[2]),
                                    e4m3_from_f32x16(v[3]));
     _mm512_storeu_si512((void *)(codes + i), out);
-}
-
-static inline __attribute__((always_inline)) void quantize_run(const void *src, int dtype, size_t n,
-                                                               float scale, uint8_t *codes) {
-    const __m512 s = _mm512_set1_ps(scale);
-    const int divide = scale != 1.0f;
-    size_t i = 0;
-    for (; i + STEP <= n; i += STEP) quantize_step(src, dtype, i, s, divide, codes);
-    if (i < n) {
-        const size_t esize = dtype == KTFP8_F32 ? 4 : 2, rest = n - i;
-        float in[STEP] = {0};
-        uint8_t out[STEP];
-        memcpy(in, (const char *)src + i * esize, rest * esize);
-        quantize_step(in, dtype, 0, s, divide, out);
-        memcpy(codes + i, out, rest);
-    }
-}
-
-static void quantize(const void *src, int dtype, size_t n, float scale, uint8_t *codes) {
-    switch (dtype) {
-    case KTFP8_BF16: quantize_run(src, KTFP8_BF16, n, scale, codes); break;
-    case KTFP8_F16: quantize_run(src, KTFP8_F16, n, scale, codes); break;
-    default: quantize_run(src, KTFP8_F32, n, scale, codes); break;
-    }
 }
 
 /* ------------------------------------------------------------------ amax */
@@ -102,18 +82,17 @@ static inline __attribute__((always_inline)) __m512i max_finite(__m512i best, __
     return _mm512_mask_max_epi32(best, finite, best, mag);
 }
 
-static inline __attribute__((always_inline)) float amax_run(const void *src, int dtype, size_t n) {
-    __m512i best[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                       _mm512_setzero_si512()};
-    size_t i = 0;
-    for (; i + STEP <= n; i += STEP)
-        for (int k = 0; k < 4; k++) best[k] = max_finite(best[k], load16(src, dtype, i + 16 * k));
-    if (i < n) {
-        const size_t esize = dtype == KTFP8_F32 ? 4 : 2;
-        float in[STEP] = {0}; /* zero padding never raises the max */
-        memcpy(in, (const char *)src + i * esize, (n - i) * esize);
-        for (int k = 0; k < 4; k++) best[k] = max_finite(best[k], load16(in, dtype, 16 * k));
-    }
+static inline __attribute__((always_inline)) void codec_amax_zero(codec_amax_acc *acc) {
+    for (int k = 0; k < 4; k++) acc->best[k] = _mm512_setzero_si512();
+}
+
+static inline __attribute__((always_inline)) void codec_amax_step(codec_amax_acc *acc, const void *src, int dtype,
+                                                                  size_t i) {
+    for (int k = 0; k < 4; k++) acc->best[k] = max_finite(acc->best[k], load16(src, dtype, i + 16 * k));
+}
+
+static inline __attribute__((always_inline)) float codec_amax_value(const codec_amax_acc *acc) {
+    const __m512i *best = acc->best;
     const __m512i m = _mm512_max_epi32(_mm512_max_epi32(best[0], best[1]), _mm512_max_epi32(best[2], best[3]));
     int32_t lanes[16];
     _mm512_storeu_si512((void *)lanes, m);
@@ -122,25 +101,11 @@ static inline __attribute__((always_inline)) float amax_run(const void *src, int
     return ktfp8_bits_f32((uint32_t)top);
 }
 
-static float amax(const void *src, int dtype, size_t n) {
-    switch (dtype) {
-    case KTFP8_BF16: return amax_run(src, KTFP8_BF16, n);
-    case KTFP8_F16: return amax_run(src, KTFP8_F16, n);
-    default: return amax_run(src, KTFP8_F32, n);
-    }
-}
-
 /* ------------------------------------------------------------------ decode */
 
-/* 32 codes -> 32 floats via half bits S.0EEEE.MMM0000000 (= value * 2^-8, exact for every code;
- * see fp8_codec_avx2.c decode16).  NaN codes become the half NaN 0x7E00 | sign -> 0x7FC00000 | sign. */
+/* 32 codes -> 32 floats (e4m3_f16.h), NaN codes -> the reference's 0x7FC00000 | sign. */
 static inline void decode32(__m256i codes, __m512 *lo, __m512 *hi) {
-    const __m512i w = _mm512_cvtepi8_epi16(codes); /* sign-extended: bit 15 is the code's sign */
-    const __m512i sign = _mm512_and_si512(w, _mm512_set1_epi16((short)0x8000));
-    const __m512i m7 = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
-    __m512i h = _mm512_or_si512(sign, _mm512_slli_epi16(m7, 7));
-    const __mmask32 is_nan = _mm512_cmpge_epu16_mask(m7, _mm512_set1_epi16(0x7F));
-    h = _mm512_mask_mov_epi16(h, is_nan, _mm512_or_si512(sign, _mm512_set1_epi16(0x7E00)));
+    const __m512i h = ktfp8_e4m3x32_to_f16_nan(codes);
     const __m512 k256 = _mm512_set1_ps(256.0f);
     *lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 0)), k256);
     *hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), k256);
@@ -157,8 +122,8 @@ static inline __m512i bf16_from_f32x16(__m512 v) {
     return _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7F800000)), rounded, quiet);
 }
 
-static inline __attribute__((always_inline)) void dequantize_step(const uint8_t *codes, size_t i, __m512 scale,
-                                                                  void *dst, int dtype) {
+static inline __attribute__((always_inline)) void codec_dequantize_step(const uint8_t *codes, size_t i,
+                                                                        codec_scale scale, void *dst, int dtype) {
     for (int half = 0; half < 2; half++) {
         __m512 lo, hi;
         const size_t j = i + 32 * half;
@@ -177,26 +142,4 @@ static inline __attribute__((always_inline)) void dequantize_step(const uint8_t 
     }
 }
 
-static inline __attribute__((always_inline)) void dequantize_run(const uint8_t *codes, size_t n, float scale,
-                                                                 void *dst, int dtype) {
-    const __m512 s = _mm512_set1_ps(scale);
-    size_t i = 0;
-    for (; i + STEP <= n; i += STEP) dequantize_step(codes, i, s, dst, dtype);
-    if (i < n) {
-        const size_t esize = dtype == KTFP8_F32 ? 4 : 2, rest = n - i;
-        uint8_t in[STEP] = {0};
-        float out[STEP];
-        memcpy(in, codes + i, rest);
-        dequantize_step(in, 0, s, out, dtype);
-        memcpy((char *)dst + i * esize, out, rest * esize);
-    }
-}
-
-static void dequantize(const uint8_t *codes, size_t n, float scale, void *dst, int dtype) {
-    if (dtype == KTFP8_BF16)
-        dequantize_run(codes, n, scale, dst, KTFP8_BF16);
-    else
-        dequantize_run(codes, n, scale, dst, KTFP8_F32);
-}
-
-const ktfp8_codec_ops KTFP8_SYM(ktfp8_codec) = {amax, quantize, dequantize};
+#include "ktfp8/codec_skeleton.h"

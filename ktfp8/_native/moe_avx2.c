@@ -5,10 +5,9 @@
  * of 8 fp32 rows each, so one broadcast activation a[s] updates all 16 outputs:
  *   acc[n] += a[s] * w[n][s]                                  (vfmadd231ps, lanes n)
  *
- * FP8 -> fp32 without a table, exact: an e4m3 code c = S.EEEE.MMM placed as the IEEE half
- * S.0EEEE.MMM0000000 is exactly value(c) / 256 (bias 15 vs 7 = a factor 2^8, e4m3 subnormals land
- * on half subnormals), so vcvtph2ps does the rest.  The packer folds the 256 into the scales
- * (layout.scale_mul), and rows holding a NaN code (which this maps to 480/256) get a NaN scale.
+ * FP8 -> fp32 without a table: code -> IEEE half bits -> vcvtph2ps, value / 256 (e4m3_f16.h); the
+ * packer folds the 256 into the scales (layout.scale_mul) and gives rows holding a NaN code (which
+ * this maps to 480/256) a NaN scale.
  * BF16 weights: their bits << 16 are the fp32 value, no scale.
  *
  * Decode (m <= DECODE_M): the codes stream once and are converted in registers, with software
@@ -17,6 +16,7 @@
  * are converted per block (a shift per weight costs less than the scratch round trip).
  * Per-channel scale once after the K reduction; block-wise per K block. */
 #include "ktfp8/abi.h"
+#include "ktfp8/e4m3_f16.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/token_count.h"
 #include "ktfp8/variant.h"
@@ -42,10 +42,7 @@ enum wsrc { SRC_FP8, SRC_BF16, SRC_F32 }; /* what w points at */
 INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 *lo, __m256 *hi) {
     if (src == SRC_FP8) {
         const __m128i c = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + s * NB));
-        /* sign-extend bytes to words, << 7: S lands in bit 15 (and a copy in bit 14, cleared),
-         * EEEE.MMM in bits 13..7 -> the half S.0EEEE.MMM0000000 */
-        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7),
-                                           _mm256_set1_epi16((short)0xBFFF));
+        const __m256i h = ktfp8_e4m3x16_to_f16(c);
         *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
         *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
     } else if (src == SRC_BF16) {

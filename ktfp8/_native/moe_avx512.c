@@ -5,13 +5,10 @@
  * activation a[s] times that row, converted to fp32, updates all 16 outputs:
  *   acc[n] += a[s] * w[n][s]                                  (vfmadd231ps, lane n)
  *
- * FP8 -> fp32 without a byte table, exact: sign-extend the code to 16 bits and shift left by 7,
- * then clear bit 14:  s.eeee.mmm  ->  s.0eeee.mmm0000000, the fp16 whose value is the E4M3 value
- * / 256 (both exponents rebias by 8: 15 - 7; E4M3 subnormals m * 2^-9 land on fp16 subnormals
- * m * 2^-17).  vcvtph2ps widens it exactly.  The factor 256 is folded into the packed scales
- * (layout.scale_mul).  NaN codes become +-480/256, finite, but their rows carry a NaN scale
- * (moe_pack.c), so outputs are NaN exactly as the reference's.  BF16 weights have no scale: their
- * bits << 16 are the fp32 value.
+ * FP8 -> fp32 without a byte table, exact: code -> fp16 bits -> vcvtph2ps, the E4M3 value / 256
+ * (e4m3_f16.h).  The factor 256 is folded into the packed scales (layout.scale_mul); NaN codes
+ * become finite, but their rows carry a NaN scale (moe_pack.c), so outputs are NaN exactly as the
+ * reference's.  BF16 weights have no scale: their bits << 16 are the fp32 value.
  *
  * Decode (m <= DECODE_M): codes stream once, converted in registers, four accumulators per token
  * for the FMA latency.  Prefill: the tile is converted once into scratch (fp32 [k][16]) and reused
@@ -20,6 +17,7 @@
 #include <string.h>
 
 #include "ktfp8/abi.h"
+#include "ktfp8/e4m3_f16.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/token_count.h"
 #include "ktfp8/variant.h"
@@ -34,8 +32,7 @@ enum wsrc { SRC_FP8, SRC_BF16, SRC_F32 }; /* what w points at */
 
 /* Codes of K steps s and s+1 (32 bytes) -> two fp32 tile rows holding value / 256. */
 INLINE void fp8_rows2(const uint8_t *codes, __m512 *w0, __m512 *w1) {
-    __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)codes));
-    h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16((short)0xBFFF));
+    const __m512i h = ktfp8_e4m3x32_to_f16(_mm256_loadu_si256((const __m256i *)codes));
     *w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     *w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
