@@ -24,7 +24,7 @@
 #include "ktfp8/abi.h"
 #include "ktfp8/fp8.h"
 
-/* e^x for x in [-86, 0]; callers select 0 below. */
+/* e^x for x in [-86, 0]; below, a meaningless finite or NaN value that callers discard. */
 static inline float ktfp8_exp_nonpos(float x) {
     const float log2e = 1.44269504088896341f, round = 12582912.0f; /* 1.5 * 2^23 */
     const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;  /* ln2_hi exact in 9 bits */
@@ -48,12 +48,26 @@ static inline float ktfp8_exp_nonpos(float x) {
     return p;
 }
 
+/* Straight-line body so that GCC vectorises it: every choice is an integer mask on the bits, and
+ * the exp runs on every lane, its value for |x| > 86 (meaningless: 2^n leaves the float range)
+ * masked to 0.  (With selects, GCC sinks the exp into a branch, and it does not if-convert a branch
+ * holding floating-point arithmetic under the default -ftrapping-math.) */
 static inline void ktfp8_silu_mul(float *restrict g, const float *restrict u, int64_t n) {
+    const uint32_t *gb = (const uint32_t *)g;
     for (int64_t i = 0; i < n; i++) {
-        const float x = g[i], ax = x < 0.0f ? -x : x;
-        const float e = ax > 86.0f ? 0.0f : ktfp8_exp_nonpos(-ax);
-        const float s = (x < 0.0f ? e : 1.0f) / (1.0f + e);
-        g[i] = x * s * u[i];
+        const uint32_t bits = gb[i], nax_bits = bits | 0x80000000u; /* -|x| */
+        const uint32_t keep = (uint32_t)((int32_t)(bits & 0x7FFFFFFFu) > 0x42AC0000) - 1u; /* |x| <= 86 */
+        const uint32_t neg = (uint32_t)-(int32_t)(bits >> 31);                             /* x < 0 */
+        float nax, e, num;
+        memcpy(&nax, &nax_bits, 4);
+        const float e0 = ktfp8_exp_nonpos(nax);
+        uint32_t e_bits;
+        memcpy(&e_bits, &e0, 4);
+        e_bits &= keep;                                          /* e = exp(-|x|), 0 for |x| > 86 */
+        const uint32_t num_bits = (e_bits & neg) | (0x3F800000u & ~neg); /* x < 0 ? e : 1 */
+        memcpy(&e, &e_bits, 4);
+        memcpy(&num, &num_bits, 4);
+        g[i] = g[i] * (num / (1.0f + e)) * u[i];
     }
 }
 

@@ -6,9 +6,10 @@
  *   1. items (expert, intermediate tile): gate and up tiles over all of the expert's tokens, then
  *      h = silu(g) * u in FP32, rounded once to the activation dtype for the down projection;
  *   2. items (hidden tile): for every active expert in id order, z = h @ down_tile^T, and
- *      y[token] += weight * z.  Each item owns its columns of y (it also initialises and, for BF16
- *      y, rounds them), so no atomics are needed and the result does not depend on the thread
- *      count or the schedule.
+ *      y[token] += weight * z, accumulated in FP32 in a contiguous [T][NB] block of the thread
+ *      (y's own rows are H floats apart: one page per token) and written to y once.  Each item
+ *      owns its columns of y, so no atomics are needed and the result does not depend on the
+ *      thread count or the schedule.
  * Buffers come from per-thread arenas (arena.h): no allocation and no zeroing in the hot path;
  * only the K padding of the gathered rows and of h is written with zeros, as the kernels read it. */
 #include "ktfp8/arena.h"
@@ -29,7 +30,6 @@ typedef struct call_buffers {
     void *xa;              /* [n_pairs][x_stride] gathered token rows, activation dtype, K padded to Hp */
     void *h;               /* [n_pairs][h_stride] silu(gate) * up, activation dtype, K padded to Ip */
     int64_t x_stride, h_stride; /* elements */
-    float *yacc;           /* [T][H] FP32 accumulator of y when y is BF16 (else y itself) */
     int64_t n_pairs, n_active, max_m;
 } call_buffers;
 
@@ -76,7 +76,7 @@ static int64_t row_stride(int64_t k_pad, size_t esz) {
 }
 
 static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t esz, call_buffers *b) {
-    const int64_t E = c->shape->experts, T = c->tokens, H = c->shape->hidden;
+    const int64_t E = c->shape->experts;
     const int64_t routed = routed_pairs(c);
     if (routed < 0) return (int)routed;
     const size_t n = (size_t)routed;
@@ -84,8 +84,7 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     b->h_stride = row_stride(Ip, esz);
     const size_t sizes[] = {
         sizeof(int64_t) * (size_t)(E + 1), sizeof(int64_t) * (size_t)E, sizeof(int64_t) * (size_t)E,
-        sizeof(int64_t) * n, sizeof(float) * n, esz * n * (size_t)b->x_stride, esz * n * (size_t)b->h_stride,
-        c->x_dtype == KTFP8_F32 ? 0 : sizeof(float) * (size_t)(T * H)};
+        sizeof(int64_t) * n, sizeof(float) * n, esz * n * (size_t)b->x_stride, esz * n * (size_t)b->h_stride};
     enum { N_BUFS = sizeof(sizes) / sizeof(sizes[0]) };
     size_t total = 0;
     for (int i = 0; i < N_BUFS; i++) total += ALIGN64(sizes[i]);
@@ -103,7 +102,6 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     b->pair_weight = at[4];
     b->xa = at[5];
     b->h = at[6];
-    b->yacc = c->x_dtype == KTFP8_F32 ? (float *)c->y : at[7];
     b->n_pairs = routed;
     group_pairs(c, b);
     return 0;
@@ -149,23 +147,25 @@ static void gather_row(const ktfp8_moe_call *c, const call_buffers *b, int64_t p
     memset((char *)b->h + esz * (size_t)(p * b->h_stride + I), 0, esz * (size_t)(Ip - I));
 }
 
-/* Phase 2 prologue / epilogue of the columns [n0, n0 + cols) of y that one item owns. */
-static void y_columns_begin(const ktfp8_moe_call *c, const call_buffers *b, int64_t n0, int64_t cols) {
+/* Phase 2 prologue / epilogue: the columns [n0, n0 + cols) of y that one item owns, to and from
+ * its FP32 accumulator acc[T][NB]. */
+static void y_columns_load(const ktfp8_moe_call *c, int64_t n0, int64_t cols, float *acc, int nb) {
     const int64_t H = c->shape->hidden;
     for (int64_t t = 0; t < c->tokens; t++) {
-        float *acc = b->yacc + t * H + n0;
         if (!c->accumulate)
-            memset(acc, 0, sizeof(float) * (size_t)cols);
-        else if (c->x_dtype != KTFP8_F32) /* BF16 y: widen into the FP32 accumulator */
-            ktfp8_load_row(acc, (const uint16_t *)c->y + t * H + n0, c->x_dtype, cols);
+            memset(acc + t * nb, 0, sizeof(float) * (size_t)cols);
+        else if (c->x_dtype == KTFP8_F32)
+            memcpy(acc + t * nb, (const float *)c->y + t * H + n0, sizeof(float) * (size_t)cols);
+        else /* BF16 y: widened into the FP32 accumulator */
+            ktfp8_load_row(acc + t * nb, (const uint16_t *)c->y + t * H + n0, c->x_dtype, cols);
     }
 }
 
-static void y_columns_end(const ktfp8_moe_call *c, const call_buffers *b, int64_t n0, int64_t cols) {
+static void y_columns_store(const ktfp8_moe_call *c, int64_t n0, int64_t cols, const float *acc, int nb) {
     const int64_t H = c->shape->hidden;
-    if (c->x_dtype == KTFP8_F32) return; /* y was the accumulator */
+    const size_t ysz = c->x_dtype == KTFP8_F32 ? 4 : 2;
     for (int64_t t = 0; t < c->tokens; t++)
-        ktfp8_store_row((uint16_t *)c->y + t * H + n0, c->x_dtype, b->yacc + t * H + n0, cols);
+        ktfp8_store_row((char *)c->y + ysz * (size_t)(t * H + n0), c->x_dtype, acc + t * nb, cols);
 }
 
 int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
@@ -187,14 +187,16 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
 
     const size_t scratch_bytes = kern->tile_scratch_bytes ? kern->tile_scratch_bytes(Hp > Ip ? Hp : Ip) : 0;
     const size_t gu_bytes = ALIGN64(sizeof(float) * (size_t)(b.max_m * nb));
+    const size_t yacc_bytes = ALIGN64(sizeof(float) * (size_t)(c->tokens * nb));
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const unsigned csr = ktfp8_fpenv_ieee();
-        /* this thread's gate / up (also down) results [max_m][NB] and the kernel's scratch */
-        char *tbuf = ktfp8_arena_get(KTFP8_ARENA_TILE, 2 * gu_bytes + ALIGN64(scratch_bytes));
-        float *gbuf = (float *)tbuf, *ubuf = (float *)(tbuf + gu_bytes);
-        void *scratch = scratch_bytes && tbuf ? tbuf + 2 * gu_bytes : NULL;
+        /* this thread's gate / up (also down) results [max_m][NB], its y accumulator [T][NB] and
+         * the kernel's scratch */
+        char *tbuf = ktfp8_arena_get(KTFP8_ARENA_TILE, 2 * gu_bytes + yacc_bytes + ALIGN64(scratch_bytes));
+        float *gbuf = (float *)tbuf, *ubuf = (float *)(tbuf + gu_bytes), *yacc = (float *)(tbuf + 2 * gu_bytes);
+        void *scratch = scratch_bytes && tbuf ? tbuf + 2 * gu_bytes + yacc_bytes : NULL;
         const int ok = tbuf != NULL;
         failed |= !ok;
 
@@ -223,15 +225,15 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
         for (int64_t tile = 0; tile < tiles2; tile++) {
             if (!ok) continue;
             const int64_t n0 = tile * nb, cols = H - n0 < nb ? H - n0 : nb;
-            y_columns_begin(c, &b, n0, cols);
+            y_columns_load(c, n0, cols, yacc, nb);
             for (int64_t a = 0; a < b.n_active; a++) {
                 const int64_t e = b.active[a], p0 = b.offset[e], m = b.offset[e + 1] - p0;
                 const void *hrows = (const char *)b.h + esz * (size_t)(p0 * b.h_stride);
                 run_tile(kern, s, &proj[KTFP8_DOWN], e, tile, hrows, b.h_stride, act, m, gbuf, scratch);
                 for (int64_t i = 0; i < m; i++)
-                    ktfp8_axpy(b.yacc + b.pair_token[p0 + i] * H + n0, b.pair_weight[p0 + i], gbuf + i * nb, cols);
+                    ktfp8_axpy(yacc + b.pair_token[p0 + i] * nb, b.pair_weight[p0 + i], gbuf + i * nb, cols);
             }
-            y_columns_end(c, &b, n0, cols);
+            y_columns_store(c, n0, cols, yacc, nb);
         }
         ktfp8_arena_trim(KTFP8_ARENA_TILE);
         ktfp8_fpenv_restore(csr);
