@@ -5,18 +5,19 @@
  * is [k/2][16][2], so each 32-K slab is exactly one AMX B tile (16 K pairs x 16 columns x 2 bf16 =
  * 16 rows of 64 bytes) and needs no further reordering.
  *
- * Small m goes to the avx512_bf16 micro-kernel.  Threshold AMX_MIN_M = 16, from tile fill
- * arithmetic (there is no AMX machine to measure on; re-measure on hardware):
- *   - one TDPBF16PS computes a 16-row A tile against a 16 x 32 B tile, 8192 MACs in ~16 cycles
- *     (SPR) whether or not the 16 rows hold tokens, i.e. 32 * m MAC/cycle for m < 16 rows, against
- *     ~64 MAC/cycle for two vdpbf16ps zmm ports;
- *   - below ~8 tokens both paths are bound by streaming the weight tile from memory (m MACs per
- *     weight byte at a few bytes/cycle/core), so AMX cannot win there;
- *   - each AMX call also pays fixed costs the register kernel does not: LDTILECFG/TILERELEASE,
- *     the converted weight tile written to scratch and read back by TILELOADD, and every C tile
- *     stored through memory before its scale is applied.
- * So AMX starts where its first A tile is full (m >= 16); 8..15 is the band where measurement on
- * hardware may move the threshold down.
+ * Small m goes to the avx512_bf16 micro-kernel.  Threshold AMX_MIN_M = 8, from static analysis
+ * (no AMX machine to measure on; re-measure on hardware).  Core cycles per 32-K slab of one 16-row
+ * weight tile, llvm-mca-16 -mcpu=sapphirerapids on the compiled loops where it models them:
+ *   - avx512_bf16 above DECODE_M (tile converted once, then MR-token passes of vdpbf16ps): 12
+ *     cycles per 2 K pairs at m = 8, i.e. ~96 per slab, plus ~32 for the conversion: ~128;
+ *     ~12 * m + 32 in general;
+ *   - AMX: one TDPBF16PS (16 cycles on the TMUL, whatever the rows hold) + one A and one B tile
+ *     load per 16 tokens, and the same ~32-cycle conversion (port 5) beside it: ~32-40;
+ *   - the slab's 512 codes from DRAM at the Xeon's per-core share (22.3 GB/s / 2 cores, ~4
+ *     bytes/cycle): ~128 cycles.
+ * So from m = 8 the register kernel alone needs as long as the memory bus, and AMX keeps 3x slack;
+ * below, both hide under the stream.  (llvm-mca has no AMX model: the TDP and tile-load figures
+ * are Intel's published throughputs.)
  *
  * Weight conversion overlaps the tile products: the first pass converts slab s + 1 into scratch
  * while the TDPBF16PS of slab s run (the profile on the Xeon had 25 % of the kernel in the
@@ -49,7 +50,7 @@
 #include "ktfp8/e4m3_bf16_vbmi.h"
 
 #define NB 16        /* weight rows per tile = C tile columns */
-#define AMX_MIN_M 16 /* tokens from which the tile path runs (see above) */
+#define AMX_MIN_M 8  /* tokens from which the tile path runs (see above) */
 #define CHUNK 16     /* tokens per A / C tile */
 #define CHUNKS 4     /* C tiles per pass */
 #define SLAB 32      /* K per TDPBF16PS */
