@@ -23,18 +23,18 @@
  * while the TDPBF16PS of slab s run (the profile on the Xeon had 25 % of the kernel in the
  * conversion, stalled on DRAM, before any TDP could start); later passes reuse the scratch.
  *
- * Blocking: each converted B tile (one 32-K slab of the 16-row weight tile) feeds up to 4 C tiles
- * (4 x 16 tokens), i.e. 5 tile loads per 4 TDPBF16PS.  kt-kernel's 2 A x 2 B -> 4 C (4 loads per 4
- * TDPs) needs two B tiles of different output columns, i.e. 32-row weight tiles: a layout change
- * (rows_per_tile 32) with its own small-m kernel, not done here.
+ * Blocking: 4 C tiles per pass.  The gate and up tiles of an expert come together (tile_matmul2):
+ * 2 A x 2 B -> 4 C as kt-kernel does, 4 tile loads per 4 TDPBF16PS, 32 tokens per pass; the down
+ * projection (tile_matmul) has one weight tile: 4 A x 1 B -> 4 C, 5 loads per 4 TDPs, 64 tokens
+ * per pass.  Either way each converted B tile feeds every chunk of a pass.
  *
  * Tiles (palette 1, configured at the start of every call and released at its end, so a thread
  * never holds AMX state between calls):
- *   tmm0..3  C: FP32 [16][16] sums of up to 4 chunks of 16 tokens (a pass); the last chunk of the
- *            last pass is configured with fewer rows when m is not a multiple of 16
+ *   tmm0..3  C: FP32 [16][16]; tile ch * NW + w = chunk ch (16 tokens) x weight tile w; the last
+ *            chunk of the last pass is configured with fewer rows when m is not a multiple of 16
  *   tmm4     A: bf16 [16][32] of a full chunk, one 32-K slab (row stride a_stride * 2 bytes)
  *   tmm5     A of the short last chunk (rows = m % 16)
- *   tmm6     B: bf16 pairs [16][16][2], one 32-K slab of the weight tile, reused by every chunk
+ *   tmm6, 7  B: bf16 pairs [16][16][2], one 32-K slab of weight tile 0 (and 1)
  * Per-channel scale: once on the FP32 result.  Block-wise: each K block accumulates in freshly
  * zeroed C tiles, which are then scaled and added into the FP32 output.  A block size that is not
  * a multiple of the 32-K slab (never the case for DeepSeek-V3's 128) goes to avx512_bf16. */
@@ -52,7 +52,7 @@
 #define NB 16        /* weight rows per tile = C tile columns */
 #define AMX_MIN_M 8  /* tokens from which the tile path runs (see above) */
 #define CHUNK 16     /* tokens per A / C tile */
-#define CHUNKS 4     /* C tiles per pass */
+#define CHUNKS 4     /* C tiles per pass: chunks per pass for one weight tile, half that for two */
 #define SLAB 32      /* K per TDPBF16PS */
 #define SLAB_BYTES (SLAB * NB * 2) /* one converted B tile */
 
@@ -61,6 +61,7 @@
 #define TILE_A 4
 #define TILE_A_TAIL 5
 #define TILE_B 6
+#define TILE_B2 7 /* the second weight tile of a tile_matmul2 call */
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -78,49 +79,70 @@ extern const ktfp8_moe_kernel SMALL_M_KERNEL;
  * config and the converted weights are in memory first. */
 INLINE void compiler_barrier(void) { __asm__ __volatile__("" ::: "memory"); }
 
-static void configure(int chunks, int tail_rows) {
+/* NW weight tiles (1, or 2 for tile_matmul2) against `chunks` chunks of 16 tokens, the last one
+ * tail_rows high when non-zero: C tile ch * NW + w holds chunk ch x weight tile w. */
+static void configure(int nw, int chunks, int tail_rows) {
     ktfp8_amx_tilecfg cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
-    for (int c = 0; c < chunks; c++) {
-        cfg.rows[c] = (uint8_t)(c == chunks - 1 && tail_rows ? tail_rows : CHUNK);
-        cfg.colsb[c] = NB * 4;
-    }
+    for (int ch = 0; ch < chunks; ch++)
+        for (int w = 0; w < nw; w++) {
+            cfg.rows[ch * nw + w] = (uint8_t)(ch == chunks - 1 && tail_rows ? tail_rows : CHUNK);
+            cfg.colsb[ch * nw + w] = NB * 4;
+        }
     cfg.rows[TILE_A] = CHUNK;
     cfg.colsb[TILE_A] = SLAB * 2;
     if (tail_rows) {
         cfg.rows[TILE_A_TAIL] = (uint8_t)tail_rows;
         cfg.colsb[TILE_A_TAIL] = SLAB * 2;
     }
-    cfg.rows[TILE_B] = SLAB / 2;
-    cfg.colsb[TILE_B] = NB * 4;
+    for (int w = 0; w < nw; w++) {
+        cfg.rows[TILE_B + w] = SLAB / 2;
+        cfg.colsb[TILE_B + w] = NB * 4;
+    }
     compiler_barrier();
     _tile_loadconfig(&cfg);
 }
 
-/* The per-tile steps of one pass, for C tile c = 0..3 (a literal): with chunks and tail_rows
- * constants the conditions fold away. */
-#define ZERO_C(c) \
-    if (c < chunks) _tile_zero(c)
-#define DOT_CHUNK(c)                                                          \
-    if (c < chunks) {                                                         \
-        const uint16_t *a_slab = a + (m0 + (c) * CHUNK) * a_stride + s * SLAB; \
-        if (c == chunks - 1 && tail_rows) {                                   \
-            _tile_loadd(TILE_A_TAIL, a_slab, a_bytes);                        \
-            _tile_dpbf16ps(c, TILE_A_TAIL, TILE_B);                           \
-        } else {                                                              \
-            _tile_loadd(TILE_A, a_slab, a_bytes);                             \
-            _tile_dpbf16ps(c, TILE_A, TILE_B);                                \
-        }                                                                     \
+/* The per-tile steps of one pass.  Tile numbers are literals (see TILE_A); with NW, chunks and
+ * tail_rows constants the conditions fold away.  NW = 1: chunk c into C tile c, 4 chunks, each A
+ * tile used once, the B tile by all 4 (5 loads per 4 TDPBF16PS).  NW = 2: chunk ch against both
+ * weight tiles into C tiles c0, c1, 2 chunks: 2 A x 2 B -> 4 C (4 loads per 4 TDPBF16PS). */
+#define ZERO_C(t) \
+    if (t < chunks * NW) _tile_zero(t)
+#define STORE_C(t) \
+    if (t < chunks * NW) _tile_stored(t, cbuf[t], NB * sizeof(float))
+#define LOAD_A(ch, tile) _tile_loadd(tile, a + (m0 + (ch) * CHUNK) * a_stride + s * SLAB, a_bytes)
+#define DOT1(c)                                     \
+    if (c < chunks) {                               \
+        if (c == chunks - 1 && tail_rows) {         \
+            LOAD_A(c, TILE_A_TAIL);                 \
+            _tile_dpbf16ps(c, TILE_A_TAIL, TILE_B); \
+        } else {                                    \
+            LOAD_A(c, TILE_A);                      \
+            _tile_dpbf16ps(c, TILE_A, TILE_B);      \
+        }                                           \
     }
-#define STORE_C(c) \
-    if (c < chunks) _tile_stored(c, cbuf[c], NB * sizeof(float))
+#define DOT2(ch, c0, c1)                              \
+    if (ch < chunks) {                                \
+        if (ch == chunks - 1 && tail_rows) {          \
+            LOAD_A(ch, TILE_A_TAIL);                  \
+            _tile_dpbf16ps(c0, TILE_A_TAIL, TILE_B);  \
+            _tile_dpbf16ps(c1, TILE_A_TAIL, TILE_B2); \
+        } else {                                      \
+            LOAD_A(ch, TILE_A);                       \
+            _tile_dpbf16ps(c0, TILE_A, TILE_B);       \
+            _tile_dpbf16ps(c1, TILE_A, TILE_B2);      \
+        }                                             \
+    }
 
-/* Tokens m0 .. m0 + rows - 1 (chunks C tiles, the last one tail_rows high when non-zero): the K
- * reduction slab by slab, block by block, scaled into the FP32 output.  codes != NULL: w is the
- * scratch, still to be filled slab by slab from codes (the first pass). */
-INLINE void pass(const ktfp8_tile_job *j, const uint8_t *codes, const uint8_t *w, int64_t m0, const int chunks,
-                 const int tail_rows) {
+/* Tokens m0 .. m0 + rows - 1 of NW jobs sharing their activations and K: the K reduction slab by
+ * slab, block by block, scaled into each job's FP32 output.  codes[w] != NULL: w_bf16[w] is
+ * scratch still to be filled slab by slab from those codes (the first pass); the conversion of
+ * slab s + 1 runs beside the products of slab s. */
+INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes, const uint8_t *const *w_bf16,
+                 const int NW, int64_t m0, const int chunks, const int tail_rows) {
+    const ktfp8_tile_job *j = jobs[0];
     const uint16_t *a = (const uint16_t *)j->a;
     const int64_t a_stride = j->a_stride, a_bytes = a_stride * 2;
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
@@ -129,10 +151,9 @@ INLINE void pass(const ktfp8_tile_job *j, const uint8_t *codes, const uint8_t *w
     const int64_t rows = (chunks - (tail_rows != 0)) * CHUNK + tail_rows;
     float cbuf[CHUNKS][CHUNK][NB] __attribute__((aligned(64)));
 
-    if (codes) { /* slab 0 now; slab s + 1 while slab s's products run */
-        ktfp8_e4m3_tile_to_bf16(codes, SLAB, (uint16_t *)w);
-        compiler_barrier();
-    }
+    for (int w = 0; w < NW; w++)
+        if (codes[w]) ktfp8_e4m3_tile_to_bf16(codes[w], SLAB, (uint16_t *)w_bf16[w]);
+    compiler_barrier();
     for (int64_t kb = 0; kb < nkb; kb++) {
         const int64_t s0 = kb * block_slabs, s1 = kb == nkb - 1 ? slabs : s0 + block_slabs;
         ZERO_C(0);
@@ -140,62 +161,101 @@ INLINE void pass(const ktfp8_tile_job *j, const uint8_t *codes, const uint8_t *w
         ZERO_C(2);
         ZERO_C(3);
         for (int64_t s = s0; s < s1; s++) {
-            _tile_loadd(TILE_B, w + s * SLAB_BYTES, NB * 4);
-            if (codes && s + 1 < slabs) {
-                ktfp8_e4m3_tile_to_bf16(codes + (s + 1) * SLAB * NB, SLAB, (uint16_t *)(w + (s + 1) * SLAB_BYTES));
+            _tile_loadd(TILE_B, w_bf16[0] + s * SLAB_BYTES, NB * 4);
+            if (NW == 2) _tile_loadd(TILE_B2, w_bf16[1] + s * SLAB_BYTES, NB * 4);
+            if (s + 1 < slabs) {
+                for (int w = 0; w < NW; w++)
+                    if (codes[w])
+                        ktfp8_e4m3_tile_to_bf16(codes[w] + (s + 1) * SLAB * NB, SLAB,
+                                                (uint16_t *)(w_bf16[w] + (s + 1) * SLAB_BYTES));
                 compiler_barrier();
             }
-            DOT_CHUNK(0);
-            DOT_CHUNK(1);
-            DOT_CHUNK(2);
-            DOT_CHUNK(3);
+            if (NW == 1) {
+                DOT1(0);
+                DOT1(1);
+                DOT1(2);
+                DOT1(3);
+            } else {
+                DOT2(0, 0, 1);
+                DOT2(1, 2, 3);
+            }
         }
         STORE_C(0);
         STORE_C(1);
         STORE_C(2);
         STORE_C(3);
 
-        /* C rows to the FP32 output: per-channel and block 0 write, later blocks add */
-        const __m512 scale = j->format == KTFP8_FMT_BF16 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(j->scale + kb * NB);
-        for (int64_t i = 0; i < rows; i++) {
-            float *out = j->c + (m0 + i) * j->c_stride;
-            __m512 v = _mm512_mul_ps(_mm512_load_ps(cbuf[i / CHUNK][i % CHUNK]), scale);
-            if (kb > 0) v = _mm512_add_ps(v, _mm512_loadu_ps(out));
-            _mm512_storeu_ps(out, v);
+        /* C rows to the FP32 outputs: per-channel and block 0 write, later blocks add */
+        for (int w = 0; w < NW; w++) {
+            const ktfp8_tile_job *jw = jobs[w];
+            const __m512 scale = jw->format == KTFP8_FMT_BF16 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(jw->scale + kb * NB);
+            for (int64_t i = 0; i < rows; i++) {
+                float *out = jw->c + (m0 + i) * jw->c_stride;
+                __m512 v = _mm512_mul_ps(_mm512_load_ps(cbuf[(i / CHUNK) * NW + w][i % CHUNK]), scale);
+                if (kb > 0) v = _mm512_add_ps(v, _mm512_loadu_ps(out));
+                _mm512_storeu_ps(out, v);
+            }
         }
     }
 }
 #undef ZERO_C
-#undef DOT_CHUNK
 #undef STORE_C
+#undef LOAD_A
+#undef DOT1
+#undef DOT2
 
-static void tile_matmul(const ktfp8_tile_job *j) {
-    const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
-    if (j->m < AMX_MIN_M || (blockwise && j->block_k % SLAB)) {
-        SMALL_M_KERNEL.tile_matmul(j);
-        return;
-    }
+/* All m tokens of NW jobs: full passes (constant shape, no per-chunk tests), then the rest. */
+INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
+    const ktfp8_tile_job *j = jobs[0];
+    const int per_pass = CHUNKS / NW; /* chunks per pass: the four C tiles */
     /* weights as bf16 [k/2][16][2]: BF16 weights are already packed that way; FP8 codes are
-     * converted into scratch during the first pass and reused by the later ones */
-    const uint8_t *codes = j->format == KTFP8_FMT_BF16 ? NULL : (const uint8_t *)j->w;
-    const uint8_t *w = codes ? (const uint8_t *)j->scratch : (const uint8_t *)j->w;
-    const int64_t full = j->m / (CHUNKS * CHUNK) * (CHUNKS * CHUNK), left = j->m - full;
+     * converted into scratch (one tile after the other) during the first pass */
+    const uint8_t *codes[2] = {NULL, NULL}, *w_bf16[2] = {NULL, NULL};
+    for (int w = 0; w < NW; w++) {
+        codes[w] = jobs[w]->format == KTFP8_FMT_BF16 ? NULL : (const uint8_t *)jobs[w]->w;
+        w_bf16[w] = codes[w] ? (const uint8_t *)j->scratch + (size_t)w * j->k * NB * 2 : (const uint8_t *)jobs[w]->w;
+    }
+    const uint8_t *none[2] = {NULL, NULL};
+    const int64_t step = per_pass * CHUNK, full = j->m / step * step, left = j->m - full;
     if (full) {
-        configure(CHUNKS, 0);
-        for (int64_t m0 = 0; m0 < full; m0 += CHUNKS * CHUNK) {
-            pass(j, m0 == 0 ? codes : NULL, w, m0, CHUNKS, 0);
-        }
+        configure(NW, per_pass, 0);
+        for (int64_t m0 = 0; m0 < full; m0 += step) pass(jobs, m0 == 0 ? codes : none, w_bf16, NW, m0, per_pass, 0);
     }
     if (left) { /* the last pass: fewer chunks, maybe a short one */
         const int chunks = (int)((left + CHUNK - 1) / CHUNK), tail_rows = (int)(left % CHUNK);
-        configure(chunks, tail_rows);
-        pass(j, full == 0 ? codes : NULL, w, full, chunks, tail_rows);
+        configure(NW, chunks, tail_rows);
+        pass(jobs, full == 0 ? codes : none, w_bf16, NW, full, chunks, tail_rows);
     }
     _tile_release();
 }
 
+/* Whether the tile path takes this job (else the small-m kernel does). */
+static int amx_takes(const ktfp8_tile_job *j) {
+    return j->m >= AMX_MIN_M && !(j->format == KTFP8_FMT_FP8_BLOCK && j->block_k % SLAB);
+}
+
+static void tile_matmul(const ktfp8_tile_job *j) {
+    if (!amx_takes(j)) {
+        SMALL_M_KERNEL.tile_matmul(j);
+        return;
+    }
+    const ktfp8_tile_job *jobs[1] = {j};
+    run_passes(jobs, 1);
+}
+
+/* Gate and up (any two jobs over the same activations): each A tile feeds both B tiles. */
+static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
+    if (!amx_takes(j0)) {
+        SMALL_M_KERNEL.tile_matmul(j0);
+        SMALL_M_KERNEL.tile_matmul(j1);
+        return;
+    }
+    const ktfp8_tile_job *jobs[2] = {j0, j1};
+    run_passes(jobs, 2);
+}
+
 static size_t tile_scratch_bytes(int64_t k) {
-    const size_t own = (size_t)k * NB * 2; /* the converted weight tile */
+    const size_t own = 2 * (size_t)k * NB * 2; /* the two converted weight tiles of tile_matmul2 */
     const size_t small = SMALL_M_KERNEL.tile_scratch_bytes ? SMALL_M_KERNEL.tile_scratch_bytes(k) : 0;
     return own > small ? own : small;
 }
@@ -205,4 +265,5 @@ const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .act_dtype = KTFP8_BF16,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
+    .tile_matmul2 = tile_matmul2,
 };

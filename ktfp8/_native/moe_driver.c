@@ -107,11 +107,11 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     return 0;
 }
 
-/* One micro-kernel call: tile `tile` of expert e's projection p over m activation rows, a_stride
+/* The micro-kernel job for tile `tile` of expert e's projection p over m activation rows, a_stride
  * elements apart, starting at a; FP32 results into c[m][NB]. */
-static void run_tile(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, const ktfp8_packed_proj *p,
-                     int64_t e, int64_t tile, const void *a, int64_t a_stride, int act, int64_t m, float *c,
-                     void *scratch) {
+static ktfp8_tile_job tile_job(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, const ktfp8_packed_proj *p,
+                               int64_t e, int64_t tile, const void *a, int64_t a_stride, int act, int64_t m,
+                               float *c, void *scratch) {
     const size_t at = (size_t)(e * p->n_tiles + tile);
     ktfp8_tile_job job = {0};
     job.w = p->w + at * p->tile_w_bytes;
@@ -127,7 +127,7 @@ static void run_tile(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, con
     job.c = c;
     job.c_stride = kern->layout.rows_per_tile;
     job.scratch = scratch;
-    kern->tile_matmul(&job);
+    return job;
 }
 
 /* Phase 0: pair p's token row of x into its gathered row (activation dtype), zeros to Hp; and the
@@ -211,8 +211,14 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
             const int64_t e = b.active[it / tiles1], tile = it % tiles1;
             const int64_t p0 = b.offset[e], m = b.offset[e + 1] - p0;
             const void *a = (const char *)b.xa + esz * (size_t)(p0 * b.x_stride);
-            run_tile(kern, s, &proj[KTFP8_GATE], e, tile, a, b.x_stride, act, m, gbuf, scratch);
-            run_tile(kern, s, &proj[KTFP8_UP], e, tile, a, b.x_stride, act, m, ubuf, scratch);
+            const ktfp8_tile_job gate = tile_job(kern, s, &proj[KTFP8_GATE], e, tile, a, b.x_stride, act, m, gbuf, scratch);
+            const ktfp8_tile_job up = tile_job(kern, s, &proj[KTFP8_UP], e, tile, a, b.x_stride, act, m, ubuf, scratch);
+            if (kern->tile_matmul2) {
+                kern->tile_matmul2(&gate, &up);
+            } else {
+                kern->tile_matmul(&gate);
+                kern->tile_matmul(&up);
+            }
             ktfp8_silu_mul(gbuf, ubuf, m * nb);
             const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
             for (int64_t i = 0; i < m; i++)
@@ -229,7 +235,8 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
             for (int64_t a = 0; a < b.n_active; a++) {
                 const int64_t e = b.active[a], p0 = b.offset[e], m = b.offset[e + 1] - p0;
                 const void *hrows = (const char *)b.h + esz * (size_t)(p0 * b.h_stride);
-                run_tile(kern, s, &proj[KTFP8_DOWN], e, tile, hrows, b.h_stride, act, m, gbuf, scratch);
+                const ktfp8_tile_job down = tile_job(kern, s, &proj[KTFP8_DOWN], e, tile, hrows, b.h_stride, act, m, gbuf, scratch);
+                kern->tile_matmul(&down);
                 for (int64_t i = 0; i < m; i++)
                     ktfp8_axpy(yacc + b.pair_token[p0 + i] * nb, b.pair_weight[p0 + i], gbuf + i * nb, cols);
             }
