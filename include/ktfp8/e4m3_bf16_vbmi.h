@@ -106,4 +106,6 @@ static inline void ktfp8_e4m3_tile_to_bf16(const uint8_t *codes, int64_t k, uint
     }
 }
 
+#undef KTFP8_E4M3_BF16_INLINE
+
 #endif
