@@ -9,6 +9,7 @@ import ktfp8
 from ktfp8 import backends
 from ktfp8.experts import ExpertWeights
 from ktfp8.moe import MoE
+from kernel_tester import F32, kernel
 
 N, T = 256, 48  # H = I = N; T tokens of N values each
 SILU_MAX_ULP = 2  # of silu(x) * x against float64, FP32 activations (moe_epilogue.h)
@@ -45,7 +46,7 @@ def test_silu_times_up_against_float64(backend):
     x = _inputs()
     ids, w = np.zeros((T, 1), np.int64), np.ones((T, 1), np.float32)
     y = moe(x, ids, w).astype(np.float64)
-    if moe._act_dtype == 0:  # FP32 activations: only the epilogue rounds
+    if kernel(backend).act is F32:  # FP32 activations: only the epilogue rounds
         want = _silu_times_x(x)
         tol = SILU_MAX_ULP * 2.0 ** -23 * np.abs(want)
     else:  # BF16 activations: x and h are rounded to bf16 (half an ulp, 2^-9 relative, each)
