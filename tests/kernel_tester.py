@@ -50,10 +50,10 @@ class Kernel:
 KERNELS = {
     # one path for every m; a few m so that grouping by expert is exercised
     "reference": Kernel("moe_reference.c", F32, {}, lambda d: (2,)),
-    # m < SCRATCH_MIN_M: codes converted in registers; from it on the tile is converted once into
-    # scratch; tokens in register blocks of MT_MAX, tails of 1 .. MT_MAX - 1 unrolled each
-    "avx2": Kernel("moe_avx2.c", F32, {"SCRATCH_MIN_M": 5, "MT_MAX": 6},
-                   lambda d: (d["SCRATCH_MIN_M"], d["MT_MAX"], 2 * d["MT_MAX"])),
+    # m <= DECODE_M: codes converted in registers (KTFP8_FOR_M6); above, the FP8 tile once into
+    # scratch, MR tokens per pass (KTFP8_FOR_M6 for the last one)
+    "avx2": Kernel("moe_avx2.c", F32, {"DECODE_M": 6, "MR": 6},
+                   lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
     # m <= DECODE_M: codes converted in registers (KTFP8_FOR_M4); above, the tile once into
     # scratch, MR tokens per pass (KTFP8_FOR_M8 for the last one)
     "avx512": Kernel("moe_avx512.c", F32, {"DECODE_M": 4, "MR": 8},
@@ -62,8 +62,8 @@ KERNELS = {
                           lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
     # m < AMX_MIN_M: the avx512_bf16 micro-kernel; from it on tiles of CHUNK tokens, CHUNKS of
     # them per pass, a short last tile for m % CHUNK
-    "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 16, "CHUNK": 16, "CHUNKS": 4},
-                  lambda d: (d["AMX_MIN_M"], d["CHUNK"] * d["CHUNKS"])),
+    "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 8, "CHUNK": 16, "CHUNKS": 4},
+                  lambda d: (d["AMX_MIN_M"], d["CHUNK"], d["CHUNK"] * d["CHUNKS"])),
 }
 
 

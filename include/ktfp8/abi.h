@@ -92,6 +92,10 @@ typedef struct ktfp8_moe_kernel {
     int32_t act_dtype;                       /* KTFP8_F32 or KTFP8_BF16: what tile_matmul reads */
     size_t (*tile_scratch_bytes)(int64_t k); /* may be NULL: no scratch */
     void (*tile_matmul)(const ktfp8_tile_job *job);
+    /* Optional (NULL: two tile_matmul calls): two jobs that differ only in w, scale and c (the
+     * gate and up tiles of one expert), computed together so each activation tile read feeds both
+     * weight tiles.  scratch is first's; it must hold tile_scratch_bytes(k). */
+    void (*tile_matmul2)(const ktfp8_tile_job *first, const ktfp8_tile_job *second);
 } ktfp8_moe_kernel;
 
 /* A variant as dispatch.c hands it out: a codec and a MoE kernel compiled for one ISA level. */

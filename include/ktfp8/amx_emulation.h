@@ -27,19 +27,7 @@
 #include <immintrin.h>
 #endif
 
-#define KTFP8_AMX_TILES 8      /* palette 1: tmm0 .. tmm7          */
-#define KTFP8_AMX_MAX_ROWS 16  /* palette 1: rows per tile          */
-#define KTFP8_AMX_MAX_COLSB 64 /* palette 1: bytes per row           */
-
-/* The 64-byte memory operand of LDTILECFG. */
-typedef struct ktfp8_amx_tilecfg {
-    uint8_t palette_id;   /* 0: release (init state), 1: 8 tiles of at most 16 x 64 bytes */
-    uint8_t start_row;    /* restart row after a fault; 0 */
-    uint8_t reserved[14]; /* must be 0 */
-    uint16_t colsb[16];   /* bytes per row of tile t (tiles 8..15 must be 0 under palette 1) */
-    uint8_t rows[16];     /* rows of tile t */
-} ktfp8_amx_tilecfg;
-_Static_assert(sizeof(ktfp8_amx_tilecfg) == 64, "LDTILECFG reads exactly 64 bytes");
+#include "ktfp8/amx_tilecfg.h"
 
 typedef struct ktfp8_amx_state {
     uint8_t tile[KTFP8_AMX_TILES][KTFP8_AMX_MAX_ROWS][KTFP8_AMX_MAX_COLSB];

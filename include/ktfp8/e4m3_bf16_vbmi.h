@@ -95,13 +95,17 @@ ktfp8_e4m3x64_to_bf16(const ktfp8_e4m3_bf16_lut *lut, const void *codes64, __m51
 static inline void ktfp8_e4m3_tile_to_bf16(const uint8_t *codes, int64_t k, uint16_t *dst) {
     ktfp8_e4m3_bf16_lut lut;
     ktfp8_e4m3_bf16_lut_load(&lut);
-    /* each 64-byte group holds 4 K (2 pairs x 16 rows x 2) and yields two dst rows */
+    /* each 64-byte group holds 4 K (2 pairs x 16 rows x 2) and yields two dst rows; the codes come
+     * from DRAM, so prefetch 2 KiB ahead (see PREFETCH_BYTES in moe_avx512bf16.c) */
     for (int64_t g = 0; g < k / 4; g++) {
         __m512i a, b;
+        _mm_prefetch((const char *)codes + 64 * g + 2048, _MM_HINT_T0);
         ktfp8_e4m3x64_to_bf16(&lut, codes + 64 * g, &a, &b);
         _mm512_storeu_si512((void *)(dst + 64 * g), a);
         _mm512_storeu_si512((void *)(dst + 64 * g + 32), b);
     }
 }
+
+#undef KTFP8_E4M3_BF16_INLINE
 
 #endif

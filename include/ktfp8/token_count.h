@@ -1,5 +1,13 @@
 /* Dispatch on a token count to a call with that count as a compile-time constant, so micro-kernel
- * accumulator arrays sized by it live in registers.  CALL(M) is a macro taking the constant. */
+ * accumulator arrays sized by it live in registers.  CALL(M) is a macro taking the constant,
+ * defined just before the dispatch and #undef'd after it.
+ *
+ * Every MoE kernel names its token-count thresholds the same way (the kernel test harness reads
+ * them from the sources, tests/kernel_tester.py):
+ *   DECODE_M   m <= DECODE_M: weights converted in registers as they stream (KTFP8_FOR_M4/M6)
+ *   MR         prefill register block: tokens per pass over the converted tile (KTFP8_FOR_M6/M8)
+ *   AMX_MIN_M  m >= AMX_MIN_M: the AMX tile path (moe_amx.c only)
+ *   PREFETCH_BYTES  software prefetch distance of the weight stream */
 #ifndef KTFP8_TOKEN_COUNT_H
 #define KTFP8_TOKEN_COUNT_H
 
@@ -9,6 +17,16 @@
     case 2: CALL(2); break;      \
     case 3: CALL(3); break;      \
     default: CALL(4); break;     \
+    }
+
+#define KTFP8_FOR_M6(m, CALL)    \
+    switch (m) {                 \
+    case 1: CALL(1); break;      \
+    case 2: CALL(2); break;      \
+    case 3: CALL(3); break;      \
+    case 4: CALL(4); break;      \
+    case 5: CALL(5); break;      \
+    default: CALL(6); break;     \
     }
 
 #define KTFP8_FOR_M8(m, CALL)    \

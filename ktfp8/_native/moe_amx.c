@@ -5,32 +5,43 @@
  * is [k/2][16][2], so each 32-K slab is exactly one AMX B tile (16 K pairs x 16 columns x 2 bf16 =
  * 16 rows of 64 bytes) and needs no further reordering.
  *
- * Small m goes to the avx512_bf16 micro-kernel.  Threshold AMX_MIN_M = 16, from tile fill
- * arithmetic (there is no AMX machine to measure on; re-measure on hardware):
- *   - one TDPBF16PS computes a 16-row A tile against a 16 x 32 B tile, 8192 MACs in ~16 cycles
- *     (SPR) whether or not the 16 rows hold tokens, i.e. 32 * m MAC/cycle for m < 16 rows, against
- *     ~64 MAC/cycle for two vdpbf16ps zmm ports;
- *   - below ~8 tokens both paths are bound by streaming the weight tile from memory (m MACs per
- *     weight byte at a few bytes/cycle/core), so AMX cannot win there;
- *   - each AMX call also pays fixed costs the register kernel does not: LDTILECFG/TILERELEASE,
- *     the converted weight tile written to scratch and read back by TILELOADD, and every C tile
- *     stored through memory before its scale is applied.
- * So AMX starts where its first A tile is full (m >= 16); 8..15 is the band where measurement on
- * hardware may move the threshold down.
+ * Small m goes to the avx512_bf16 micro-kernel.  Threshold AMX_MIN_M = 8, from static analysis
+ * (no AMX machine to measure on; re-measure on hardware).  Core cycles per 32-K slab of one 16-row
+ * weight tile, llvm-mca-16 -mcpu=sapphirerapids on the compiled loops where it models them:
+ *   - avx512_bf16 above DECODE_M (tile converted once, then MR-token passes of vdpbf16ps): 12
+ *     cycles per 2 K pairs at m = 8, i.e. ~96 per slab, plus ~32 for the conversion: ~128;
+ *     ~12 * m + 32 in general;
+ *   - AMX: one TDPBF16PS (16 cycles on the TMUL, whatever the rows hold) + one A and one B tile
+ *     load per 16 tokens, and the same ~32-cycle conversion (port 5) beside it: ~32-40;
+ *   - the slab's 512 codes from DRAM at the Xeon's per-core share (22.3 GB/s / 2 cores, ~4
+ *     bytes/cycle): ~128 cycles.
+ * So from m = 8 the register kernel alone needs as long as the memory bus, and AMX keeps 3x slack;
+ * below, both hide under the stream.  (llvm-mca has no AMX model: the TDP and tile-load figures
+ * are Intel's published throughputs.)
+ *
+ * Weight conversion overlaps the tile products: the first pass converts slab s + 1 into scratch
+ * while the TDPBF16PS of slab s run (the profile on the Xeon had 25 % of the kernel in the
+ * conversion, stalled on DRAM, before any TDP could start); later passes reuse the scratch.
+ *
+ * Blocking: 4 C tiles per pass.  The gate and up tiles of an expert come together (tile_matmul2):
+ * 2 A x 2 B -> 4 C as kt-kernel does, 4 tile loads per 4 TDPBF16PS, 32 tokens per pass; the down
+ * projection (tile_matmul) has one weight tile: 4 A x 1 B -> 4 C, 5 loads per 4 TDPs, 64 tokens
+ * per pass.  Either way each converted B tile feeds every chunk of a pass.
  *
  * Tiles (palette 1, configured at the start of every call and released at its end, so a thread
  * never holds AMX state between calls):
- *   tmm0..3  C: FP32 [16][16] sums of up to 4 chunks of 16 tokens (a pass); the last chunk of the
- *            last pass is configured with fewer rows when m is not a multiple of 16
+ *   tmm0..3  C: FP32 [16][16]; tile ch * NW + w = chunk ch (16 tokens) x weight tile w; the last
+ *            chunk of the last pass is configured with fewer rows when m is not a multiple of 16
  *   tmm4     A: bf16 [16][32] of a full chunk, one 32-K slab (row stride a_stride * 2 bytes)
  *   tmm5     A of the short last chunk (rows = m % 16)
- *   tmm6     B: bf16 pairs [16][16][2], one 32-K slab of the weight tile, reused by every chunk
+ *   tmm6, 7  B: bf16 pairs [16][16][2], one 32-K slab of weight tile 0 (and 1)
  * Per-channel scale: once on the FP32 result.  Block-wise: each K block accumulates in freshly
  * zeroed C tiles, which are then scaled and added into the FP32 output.  A block size that is not
  * a multiple of the 32-K slab (never the case for DeepSeek-V3's 128) goes to avx512_bf16. */
 #include <string.h>
 
 #include "ktfp8/abi.h"
+#include "ktfp8/amx_tilecfg.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/variant.h"
 #ifdef KTFP8_EMULATE_AMX
@@ -39,15 +50,20 @@
 #include "ktfp8/e4m3_bf16_vbmi.h"
 
 #define NB 16        /* weight rows per tile = C tile columns */
-#define AMX_MIN_M 16 /* tokens from which the tile path runs (see above) */
+#define AMX_MIN_M 8  /* tokens from which the tile path runs (see above) */
 #define CHUNK 16     /* tokens per A / C tile */
-#define CHUNKS 4     /* C tiles per pass */
+#define CHUNKS 4     /* C tiles per pass: chunks per pass for one weight tile, half that for two */
 #define SLAB 32      /* K per TDPBF16PS */
 #define SLAB_BYTES (SLAB * NB * 2) /* one converted B tile */
 
+/* Tile register numbers: literals, as the tile instructions take them as immediates (GCC's
+ * intrinsics paste them into the asm text). */
 #define TILE_A 4
 #define TILE_A_TAIL 5
 #define TILE_B 6
+#define TILE_B2 7 /* the second weight tile of a tile_matmul2 call */
+
+#define INLINE static inline __attribute__((always_inline))
 
 /* The small-m kernel of the same backend: the build always compiles avx512bf16 with amx, in the
  * same (native or emulated) mode. */
@@ -61,121 +77,185 @@ extern const ktfp8_moe_kernel SMALL_M_KERNEL;
 /* GCC's tile intrinsics are asm statements that tell the compiler nothing about the memory they
  * read (LDTILECFG: only 8 of its 64 bytes; TILELOADD: none): a compiler barrier makes sure the
  * config and the converted weights are in memory first. */
-#define COMPILER_BARRIER() __asm__ __volatile__("" ::: "memory")
+INLINE void compiler_barrier(void) { __asm__ __volatile__("" ::: "memory"); }
 
-/* LDTILECFG memory operand, palette 1. */
-typedef struct tilecfg {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) tilecfg;
-
-static void configure(int chunks, int tail_rows) {
-    tilecfg cfg;
+/* NW weight tiles (1, or 2 for tile_matmul2) against `chunks` chunks of 16 tokens, the last one
+ * tail_rows high when non-zero: C tile ch * NW + w holds chunk ch x weight tile w. */
+static void configure(int nw, int chunks, int tail_rows) {
+    ktfp8_amx_tilecfg cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
-    for (int c = 0; c < chunks; c++) {
-        cfg.rows[c] = (uint8_t)(c == chunks - 1 && tail_rows ? tail_rows : CHUNK);
-        cfg.colsb[c] = NB * 4;
-    }
+    for (int ch = 0; ch < chunks; ch++)
+        for (int w = 0; w < nw; w++) {
+            cfg.rows[ch * nw + w] = (uint8_t)(ch == chunks - 1 && tail_rows ? tail_rows : CHUNK);
+            cfg.colsb[ch * nw + w] = NB * 4;
+        }
     cfg.rows[TILE_A] = CHUNK;
     cfg.colsb[TILE_A] = SLAB * 2;
     if (tail_rows) {
         cfg.rows[TILE_A_TAIL] = (uint8_t)tail_rows;
         cfg.colsb[TILE_A_TAIL] = SLAB * 2;
     }
-    cfg.rows[TILE_B] = SLAB / 2;
-    cfg.colsb[TILE_B] = NB * 4;
-    COMPILER_BARRIER();
+    for (int w = 0; w < nw; w++) {
+        cfg.rows[TILE_B + w] = SLAB / 2;
+        cfg.colsb[TILE_B + w] = NB * 4;
+    }
+    compiler_barrier();
     _tile_loadconfig(&cfg);
 }
 
-/* Tile numbers must be literals (immediates of the instructions), hence one macro per step,
- * expanded once per C tile c = 0..3. */
-#define ZERO_C(c) \
-    if (c < chunks) _tile_zero(c)
-#define DOT_CHUNK(c)                                                          \
-    if (c < chunks) {                                                         \
-        const uint16_t *a_slab = a + (m0 + (c) * CHUNK) * a_stride + s * SLAB; \
-        if (c == chunks - 1 && tail_rows) {                                   \
-            _tile_loadd(TILE_A_TAIL, a_slab, a_bytes);                        \
-            _tile_dpbf16ps(c, TILE_A_TAIL, TILE_B);                           \
-        } else {                                                              \
-            _tile_loadd(TILE_A, a_slab, a_bytes);                             \
-            _tile_dpbf16ps(c, TILE_A, TILE_B);                                \
-        }                                                                     \
+/* The per-tile steps of one pass.  Tile numbers are literals (see TILE_A); with NW, chunks and
+ * tail_rows constants the conditions fold away.  NW = 1: chunk c into C tile c, 4 chunks, each A
+ * tile used once, the B tile by all 4 (5 loads per 4 TDPBF16PS).  NW = 2: chunk ch against both
+ * weight tiles into C tiles c0, c1, 2 chunks: 2 A x 2 B -> 4 C (4 loads per 4 TDPBF16PS). */
+#define ZERO_C(t) \
+    if (t < chunks * NW) _tile_zero(t)
+#define STORE_C(t) \
+    if (t < chunks * NW) _tile_stored(t, cbuf[t], NB * sizeof(float))
+#define LOAD_A(ch, tile) _tile_loadd(tile, a + (m0 + (ch) * CHUNK) * a_stride + s * SLAB, a_bytes)
+#define DOT1(c)                                     \
+    if (c < chunks) {                               \
+        if (c == chunks - 1 && tail_rows) {         \
+            LOAD_A(c, TILE_A_TAIL);                 \
+            _tile_dpbf16ps(c, TILE_A_TAIL, TILE_B); \
+        } else {                                    \
+            LOAD_A(c, TILE_A);                      \
+            _tile_dpbf16ps(c, TILE_A, TILE_B);      \
+        }                                           \
     }
-#define STORE_C(c) \
-    if (c < chunks) _tile_stored(c, cbuf[c], NB * sizeof(float))
+#define DOT2(ch, c0, c1)                              \
+    if (ch < chunks) {                                \
+        if (ch == chunks - 1 && tail_rows) {          \
+            LOAD_A(ch, TILE_A_TAIL);                  \
+            _tile_dpbf16ps(c0, TILE_A_TAIL, TILE_B);  \
+            _tile_dpbf16ps(c1, TILE_A_TAIL, TILE_B2); \
+        } else {                                      \
+            LOAD_A(ch, TILE_A);                       \
+            _tile_dpbf16ps(c0, TILE_A, TILE_B);       \
+            _tile_dpbf16ps(c1, TILE_A, TILE_B2);      \
+        }                                             \
+    }
 
-static void tile_matmul(const ktfp8_tile_job *j) {
-    const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
-    if (j->m < AMX_MIN_M || (blockwise && j->block_k % SLAB)) {
-        SMALL_M_KERNEL.tile_matmul(j);
-        return;
-    }
-    /* weights as bf16 [k/2][16][2]: BF16 weights are already packed that way; FP8 codes are
-     * converted once into scratch and reused by every token */
-    const uint8_t *w = (const uint8_t *)j->w;
-    if (j->format != KTFP8_FMT_BF16) {
-        ktfp8_e4m3_tile_to_bf16((const uint8_t *)j->w, j->k, (uint16_t *)j->scratch);
-        w = (const uint8_t *)j->scratch;
-    }
-    COMPILER_BARRIER();
-
+/* Tokens m0 .. m0 + rows - 1 of NW jobs sharing their activations and K: the K reduction slab by
+ * slab, block by block, scaled into each job's FP32 output.  codes[w] != NULL: w_bf16[w] is
+ * scratch still to be filled slab by slab from those codes (the first pass); the conversion of
+ * slab s + 1 runs beside the products of slab s. */
+INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes, const uint8_t *const *w_bf16,
+                 const int NW, int64_t m0, const int chunks, const int tail_rows) {
+    const ktfp8_tile_job *j = jobs[0];
     const uint16_t *a = (const uint16_t *)j->a;
-    const int64_t a_stride = j->a_stride, a_bytes = a_stride * 2, m = j->m;
+    const int64_t a_stride = j->a_stride, a_bytes = a_stride * 2;
+    const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t slabs = j->k / SLAB, nkb = blockwise ? j->n_kblocks : 1;
     const int64_t block_slabs = blockwise ? j->block_k / SLAB : slabs;
+    const int64_t rows = (chunks - (tail_rows != 0)) * CHUNK + tail_rows;
     float cbuf[CHUNKS][CHUNK][NB] __attribute__((aligned(64)));
-    int cfg_chunks = -1, cfg_tail = -1;
 
-    for (int64_t m0 = 0; m0 < m; m0 += CHUNKS * CHUNK) {
-        const int64_t left = m - m0;
-        const int chunks = left >= CHUNKS * CHUNK ? CHUNKS : (int)((left + CHUNK - 1) / CHUNK);
-        const int tail_rows = left >= CHUNKS * CHUNK ? 0 : (int)(left % CHUNK);
-        if (chunks != cfg_chunks || tail_rows != cfg_tail) { /* only the last pass differs */
-            configure(chunks, tail_rows);
-            cfg_chunks = chunks;
-            cfg_tail = tail_rows;
-        }
-        for (int64_t kb = 0; kb < nkb; kb++) {
-            const int64_t s0 = kb * block_slabs, s1 = kb == nkb - 1 ? slabs : s0 + block_slabs;
-            ZERO_C(0);
-            ZERO_C(1);
-            ZERO_C(2);
-            ZERO_C(3);
-            for (int64_t s = s0; s < s1; s++) {
-                _tile_loadd(TILE_B, w + s * SLAB_BYTES, NB * 4);
-                DOT_CHUNK(0);
-                DOT_CHUNK(1);
-                DOT_CHUNK(2);
-                DOT_CHUNK(3);
+    for (int w = 0; w < NW; w++)
+        if (codes[w]) ktfp8_e4m3_tile_to_bf16(codes[w], SLAB, (uint16_t *)w_bf16[w]);
+    compiler_barrier();
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        const int64_t s0 = kb * block_slabs, s1 = kb == nkb - 1 ? slabs : s0 + block_slabs;
+        ZERO_C(0);
+        ZERO_C(1);
+        ZERO_C(2);
+        ZERO_C(3);
+        for (int64_t s = s0; s < s1; s++) {
+            _tile_loadd(TILE_B, w_bf16[0] + s * SLAB_BYTES, NB * 4);
+            if (NW == 2) _tile_loadd(TILE_B2, w_bf16[1] + s * SLAB_BYTES, NB * 4);
+            if (s + 1 < slabs) {
+                for (int w = 0; w < NW; w++)
+                    if (codes[w])
+                        ktfp8_e4m3_tile_to_bf16(codes[w] + (s + 1) * SLAB * NB, SLAB,
+                                                (uint16_t *)(w_bf16[w] + (s + 1) * SLAB_BYTES));
+                compiler_barrier();
             }
-            STORE_C(0);
-            STORE_C(1);
-            STORE_C(2);
-            STORE_C(3);
-
-            /* C rows to the FP32 output: per-channel and block 0 write, later blocks add */
-            const float *scale = j->format == KTFP8_FMT_BF16 ? NULL : j->scale + kb * NB;
-            for (int64_t i = 0; i < left && i < CHUNKS * CHUNK; i++) {
-                const float *sum = cbuf[i / CHUNK][i % CHUNK];
-                float *out = j->c + (m0 + i) * j->c_stride;
-                if (!scale)
-                    for (int n = 0; n < NB; n++) out[n] = sum[n];
-                else if (kb == 0)
-                    for (int n = 0; n < NB; n++) out[n] = sum[n] * scale[n];
-                else
-                    for (int n = 0; n < NB; n++) out[n] += sum[n] * scale[n];
+            if (NW == 1) {
+                DOT1(0);
+                DOT1(1);
+                DOT1(2);
+                DOT1(3);
+            } else {
+                DOT2(0, 0, 1);
+                DOT2(1, 2, 3);
             }
         }
+        STORE_C(0);
+        STORE_C(1);
+        STORE_C(2);
+        STORE_C(3);
+
+        /* C rows to the FP32 outputs: per-channel and block 0 write, later blocks add */
+        for (int w = 0; w < NW; w++) {
+            const ktfp8_tile_job *jw = jobs[w];
+            const __m512 scale = jw->format == KTFP8_FMT_BF16 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(jw->scale + kb * NB);
+            for (int64_t i = 0; i < rows; i++) {
+                float *out = jw->c + (m0 + i) * jw->c_stride;
+                __m512 v = _mm512_mul_ps(_mm512_load_ps(cbuf[(i / CHUNK) * NW + w][i % CHUNK]), scale);
+                if (kb > 0) v = _mm512_add_ps(v, _mm512_loadu_ps(out));
+                _mm512_storeu_ps(out, v);
+            }
+        }
+    }
+}
+#undef ZERO_C
+#undef STORE_C
+#undef LOAD_A
+#undef DOT1
+#undef DOT2
+
+/* All m tokens of NW jobs: full passes (constant shape, no per-chunk tests), then the rest. */
+INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
+    const ktfp8_tile_job *j = jobs[0];
+    const int per_pass = CHUNKS / NW; /* chunks per pass: the four C tiles */
+    /* weights as bf16 [k/2][16][2]: BF16 weights are already packed that way; FP8 codes are
+     * converted into scratch (one tile after the other) during the first pass */
+    const uint8_t *codes[2] = {NULL, NULL}, *w_bf16[2] = {NULL, NULL};
+    for (int w = 0; w < NW; w++) {
+        codes[w] = jobs[w]->format == KTFP8_FMT_BF16 ? NULL : (const uint8_t *)jobs[w]->w;
+        w_bf16[w] = codes[w] ? (const uint8_t *)j->scratch + (size_t)w * j->k * NB * 2 : (const uint8_t *)jobs[w]->w;
+    }
+    const uint8_t *none[2] = {NULL, NULL};
+    const int64_t step = per_pass * CHUNK, full = j->m / step * step, left = j->m - full;
+    if (full) {
+        configure(NW, per_pass, 0);
+        for (int64_t m0 = 0; m0 < full; m0 += step) pass(jobs, m0 == 0 ? codes : none, w_bf16, NW, m0, per_pass, 0);
+    }
+    if (left) { /* the last pass: fewer chunks, maybe a short one */
+        const int chunks = (int)((left + CHUNK - 1) / CHUNK), tail_rows = (int)(left % CHUNK);
+        configure(NW, chunks, tail_rows);
+        pass(jobs, full == 0 ? codes : none, w_bf16, NW, full, chunks, tail_rows);
     }
     _tile_release();
 }
 
+/* Whether the tile path takes this job (else the small-m kernel does). */
+static int amx_takes(const ktfp8_tile_job *j) {
+    return j->m >= AMX_MIN_M && !(j->format == KTFP8_FMT_FP8_BLOCK && j->block_k % SLAB);
+}
+
+static void tile_matmul(const ktfp8_tile_job *j) {
+    if (!amx_takes(j)) {
+        SMALL_M_KERNEL.tile_matmul(j);
+        return;
+    }
+    const ktfp8_tile_job *jobs[1] = {j};
+    run_passes(jobs, 1);
+}
+
+/* Gate and up (any two jobs over the same activations): each A tile feeds both B tiles. */
+static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
+    if (!amx_takes(j0)) {
+        SMALL_M_KERNEL.tile_matmul(j0);
+        SMALL_M_KERNEL.tile_matmul(j1);
+        return;
+    }
+    const ktfp8_tile_job *jobs[2] = {j0, j1};
+    run_passes(jobs, 2);
+}
+
 static size_t tile_scratch_bytes(int64_t k) {
-    const size_t own = (size_t)k * NB * 2; /* the converted weight tile */
+    const size_t own = 2 * (size_t)k * NB * 2; /* the two converted weight tiles of tile_matmul2 */
     const size_t small = SMALL_M_KERNEL.tile_scratch_bytes ? SMALL_M_KERNEL.tile_scratch_bytes(k) : 0;
     return own > small ? own : small;
 }
@@ -185,4 +265,5 @@ const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .act_dtype = KTFP8_BF16,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
+    .tile_matmul2 = tile_matmul2,
 };

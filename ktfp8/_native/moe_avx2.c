@@ -1,158 +1,185 @@
-/* AVX2 + FMA + F16C MoE micro-kernel (Haswell / Zen and later).
+/* MoE micro-kernel for AVX2 + FMA + F16C (Haswell / Zen and later).
  *
- * Layout: tiles of 16 output rows, K unpacked: [k][16] codes (or bf16), i.e. one 16-byte run of
- * codes per K step, converted to two ymm of 8 FP32 rows each.  FP32 FMA accumulation.
+ * One call: C[m][16] = (A[m][k] x W^T) * scale for one 16-row tile, A in fp32, FP32 FMA.
+ * Weights [k][16]: the 16 codes (or bf16 words) of K step s are one tile row, converted to two ymm
+ * of 8 fp32 rows each, so one broadcast activation a[s] updates all 16 outputs:
+ *   acc[n] += a[s] * w[n][s]                                  (vfmadd231ps, lanes n)
  *
- * FP8 -> FP32 without a table: code -> IEEE half bits -> vcvtph2ps, value / 256 (e4m3_f16.h); the
- * packer folds the 256 into the scales (scale_mul) and gives rows holding a NaN code a NaN scale.
+ * FP8 -> fp32 without a table: code -> IEEE half bits -> vcvtph2ps, value / 256 (e4m3_f16.h); the
+ * packer folds the 256 into the scales (layout.scale_mul) and gives rows holding a NaN code (which
+ * this maps to 480/256) a NaN scale.
+ * BF16 weights: their bits << 16 are the fp32 value, no scale.
  *
- * Decode (few tokens): stream the codes once, convert in registers, K unrolled so enough
- * independent accumulators hide the FMA latency.  Prefill (many tokens): convert the tile once into
- * scratch as FP32 and sweep it for every block of 6 tokens (12 accumulators). */
+ * Decode (m <= DECODE_M): the codes stream once and are converted in registers, with software
+ * prefetch and enough accumulators per token for the FMA latency.  Prefill: FP8 tiles are
+ * converted once into scratch (fp32 [k][16]) and swept for every block of MR tokens; BF16 weights
+ * are converted per block (a shift per weight costs less than the scratch round trip).
+ * Per-channel scale once after the K reduction; block-wise per K block. */
 #include "ktfp8/abi.h"
 #include "ktfp8/e4m3_f16.h"
 #include "ktfp8/simd.h"
+#include "ktfp8/token_count.h"
 #include "ktfp8/variant.h"
 
-#define NB 16
-#define MT_MAX 6          /* tokens per register block in the prefill sweep */
-#define PREFETCH_K 128    /* codes prefetched 128 K steps (2 KiB) ahead: best of 16..512 here */
-#define SCRATCH_MIN_M 5   /* from this many tokens on, converting the tile once pays off */
+#define NB 16       /* rows per tile: two ymm of fp32 outputs */
+/* Tokens up to which codes are converted in registers as they stream; above, the tile is
+ * converted once into scratch.  Measured here (Zen 3, 1 thread, E = 8 top-8 H = 2048 I = 768, every
+ * token on every expert, the two paths interleaved in one process), streaming / scratch time:
+ * m = 2: 0.67, 3: 0.70, 4: 0.77-0.80, 5: 0.94-1.06, 6: 0.86-0.93, 7: 0.87-1.02, 8..12: 0.95-1.04.
+ * So one register block (MR = 6) streams; two blocks would read the codes twice for no gain. */
+#define DECODE_M 6
+#define MR 6        /* prefill register block: 6 tokens x 2 ymm = 12 accumulators of the 16 ymm */
+/* Software prefetch distance of the FP8 code stream: best of 256 B .. 8 KiB on Zen 3 here; the AMX
+ * Xeon's FP8 GEMV probe gave the same (2-4 KiB).  BF16 weights (twice the bytes per FMA) measured
+ * faster without it. */
+#define PREFETCH_BYTES 2048
 
-enum wsrc { W_FP8, W_BF16, W_F32 };
+#define INLINE static inline __attribute__((always_inline))
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+enum wsrc { SRC_FP8, SRC_BF16, SRC_F32 }; /* what w points at */
 
-/* 16 weights of one K step as two vectors of 8 rows. */
-ALWAYS_INLINE void load_w(enum wsrc src, const void *w, int64_t k, __m256 *lo, __m256 *hi) {
-    if (src == W_FP8) {
-        __m128i c = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + k * NB));
-        __m256i h = ktfp8_e4m3x16_to_f16(c);
+/* Tile row s (16 weights) as two vectors of 8 rows. */
+INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 *lo, __m256 *hi) {
+    if (src == SRC_FP8) {
+        const __m128i c = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + s * NB));
+        const __m256i h = ktfp8_e4m3x16_to_f16(c);
         *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
         *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-    } else if (src == W_BF16) {
-        const __m128i *p = (const __m128i *)((const uint16_t *)w + k * NB);
+    } else if (src == SRC_BF16) {
+        const __m128i *p = (const __m128i *)((const uint16_t *)w + s * NB);
         *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
         *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + 1)), 16));
     } else {
-        const float *p = (const float *)w + k * NB;
+        const float *p = (const float *)w + s * NB;
         *lo = _mm256_load_ps(p);
         *hi = _mm256_load_ps(p + 8);
     }
 }
 
-/* C rows m0 .. m0+MT-1 of the tile.  U independent accumulator sets per token run over
- * interleaved K steps (U > 1 only where MT is too small to hide the FMA latency). */
-ALWAYS_INLINE void block(const ktfp8_tile_job *j, enum wsrc src, const void *w, int64_t m0, int MT, int U) {
-    /* Token t's row is (t < 3 ? a03 : a36)[(t % 3) * stride + k]: two pointers and one index
-     * register give base + index * {0, 4, 8} addressing, so no broadcast needs its own lea. */
-    const int64_t stride = j->a_stride;
-    const float *a03 = (const float *)j->a + m0 * stride, *a36 = a03 + 3 * stride;
-#define ROW(t) ((t) < 3 ? a03 + ((t) % 3) * stride : a36 + ((t) % 3) * stride)
-    const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
-    const int64_t nkb = blockwise ? j->n_kblocks : 1;
-    __m256 total[MT_MAX][2];
-    for (int t = 0; t < MT; t++) total[t][0] = total[t][1] = _mm256_setzero_ps();
+/* Token t's row is (t < 3 ? a03 : a36) + (t % 3) * stride: two pointers and one index register give
+ * base + index * {0, 4, 8} addressing, so no broadcast needs its own lea (t is a constant here). */
+INLINE const float *token_row(const float *a03, const float *a36, int64_t stride, int t) {
+    return t < 3 ? a03 + (t % 3) * stride : a36 + (t % 3) * stride;
+}
 
-    for (int64_t kb = 0; kb < nkb; kb++) {
-        const int64_t k0 = blockwise ? kb * j->block_k : 0;
-        const int64_t k1 = kb == nkb - 1 ? j->k : k0 + j->block_k;
-        __m256 acc[4][MT_MAX][2];
-        for (int u = 0; u < U; u++)
-            for (int t = 0; t < MT; t++) acc[u][t][0] = acc[u][t][1] = _mm256_setzero_ps();
-        int64_t k = k0;
-        for (; k + U <= k1; k += U) {
-            /* FP8 codes stream from DRAM; the hardware prefetcher alone left decode at ~50 % of the
-             * bus here.  (BF16, twice the bytes per FMA, measured faster without.) */
-            if (src == W_FP8)
-                _mm_prefetch((const char *)w + (k + PREFETCH_K) * NB, _MM_HINT_T0);
+/* sum[t] = sum over K steps [s0, s1) of a_t[s] * row s, for M tokens starting at row a.  U
+ * independent accumulator sets per token run over interleaved K steps: U > 1 only where M is too
+ * small to hide the FMA latency (2 FMA pipes x 4 cycles wants ~8 chains). */
+INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stride, const int M,
+                int64_t s0, int64_t s1, __m256 sum[MR][2]) {
+    const int U = M == 1 ? 4 : M <= 3 ? 2 : 1;
+    const float *a03 = a, *a36 = a + 3 * stride;
+    __m256 acc[4][MR][2];
+    for (int u = 0; u < U; u++)
+        for (int t = 0; t < M; t++) acc[u][t][0] = acc[u][t][1] = _mm256_setzero_ps();
+    int64_t s = s0;
+    for (; s + U <= s1; s += U) {
+        if (src == SRC_FP8 && ((s * NB) & 63) < U * NB) /* once per 64-byte line (4 K steps) */
+            _mm_prefetch((const char *)w + s * NB + PREFETCH_BYTES, _MM_HINT_T0);
 #pragma GCC unroll 4
-            for (int u = 0; u < U; u++) {
-                __m256 wl, wh;
-                load_w(src, w, k + u, &wl, &wh);
-#pragma GCC unroll 6
-                for (int t = 0; t < MT; t++) {
-                    __m256 x = _mm256_broadcast_ss(ROW(t) + k + u);
-                    acc[u][t][0] = _mm256_fmadd_ps(x, wl, acc[u][t][0]);
-                    acc[u][t][1] = _mm256_fmadd_ps(x, wh, acc[u][t][1]);
-                }
-            }
-        }
-        for (; k < k1; k++) { /* block edges that are not a multiple of U */
+        for (int u = 0; u < U; u++) {
             __m256 wl, wh;
-            load_w(src, w, k, &wl, &wh);
-            for (int t = 0; t < MT; t++) {
-                __m256 x = _mm256_broadcast_ss(ROW(t) + k);
-                acc[0][t][0] = _mm256_fmadd_ps(x, wl, acc[0][t][0]);
-                acc[0][t][1] = _mm256_fmadd_ps(x, wh, acc[0][t][1]);
+            row16(src, w, s + u, &wl, &wh);
+#pragma GCC unroll 6
+            for (int t = 0; t < M; t++) {
+                const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s + u);
+                acc[u][t][0] = _mm256_fmadd_ps(x, wl, acc[u][t][0]);
+                acc[u][t][1] = _mm256_fmadd_ps(x, wh, acc[u][t][1]);
             }
         }
-        for (int u = 1; u < U; u++)
-            for (int t = 0; t < MT; t++) {
-                acc[0][t][0] = _mm256_add_ps(acc[0][t][0], acc[u][t][0]);
-                acc[0][t][1] = _mm256_add_ps(acc[0][t][1], acc[u][t][1]);
-            }
+    }
+    for (; s < s1; s++) { /* block edges that are not a multiple of U */
+        __m256 wl, wh;
+        row16(src, w, s, &wl, &wh);
+        for (int t = 0; t < M; t++) {
+            const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s);
+            acc[0][t][0] = _mm256_fmadd_ps(x, wl, acc[0][t][0]);
+            acc[0][t][1] = _mm256_fmadd_ps(x, wh, acc[0][t][1]);
+        }
+    }
+    for (int t = 0; t < M; t++) {
+        sum[t][0] = acc[0][t][0];
+        sum[t][1] = acc[0][t][1];
+        for (int u = 1; u < U; u++) {
+            sum[t][0] = _mm256_add_ps(sum[t][0], acc[u][t][0]);
+            sum[t][1] = _mm256_add_ps(sum[t][1], acc[u][t][1]);
+        }
+    }
+}
+
+/* M tokens starting at row a: the K reduction block by block, scaled, stored to c. */
+INLINE void tile_rows(const ktfp8_tile_job *j, const enum wsrc src, const void *w, const float *a, float *c,
+                      const int M) {
+    const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
+    const int64_t nkb = blockwise ? j->n_kblocks : 1, block = blockwise ? j->block_k : j->k;
+    __m256 res[MR][2], sum[MR][2];
+    for (int t = 0; t < M; t++) res[t][0] = res[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nkb; b++) {
+        const int64_t s0 = b * block, s1 = b == nkb - 1 ? j->k : s0 + block;
+        dot(src, w, a, j->a_stride, M, s0, s1, sum);
         if (j->format == KTFP8_FMT_BF16) {
-            for (int t = 0; t < MT; t++) {
-                total[t][0] = acc[0][t][0];
-                total[t][1] = acc[0][t][1];
+            for (int t = 0; t < M; t++) {
+                res[t][0] = sum[t][0];
+                res[t][1] = sum[t][1];
             }
         } else { /* the scale factors out of the K sum: applied once per block (per-channel: once) */
-            const __m256 s_lo = _mm256_loadu_ps(j->scale + kb * NB), s_hi = _mm256_loadu_ps(j->scale + kb * NB + 8);
-            for (int t = 0; t < MT; t++) {
-                total[t][0] = _mm256_fmadd_ps(acc[0][t][0], s_lo, total[t][0]);
-                total[t][1] = _mm256_fmadd_ps(acc[0][t][1], s_hi, total[t][1]);
+            const __m256 s_lo = _mm256_loadu_ps(j->scale + b * NB), s_hi = _mm256_loadu_ps(j->scale + b * NB + 8);
+            for (int t = 0; t < M; t++) {
+                res[t][0] = _mm256_fmadd_ps(sum[t][0], s_lo, res[t][0]);
+                res[t][1] = _mm256_fmadd_ps(sum[t][1], s_hi, res[t][1]);
             }
         }
     }
-    for (int t = 0; t < MT; t++) {
-        float *c = j->c + (m0 + t) * j->c_stride;
-        _mm256_storeu_ps(c, total[t][0]);
-        _mm256_storeu_ps(c + 8, total[t][1]);
+    for (int t = 0; t < M; t++) {
+        _mm256_storeu_ps(c + t * j->c_stride, res[t][0]);
+        _mm256_storeu_ps(c + t * j->c_stride + 8, res[t][1]);
     }
 }
 
-/* Rows m0.. of C, in blocks of up to MT_MAX tokens; constant MT/U let the compiler keep the
- * accumulators in registers. */
-ALWAYS_INLINE void sweep(const ktfp8_tile_job *j, enum wsrc src, const void *w) {
-    int64_t m = 0;
-    for (; m + MT_MAX <= j->m; m += MT_MAX) block(j, src, w, m, MT_MAX, 1);
-    switch (j->m - m) {
-    case 5: block(j, src, w, m, 5, 1); break;
-    case 4: block(j, src, w, m, 4, 1); break;
-    case 3: block(j, src, w, m, 3, 2); break;
-    case 2: block(j, src, w, m, 2, 2); break;
-    case 1: block(j, src, w, m, 1, 4); break;
-    default: break;
+/* All m tokens in blocks of MR over weights w (constant MR-or-fewer M: accumulators in registers). */
+INLINE void sweep(const ktfp8_tile_job *j, const enum wsrc src, const void *w) {
+    const float *a = (const float *)j->a;
+    for (int64_t i0 = 0; i0 < j->m; i0 += MR) {
+        const int64_t rows = j->m - i0 < MR ? j->m - i0 : MR;
+        const float *ai = a + i0 * j->a_stride;
+        float *ci = j->c + i0 * j->c_stride;
+#define PREFILL(M_) tile_rows(j, src, w, ai, ci, M_)
+        KTFP8_FOR_M6(rows, PREFILL)
+#undef PREFILL
     }
 }
 
-static void fp8_tile_to_f32(const uint8_t *codes, int64_t k, float *out) {
-    for (int64_t i = 0; i < k; i++) {
+/* The FP8 tile in fp32 [k][16] (value / 256, like the streaming path). */
+static void tile_to_f32(const uint8_t *codes, int64_t k, float *dst) {
+    for (int64_t s = 0; s < k; s++) {
         __m256 lo, hi;
-        _mm_prefetch((const char *)codes + (i + PREFETCH_K) * NB, _MM_HINT_T0);
-        load_w(W_FP8, codes, i, &lo, &hi);
-        _mm256_store_ps(out + i * NB, lo);
-        _mm256_store_ps(out + i * NB + 8, hi);
+        if ((s & 3) == 0) _mm_prefetch((const char *)codes + s * NB + PREFETCH_BYTES, _MM_HINT_T0);
+        row16(SRC_FP8, codes, s, &lo, &hi);
+        _mm256_store_ps(dst + s * NB, lo);
+        _mm256_store_ps(dst + s * NB + 8, hi);
     }
 }
 
 static void tile_matmul(const ktfp8_tile_job *j) {
+    if (j->m <= 0) return;
     if (j->format == KTFP8_FMT_BF16) {
-        sweep(j, W_BF16, j->w); /* a shift per weight: cheap enough to redo per token block */
-    } else if (j->m >= SCRATCH_MIN_M) {
-        fp8_tile_to_f32((const uint8_t *)j->w, j->k, (float *)j->scratch);
-        sweep(j, W_F32, j->scratch);
-    } else {
-        sweep(j, W_FP8, j->w);
+        sweep(j, SRC_BF16, j->w);
+    } else if (j->m <= DECODE_M) {
+#define DECODE(M_) tile_rows(j, SRC_FP8, j->w, (const float *)j->a, j->c, M_)
+        KTFP8_FOR_M6(j->m, DECODE)
+#undef DECODE
+    } else { /* convert once, reuse for all m tokens */
+        tile_to_f32((const uint8_t *)j->w, j->k, (float *)j->scratch);
+        sweep(j, SRC_F32, j->scratch);
     }
 }
 
-static size_t scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(float); }
+/* fp32 [k][16] copy of one FP8 tile, for the prefill path. */
+static size_t tile_scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(float); }
 
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .layout = {.rows_per_tile = NB, .k_pack = 1, .scale_mul = 256.0f, .shuffle64 = 0},
     .act_dtype = KTFP8_F32,
-    .tile_scratch_bytes = scratch_bytes,
+    .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
 };

@@ -10,10 +10,11 @@
  * become finite, but their rows carry a NaN scale (moe_pack.c), so outputs are NaN exactly as the
  * reference's.  BF16 weights have no scale: their bits << 16 are the fp32 value.
  *
- * Decode (m <= DECODE_M): codes stream once, converted in registers, four accumulators per token
- * for the FMA latency.  Prefill: the tile is converted once into scratch (fp32 [k][16]) and reused
- * by every token, MR tokens per pass.  Per-channel scale once after the K reduction; block-wise
- * per K block; K ranges are always an even number of steps (k % 32 == 0, block_k even). */
+ * Decode (m <= DECODE_M): codes stream once (prefetched PREFETCH_BYTES ahead), converted in
+ * registers, four accumulators per token for the FMA latency.  Prefill: the tile is converted once
+ * into scratch (fp32 [k][16]) and reused by every token, MR tokens per pass.  Per-channel scale
+ * once after the K reduction; block-wise per K block; K ranges are always an even number of steps
+ * (k % 32 == 0, block_k even). */
 #include <string.h>
 
 #include "ktfp8/abi.h"
@@ -25,6 +26,7 @@
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
 #define DECODE_M 4  /* tokens up to which weights are converted in registers on the fly */
 #define MR 8        /* prefill register block: tokens per pass over the converted tile */
+#define PREFETCH_BYTES 2048 /* software prefetch of the FP8 code stream (see moe_avx512bf16.c) */
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -70,6 +72,8 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_st
     int64_t s = s0;
     if (U == 4) {
         for (; s + 4 <= s1; s += 4) {
+            if (src == SRC_FP8) /* 4 K steps = one 64-byte line of codes */
+                _mm_prefetch((const char *)w + NB * s + PREFETCH_BYTES, _MM_HINT_T0);
             rows2(src, w, s, &w0, &w1);
             rows2(src, w, s + 2, &w2, &w3);
 #pragma GCC unroll 8
@@ -129,8 +133,10 @@ static void tile_to_f32(const ktfp8_tile_job *j, float *dst) {
     for (int64_t s = 0; s < j->k; s += 2) {
         if (j->format == KTFP8_FMT_BF16)
             rows2(SRC_BF16, j->w, s, &w0, &w1);
-        else
+        else {
+            if ((s & 3) == 0) _mm_prefetch((const char *)j->w + NB * s + PREFETCH_BYTES, _MM_HINT_T0);
             rows2(SRC_FP8, j->w, s, &w0, &w1);
+        }
         _mm512_storeu_ps(dst + NB * s, w0);
         _mm512_storeu_ps(dst + NB * (s + 1), w1);
     }
@@ -147,6 +153,8 @@ static void tile_matmul(const ktfp8_tile_job *j) {
         } else {
             KTFP8_FOR_M4(j->m, DECODE_FP8)
         }
+#undef DECODE_FP8
+#undef DECODE_BF16
         return;
     }
     float *w = (float *)j->scratch; /* convert once, reuse for all m tokens */
@@ -157,6 +165,7 @@ static void tile_matmul(const ktfp8_tile_job *j) {
         float *ci = j->c + i0 * j->c_stride;
 #define PREFILL(M_) tile_rows(j, SRC_F32, w, ai, ci, M_)
         KTFP8_FOR_M8(rows, PREFILL)
+#undef PREFILL
     }
 }
 

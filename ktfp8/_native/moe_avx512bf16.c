@@ -25,6 +25,12 @@
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
 #define DECODE_M 4  /* tokens up to which codes are converted in registers on the fly */
 #define MR 8        /* prefill register block: tokens per pass over the converted tile */
+/* Software prefetch distance of the FP8 code stream.  Measured on the AMX Xeon with a stand-alone
+ * FP8 GEMV (2 threads, from DRAM): no prefetch 11.3 GB/s, 1 KiB ahead 13.8, 2 KiB 16.8, 4 KiB 18.4
+ * (read bandwidth 23.4): the hardware prefetchers alone leave the bus half idle.  2 KiB rather
+ * than 4: a down-projection tile is only 12 KiB (K = 768), and what runs past a tile's end is
+ * wasted. */
+#define PREFETCH_BYTES 2048
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -69,8 +75,10 @@ INLINE void dot_fp8_stream(const uint8_t *codes, const uint16_t *a, int64_t a_st
         for (int i = 0; i < M; i++) acc[i][1] = DPBF16(acc[i][1], w1, bcast_pair(a + i * a_stride, p));
         p++;
     }
-    /* two groups = four pairs per step */
+    /* two groups = four pairs = two cache lines per step */
     for (; p + 4 <= p1; p += 4) {
+        _mm_prefetch((const char *)codes + 32 * p + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)codes + 32 * p + 64 + PREFETCH_BYTES, _MM_HINT_T0);
         ktfp8_e4m3x64_to_bf16(lut, codes + 32 * p, &w0, &w1);
         ktfp8_e4m3x64_to_bf16(lut, codes + 32 * p + 64, &w2, &w3);
 #pragma GCC unroll 4
@@ -167,13 +175,10 @@ static void tile_matmul(const ktfp8_tile_job *j) {
     ktfp8_e4m3_bf16_lut_load(&lut);
     if (j->m <= 0) return;
     if (j->m <= DECODE_M) {
-#define DECODE_FP8(M_) tile_rows(j, j->w, 1, a, j->c, M_, &lut)
-#define DECODE_BF16(M_) tile_rows(j, j->w, 0, a, j->c, M_, &lut)
-        if (j->format == KTFP8_FMT_BF16) {
-            KTFP8_FOR_M4(j->m, DECODE_BF16)
-        } else {
-            KTFP8_FOR_M4(j->m, DECODE_FP8)
-        }
+        const int fp8_stream = j->format != KTFP8_FMT_BF16;
+#define DECODE(M_) tile_rows(j, j->w, fp8_stream, a, j->c, M_, &lut)
+        KTFP8_FOR_M4(j->m, DECODE)
+#undef DECODE
         return;
     }
     const void *w = j->w;
@@ -187,6 +192,7 @@ static void tile_matmul(const ktfp8_tile_job *j) {
         float *ci = j->c + i0 * j->c_stride;
 #define PREFILL(M_) tile_rows(j, w, 0, ai, ci, M_, &lut)
         KTFP8_FOR_M8(rows, PREFILL)
+#undef PREFILL
     }
 }
 

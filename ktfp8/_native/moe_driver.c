@@ -1,90 +1,117 @@
 /* The MoE forward, shared by every variant.  Only tile_matmul is ISA code.
  *
  * Experts first: the (token, slot) pairs are counting-sorted by expert, so each active expert's
- * weights stream from memory once per call whatever T is.  Two parallel phases:
+ * weights stream from memory once per call whatever T is.  One parallel region, three phases:
+ *   0. items (pair): gather each pair's token row, in the activation dtype, zero padded to K;
  *   1. items (expert, intermediate tile): gate and up tiles over all of the expert's tokens, then
  *      h = silu(g) * u in FP32, rounded once to the activation dtype for the down projection;
  *   2. items (hidden tile): for every active expert in id order, z = h @ down_tile^T, and
- *      y[token] += weight * z.  Each item owns its columns of y, so no atomics are needed and the
- *      result does not depend on the thread count or the schedule. */
+ *      y[token] += weight * z, accumulated in FP32 in a contiguous [T][NB] block of the thread
+ *      (y's own rows are H floats apart: one page per token) and written to y once.  Each item
+ *      owns its columns of y, so no atomics are needed and the result does not depend on the
+ *      thread count or the schedule.
+ * Buffers come from per-thread arenas (arena.h): no allocation and no zeroing in the hot path;
+ * only the K padding of the gathered rows and of h is written with zeros, as the kernels read it. */
+#include "ktfp8/arena.h"
 #include "ktfp8/fp8.h"
 #include "ktfp8/fpenv.h"
 #include "ktfp8/moe.h"
-
-#include <stdlib.h>
+#include "ktfp8/moe_epilogue.h"
 
 #define ALIGN64(x) (((x) + 63) & ~(size_t)63)
 
-typedef struct groups {
-    int64_t n_pairs;
+/* Pairs grouped by expert, and the buffers of one call, carved from the caller's arena. */
+typedef struct call_buffers {
     int64_t *offset;       /* [E + 1]: pairs of expert e are offset[e] .. offset[e + 1] - 1 */
+    int64_t *active;       /* [n_active] expert ids with at least one pair, ascending */
+    int64_t *fill;         /* [E] counting-sort cursor */
     int64_t *pair_token;   /* [n_pairs] */
     float *pair_weight;    /* [n_pairs] */
-    int64_t *active;       /* [n_active] expert ids with at least one pair, ascending */
-    int64_t n_active, max_m;
-} groups;
+    void *xa;              /* [n_pairs][x_stride] gathered token rows, activation dtype, K padded to Hp */
+    void *h;               /* [n_pairs][h_stride] silu(gate) * up, activation dtype, K padded to Ip */
+    int64_t x_stride, h_stride; /* elements */
+    int64_t n_pairs, n_active, max_m;
+} call_buffers;
 
-static void *zalloc(size_t bytes) {
-    void *p = aligned_alloc(64, ALIGN64(bytes ? bytes : 1));
-    if (p) memset(p, 0, ALIGN64(bytes ? bytes : 1));
-    return p;
-}
-
-static void free_groups(groups *g) {
-    free(g->offset);
-    free(g->pair_token);
-    free(g->pair_weight);
-    free(g->active);
+/* Pairs with an expert (ids >= 0), or EINVAL on an id >= E. */
+static int64_t routed_pairs(const ktfp8_moe_call *c) {
+    const int64_t E = c->shape->experts, n = c->tokens * c->top_k;
+    int64_t routed = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (c->topk_ids[i] >= E) return KTFP8_EINVAL;
+        routed += c->topk_ids[i] >= 0;
+    }
+    return routed;
 }
 
 /* Counting sort of the (token, slot) pairs by expert, stable in (token, slot) order. */
-static int group_pairs(const ktfp8_moe_call *c, groups *g) {
+static void group_pairs(const ktfp8_moe_call *c, call_buffers *b) {
     const int64_t E = c->shape->experts, n = c->tokens * c->top_k;
-    memset(g, 0, sizeof(*g));
-    g->offset = calloc((size_t)E + 1, sizeof(int64_t));
-    g->active = calloc((size_t)E, sizeof(int64_t));
-    if (!g->offset || !g->active) return KTFP8_ENOMEM;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t id = c->topk_ids[i];
-        if (id >= E) return KTFP8_EINVAL;
-        if (id >= 0) g->offset[id + 1]++;
-    }
+    memset(b->offset, 0, sizeof(int64_t) * (size_t)(E + 1));
+    for (int64_t i = 0; i < n; i++)
+        if (c->topk_ids[i] >= 0) b->offset[c->topk_ids[i] + 1]++;
+    b->n_active = b->max_m = 0;
     for (int64_t e = 0; e < E; e++) {
-        int64_t m = g->offset[e + 1];
-        if (m > 0) g->active[g->n_active++] = e;
-        if (m > g->max_m) g->max_m = m;
-        g->offset[e + 1] += g->offset[e];
+        const int64_t m = b->offset[e + 1];
+        if (m > 0) b->active[b->n_active++] = e;
+        if (m > b->max_m) b->max_m = m;
+        b->offset[e + 1] += b->offset[e];
     }
-    g->n_pairs = g->offset[E];
-    g->pair_token = malloc(sizeof(int64_t) * (size_t)(g->n_pairs ? g->n_pairs : 1));
-    g->pair_weight = malloc(sizeof(float) * (size_t)(g->n_pairs ? g->n_pairs : 1));
-    int64_t *fill = malloc(sizeof(int64_t) * (size_t)E);
-    if (!g->pair_token || !g->pair_weight || !fill) { free(fill); return KTFP8_ENOMEM; }
-    memcpy(fill, g->offset, sizeof(int64_t) * (size_t)E);
+    memcpy(b->fill, b->offset, sizeof(int64_t) * (size_t)E);
     for (int64_t i = 0; i < n; i++) {
-        int64_t id = c->topk_ids[i];
+        const int64_t id = c->topk_ids[i];
         if (id < 0) continue;
-        int64_t at = fill[id]++;
-        g->pair_token[at] = i / c->top_k;
-        g->pair_weight[at] = c->topk_weights[i];
+        const int64_t at = b->fill[id]++;
+        b->pair_token[at] = i / c->top_k;
+        b->pair_weight[at] = c->topk_weights[i];
     }
-    free(fill);
+}
+
+/* Carves every per-call buffer out of one arena allocation, then groups the pairs. */
+/* Row stride (elements) of k_pad activations: one cache line more when the rows would be a multiple
+ * of 4 KiB apart, which maps all 16 rows of an AMX A tile (or a register block's broadcasts) to one
+ * L1 set (12 ways on Sapphire Rapids): H = 2048 in BF16 is exactly that. */
+static int64_t row_stride(int64_t k_pad, size_t esz) {
+    return (k_pad * (int64_t)esz) % 4096 == 0 ? k_pad + 64 / (int64_t)esz : k_pad;
+}
+
+static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t esz, call_buffers *b) {
+    const int64_t E = c->shape->experts;
+    const int64_t routed = routed_pairs(c);
+    if (routed < 0) return (int)routed;
+    const size_t n = (size_t)routed;
+    b->x_stride = row_stride(Hp, esz);
+    b->h_stride = row_stride(Ip, esz);
+    const size_t sizes[] = {
+        sizeof(int64_t) * (size_t)(E + 1), sizeof(int64_t) * (size_t)E, sizeof(int64_t) * (size_t)E,
+        sizeof(int64_t) * n, sizeof(float) * n, esz * n * (size_t)b->x_stride, esz * n * (size_t)b->h_stride};
+    enum { N_BUFS = sizeof(sizes) / sizeof(sizes[0]) };
+    size_t total = 0;
+    for (int i = 0; i < N_BUFS; i++) total += ALIGN64(sizes[i]);
+    char *all = ktfp8_arena_get(KTFP8_ARENA_CALL, total);
+    if (!all) return KTFP8_ENOMEM;
+    void *at[N_BUFS];
+    for (int i = 0; i < N_BUFS; i++) {
+        at[i] = all;
+        all += ALIGN64(sizes[i]);
+    }
+    b->offset = at[0];
+    b->active = at[1];
+    b->fill = at[2];
+    b->pair_token = at[3];
+    b->pair_weight = at[4];
+    b->xa = at[5];
+    b->h = at[6];
+    b->n_pairs = routed;
+    group_pairs(c, b);
     return 0;
 }
 
-static void store_act(void *row, int64_t i, int act, float v) {
-    if (act == KTFP8_BF16)
-        ((uint16_t *)row)[i] = ktfp8_bf16_from_f32(v);
-    else
-        ((float *)row)[i] = v;
-}
-
-static float silu(float g) { return g / (1.0f + expf(-g)); }
-
-/* One micro-kernel call: tile `tile` of expert e's projection p over m activation rows of
- * a_stride elements starting at a; FP32 results into c[m][NB]. */
-static void run_tile(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, const ktfp8_packed_proj *p,
-                     int64_t e, int64_t tile, const void *a, int act, int64_t m, float *c, void *scratch) {
+/* The micro-kernel job for tile `tile` of expert e's projection p over m activation rows, a_stride
+ * elements apart, starting at a; FP32 results into c[m][NB]. */
+static ktfp8_tile_job tile_job(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, const ktfp8_packed_proj *p,
+                               int64_t e, int64_t tile, const void *a, int64_t a_stride, int act, int64_t m,
+                               float *c, void *scratch) {
     const size_t at = (size_t)(e * p->n_tiles + tile);
     ktfp8_tile_job job = {0};
     job.w = p->w + at * p->tile_w_bytes;
@@ -94,13 +121,51 @@ static void run_tile(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, con
     job.block_k = s->block_k;
     job.n_kblocks = p->n_kblocks;
     job.a = a;
-    job.a_stride = p->k_pad;
+    job.a_stride = a_stride;
     job.act_dtype = act;
     job.m = m;
     job.c = c;
     job.c_stride = kern->layout.rows_per_tile;
     job.scratch = scratch;
-    kern->tile_matmul(&job);
+    return job;
+}
+
+/* Phase 0: pair p's token row of x into its gathered row (activation dtype), zeros to Hp; and the
+ * K padding [I, Ip) of its h row, which phase 1 never writes. */
+static void gather_row(const ktfp8_moe_call *c, const call_buffers *b, int64_t p, int act, size_t esz,
+                       int64_t Hp, int64_t Ip) {
+    const int64_t H = c->shape->hidden, I = c->shape->inter;
+    char *row = (char *)b->xa + esz * (size_t)(p * b->x_stride);
+    const void *src = (const char *)c->x + (c->x_dtype == KTFP8_F32 ? 4 : 2) * (size_t)(b->pair_token[p] * H);
+    if (c->x_dtype == act)
+        memcpy(row, src, esz * (size_t)H);
+    else if (act == KTFP8_F32)
+        ktfp8_load_row((float *)row, src, c->x_dtype, H);
+    else /* FP32 x, BF16 activations */
+        ktfp8_store_row(row, act, (const float *)src, H);
+    memset(row + esz * (size_t)H, 0, esz * (size_t)(Hp - H));
+    memset((char *)b->h + esz * (size_t)(p * b->h_stride + I), 0, esz * (size_t)(Ip - I));
+}
+
+/* Phase 2 prologue / epilogue: the columns [n0, n0 + cols) of y that one item owns, to and from
+ * its FP32 accumulator acc[T][NB]. */
+static void y_columns_load(const ktfp8_moe_call *c, int64_t n0, int64_t cols, float *acc, int nb) {
+    const int64_t H = c->shape->hidden;
+    for (int64_t t = 0; t < c->tokens; t++) {
+        if (!c->accumulate)
+            memset(acc + t * nb, 0, sizeof(float) * (size_t)cols);
+        else if (c->x_dtype == KTFP8_F32)
+            memcpy(acc + t * nb, (const float *)c->y + t * H + n0, sizeof(float) * (size_t)cols);
+        else /* BF16 y: widened into the FP32 accumulator */
+            ktfp8_load_row(acc + t * nb, (const uint16_t *)c->y + t * H + n0, c->x_dtype, cols);
+    }
+}
+
+static void y_columns_store(const ktfp8_moe_call *c, int64_t n0, int64_t cols, const float *acc, int nb) {
+    const int64_t H = c->shape->hidden;
+    const size_t ysz = c->x_dtype == KTFP8_F32 ? 4 : 2;
+    for (int64_t t = 0; t < c->tokens; t++)
+        ktfp8_store_row((char *)c->y + ysz * (size_t)(t * H + n0), c->x_dtype, acc + t * nb, cols);
 }
 
 int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
@@ -109,71 +174,55 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     const ktfp8_layout *l = &kern->layout;
     const int nb = l->rows_per_tile, act = c->act_dtype;
     const size_t esz = act == KTFP8_BF16 ? 2 : 4;
-    const int64_t T = c->tokens, H = s->hidden, I = s->inter;
+    const int64_t H = s->hidden, I = s->inter;
     const int threads = c->threads > 0 ? c->threads : 1;
-    const int y_is_acc = c->x_dtype == KTFP8_F32; /* y itself is the FP32 accumulator */
 
     ktfp8_packed_proj proj[3];
     ktfp8_packed_views(s, l, c->packed, proj);
     const int64_t Hp = proj[KTFP8_GATE].k_pad, Ip = proj[KTFP8_DOWN].k_pad;
 
-    groups g;
-    int rc = group_pairs(c, &g);
-    void *xa = NULL, *h = NULL;
-    float *yacc = NULL;
-    if (rc) goto done;
-
-    /* FP32 accumulator of y: y itself when it is FP32, else a widened copy */
-    yacc = y_is_acc ? (float *)c->y : zalloc(sizeof(float) * (size_t)(T * H));
-    xa = zalloc(esz * (size_t)(g.n_pairs * Hp)); /* zero padding: padded K must read as 0 */
-    h = zalloc(esz * (size_t)(g.n_pairs * Ip));
-    if (!yacc || !xa || !h) { rc = KTFP8_ENOMEM; goto done; }
-    if (!c->accumulate) {
-        if (y_is_acc) memset(yacc, 0, sizeof(float) * (size_t)(T * H));
-    } else if (!y_is_acc) {
-        for (int64_t i = 0; i < T * H; i++) yacc[i] = ktfp8_bf16_to_f32(((const uint16_t *)c->y)[i]);
-    }
-
-    /* gather each pair's token row, grouped by expert, in the activation dtype */
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < g.n_pairs; p++) {
-        const int64_t t = g.pair_token[p];
-        void *row = (char *)xa + esz * (size_t)(p * Hp);
-        if (c->x_dtype == act) {
-            memcpy(row, (const char *)c->x + esz * (size_t)(t * H), esz * (size_t)H);
-        } else {
-            for (int64_t k = 0; k < H; k++)
-                store_act(row, k, act, ktfp8_load_f32(c->x, c->x_dtype, (size_t)(t * H + k)));
-        }
-    }
+    call_buffers b;
+    int rc = prepare_call(c, Hp, Ip, esz, &b);
+    if (rc) return rc;
 
     const size_t scratch_bytes = kern->tile_scratch_bytes ? kern->tile_scratch_bytes(Hp > Ip ? Hp : Ip) : 0;
+    const size_t gu_bytes = ALIGN64(sizeof(float) * (size_t)(b.max_m * nb));
+    const size_t yacc_bytes = ALIGN64(sizeof(float) * (size_t)(c->tokens * nb));
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const unsigned csr = ktfp8_fpenv_ieee();
-        float *gbuf = zalloc(sizeof(float) * (size_t)(g.max_m * nb));
-        float *ubuf = zalloc(sizeof(float) * (size_t)(g.max_m * nb));
-        void *scratch = scratch_bytes ? zalloc(scratch_bytes) : NULL;
-        int ok = gbuf && ubuf && (scratch || !scratch_bytes);
+        /* this thread's gate / up (also down) results [max_m][NB], its y accumulator [T][NB] and
+         * the kernel's scratch */
+        char *tbuf = ktfp8_arena_get(KTFP8_ARENA_TILE, 2 * gu_bytes + yacc_bytes + ALIGN64(scratch_bytes));
+        float *gbuf = (float *)tbuf, *ubuf = (float *)(tbuf + gu_bytes), *yacc = (float *)(tbuf + 2 * gu_bytes);
+        void *scratch = scratch_bytes && tbuf ? tbuf + 2 * gu_bytes + yacc_bytes : NULL;
+        const int ok = tbuf != NULL;
         failed |= !ok;
+
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < b.n_pairs; p++) gather_row(c, &b, p, act, esz, Hp, Ip);
 
         /* phase 1: h = silu(x @ gate^T) * (x @ up^T), per (expert, intermediate tile) */
         const int64_t tiles1 = proj[KTFP8_GATE].n_tiles;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < g.n_active * tiles1; it++) {
+        for (int64_t it = 0; it < b.n_active * tiles1; it++) {
             if (!ok) continue;
-            const int64_t e = g.active[it / tiles1], tile = it % tiles1;
-            const int64_t p0 = g.offset[e], m = g.offset[e + 1] - p0;
-            const void *a = (const char *)xa + esz * (size_t)(p0 * Hp);
-            run_tile(kern, s, &proj[KTFP8_GATE], e, tile, a, act, m, gbuf, scratch);
-            run_tile(kern, s, &proj[KTFP8_UP], e, tile, a, act, m, ubuf, scratch);
-            const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
-            for (int64_t i = 0; i < m; i++) {
-                void *hrow = (char *)h + esz * (size_t)((p0 + i) * Ip);
-                for (int64_t r = 0; r < rows; r++)
-                    store_act(hrow, n0 + r, act, silu(gbuf[i * nb + r]) * ubuf[i * nb + r]);
+            const int64_t e = b.active[it / tiles1], tile = it % tiles1;
+            const int64_t p0 = b.offset[e], m = b.offset[e + 1] - p0;
+            const void *a = (const char *)b.xa + esz * (size_t)(p0 * b.x_stride);
+            const ktfp8_tile_job gate = tile_job(kern, s, &proj[KTFP8_GATE], e, tile, a, b.x_stride, act, m, gbuf, scratch);
+            const ktfp8_tile_job up = tile_job(kern, s, &proj[KTFP8_UP], e, tile, a, b.x_stride, act, m, ubuf, scratch);
+            if (kern->tile_matmul2) {
+                kern->tile_matmul2(&gate, &up);
+            } else {
+                kern->tile_matmul(&gate);
+                kern->tile_matmul(&up);
             }
+            ktfp8_silu_mul(gbuf, ubuf, m * nb);
+            const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
+            for (int64_t i = 0; i < m; i++)
+                ktfp8_store_row((char *)b.h + esz * (size_t)((p0 + i) * b.h_stride + n0), act, gbuf + i * nb, rows);
         }
 
         /* phase 2: y[token, tile] += weight * (h @ down_tile^T), experts in id order */
@@ -182,31 +231,20 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
         for (int64_t tile = 0; tile < tiles2; tile++) {
             if (!ok) continue;
             const int64_t n0 = tile * nb, cols = H - n0 < nb ? H - n0 : nb;
-            for (int64_t a = 0; a < g.n_active; a++) {
-                const int64_t e = g.active[a], p0 = g.offset[e], m = g.offset[e + 1] - p0;
-                const void *hrows = (const char *)h + esz * (size_t)(p0 * Ip);
-                run_tile(kern, s, &proj[KTFP8_DOWN], e, tile, hrows, act, m, gbuf, scratch);
-                for (int64_t i = 0; i < m; i++) {
-                    float *yrow = yacc + g.pair_token[p0 + i] * H + n0;
-                    const float w = g.pair_weight[p0 + i];
-                    for (int64_t r = 0; r < cols; r++) yrow[r] += w * gbuf[i * nb + r];
-                }
+            y_columns_load(c, n0, cols, yacc, nb);
+            for (int64_t a = 0; a < b.n_active; a++) {
+                const int64_t e = b.active[a], p0 = b.offset[e], m = b.offset[e + 1] - p0;
+                const void *hrows = (const char *)b.h + esz * (size_t)(p0 * b.h_stride);
+                const ktfp8_tile_job down = tile_job(kern, s, &proj[KTFP8_DOWN], e, tile, hrows, b.h_stride, act, m, gbuf, scratch);
+                kern->tile_matmul(&down);
+                for (int64_t i = 0; i < m; i++)
+                    ktfp8_axpy(yacc + b.pair_token[p0 + i] * nb, b.pair_weight[p0 + i], gbuf + i * nb, cols);
             }
+            y_columns_store(c, n0, cols, yacc, nb);
         }
-        free(gbuf);
-        free(ubuf);
-        free(scratch);
+        ktfp8_arena_trim(KTFP8_ARENA_TILE);
         ktfp8_fpenv_restore(csr);
     }
-    if (failed) { rc = KTFP8_ENOMEM; goto done; }
-
-    if (!y_is_acc)
-        for (int64_t i = 0; i < T * H; i++) ((uint16_t *)c->y)[i] = ktfp8_bf16_from_f32(yacc[i]);
-
-done:
-    if (!y_is_acc) free(yacc);
-    free(xa);
-    free(h);
-    free_groups(&g);
-    return rc;
+    ktfp8_arena_trim(KTFP8_ARENA_CALL);
+    return failed ? KTFP8_ENOMEM : 0;
 }

@@ -1,0 +1,105 @@
+/* The elementwise steps of the MoE driver, written as plain loops over arrays that GCC vectorises
+ * with whatever SIMD the driver is compiled for (baseline SSE2 today: 4 lanes), with no libm call
+ * and no branch per element.  On the AMX Xeon the scalar versions (expf per element, a dtype
+ * switch per store) took 11 % of a T = 512 call.
+ *
+ *   ktfp8_silu_mul(g, u, n)        g[i] = silu(g[i]) * u[i]                      (FP32, in place)
+ *   ktfp8_store_row(dst, act, src, n)   src FP32 -> dst in the activation dtype (BF16: nearest even)
+ *   ktfp8_load_row(dst, src, dtype, n)  F32 / BF16 / F16 -> FP32
+ *   ktfp8_axpy(y, w, z, n)          y[i] += w * z[i]
+ *
+ * silu(g) = g / (1 + exp(-g)), evaluated as g * s with s = 1 / (1 + e) for g >= 0 and
+ * s = e / (1 + e) for g < 0, e = exp(-|g|) <= 1 (no overflow).  exp on [-86, 0]: Cody-Waite
+ * reduction x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-7 polynomial for e^r, 2^n added to the
+ * exponent bits.  Max relative error of silu against float64, measured over every float in
+ * [-86, 86] with test_moe_epilogue.py: see SILU_MAX_ULP there (2 ulp).  For g < -86, where
+ * |silu(g)| < 4e-36, the result is -0 (the scalar g / (1 + expf(-g)) gives a value below 4e-36 or
+ * -0 there too).  NaN stays NaN; silu(+inf) = +inf; silu(-inf) = NaN, as g / (1 + expf(-g)). */
+#ifndef KTFP8_MOE_EPILOGUE_H
+#define KTFP8_MOE_EPILOGUE_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "ktfp8/abi.h"
+#include "ktfp8/fp8.h"
+
+/* e^x for x in [-86, 0]; below, a meaningless finite or NaN value that callers discard. */
+static inline float ktfp8_exp_nonpos(float x) {
+    const float log2e = 1.44269504088896341f, round = 12582912.0f; /* 1.5 * 2^23 */
+    const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;  /* ln2_hi exact in 9 bits */
+    const float t = x * log2e + round;  /* n = nearest integer of x / ln2, in t's low mantissa bits */
+    const float n = t - round;
+    uint32_t tb;
+    memcpy(&tb, &t, 4);
+    const int32_t ni = (int32_t)(tb - 0x4B400000u); /* bits of 1.5 * 2^23 */
+    const float r = (x - n * ln2_hi) - n * ln2_lo;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;                        /* e^r in [0.70, 1.42] */
+    uint32_t pb;
+    memcpy(&pb, &p, 4);
+    pb += (uint32_t)ni << 23;                          /* n >= -124: stays a normal float */
+    memcpy(&p, &pb, 4);
+    return p;
+}
+
+/* Straight-line body so that GCC vectorises it: every choice is an integer mask on the bits, and
+ * the exp runs on every lane, its value for |x| > 86 (meaningless: 2^n leaves the float range)
+ * masked to 0.  (With selects, GCC sinks the exp into a branch, and it does not if-convert a branch
+ * holding floating-point arithmetic under the default -ftrapping-math.) */
+static inline void ktfp8_silu_mul(float *restrict g, const float *restrict u, int64_t n) {
+    const uint32_t *gb = (const uint32_t *)g;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t bits = gb[i], nax_bits = bits | 0x80000000u; /* -|x| */
+        const uint32_t keep = (uint32_t)((int32_t)(bits & 0x7FFFFFFFu) > 0x42AC0000) - 1u; /* |x| <= 86 */
+        const uint32_t neg = (uint32_t)-(int32_t)(bits >> 31);                             /* x < 0 */
+        float nax, e, num;
+        memcpy(&nax, &nax_bits, 4);
+        const float e0 = ktfp8_exp_nonpos(nax);
+        uint32_t e_bits;
+        memcpy(&e_bits, &e0, 4);
+        e_bits &= keep;                                          /* e = exp(-|x|), 0 for |x| > 86 */
+        const uint32_t num_bits = (e_bits & neg) | (0x3F800000u & ~neg); /* x < 0 ? e : 1 */
+        memcpy(&e, &e_bits, 4);
+        memcpy(&num, &num_bits, 4);
+        g[i] = g[i] * (num / (1.0f + e)) * u[i];
+    }
+}
+
+/* Same rounding as ktfp8_bf16_from_f32 (fp8.h), branch-free. */
+static inline void ktfp8_store_row(void *restrict dst, int act, const float *restrict src, int64_t n) {
+    if (act != KTFP8_BF16) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    const uint32_t *b = (const uint32_t *)src;
+    uint16_t *out = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t rounded = (b[i] + 0x7FFFu + ((b[i] >> 16) & 1u)) >> 16;
+        const uint32_t quiet = (b[i] >> 16) | 0x40u;
+        out[i] = (uint16_t)((int32_t)(b[i] & 0x7FFFFFFFu) > 0x7F800000 ? quiet : rounded);
+    }
+}
+
+static inline void ktfp8_load_row(float *restrict dst, const void *restrict src, int dtype, int64_t n) {
+    if (dtype == KTFP8_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    } else if (dtype == KTFP8_BF16) {
+        const uint16_t *h = (const uint16_t *)src;
+        uint32_t *out = (uint32_t *)dst;
+        for (int64_t i = 0; i < n; i++) out[i] = (uint32_t)h[i] << 16;
+    } else {
+        for (int64_t i = 0; i < n; i++) dst[i] = ktfp8_load_f32(src, dtype, (size_t)i);
+    }
+}
+
+static inline void ktfp8_axpy(float *restrict y, float w, const float *restrict z, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += w * z[i];
+}
+
+#endif

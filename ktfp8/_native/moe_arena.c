@@ -1,0 +1,62 @@
+/* Per-thread reusable buffers (see include/ktfp8/arena.h).  POSIX thread-specific data rather than
+ * _Thread_local so that a thread's buffers are freed when it exits (Python threads and OpenMP pools
+ * come and go). */
+#include "ktfp8/arena.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+
+typedef struct arena {
+    void *buf[KTFP8_ARENA_SLOTS];
+    size_t cap[KTFP8_ARENA_SLOTS];
+} arena;
+
+static pthread_key_t arena_key;
+static pthread_once_t arena_once = PTHREAD_ONCE_INIT;
+static int arena_key_ok;
+
+static void arena_free(void *p) {
+    arena *a = p;
+    for (int s = 0; s < KTFP8_ARENA_SLOTS; s++) free(a->buf[s]);
+    free(a);
+}
+
+static void arena_key_create(void) { arena_key_ok = pthread_key_create(&arena_key, arena_free) == 0; }
+
+static arena *this_thread_arena(void) {
+    pthread_once(&arena_once, arena_key_create);
+    if (!arena_key_ok) return NULL;
+    arena *a = pthread_getspecific(arena_key);
+    if (!a) {
+        a = calloc(1, sizeof(*a));
+        if (a && pthread_setspecific(arena_key, a)) {
+            free(a);
+            a = NULL;
+        }
+    }
+    return a;
+}
+
+void *ktfp8_arena_get(enum ktfp8_arena_slot slot, size_t bytes) {
+    arena *a = this_thread_arena();
+    if (!a) return NULL;
+    if (bytes > a->cap[slot]) {
+        /* grow geometrically so a slowly rising T does not reallocate on every call */
+        size_t cap = a->cap[slot] * 3 / 2 > bytes ? a->cap[slot] * 3 / 2 : bytes;
+        cap = (cap + 63) & ~(size_t)63;
+        free(a->buf[slot]);
+        a->buf[slot] = aligned_alloc(64, cap);
+        a->cap[slot] = a->buf[slot] ? cap : 0;
+        if (!a->buf[slot]) return NULL;
+    }
+    return a->buf[slot];
+}
+
+void ktfp8_arena_trim(enum ktfp8_arena_slot slot) {
+    if (!arena_key_ok) return; /* no ktfp8_arena_get succeeded on any thread: nothing to free */
+    arena *a = pthread_getspecific(arena_key);
+    if (!a || a->cap[slot] <= KTFP8_ARENA_KEEP_BYTES) return;
+    free(a->buf[slot]);
+    a->buf[slot] = NULL;
+    a->cap[slot] = 0;
+}

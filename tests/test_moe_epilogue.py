@@ -1,0 +1,59 @@
+"""The driver's elementwise steps against float64: silu(gate) * up through a layer whose projections
+are identities, so y = silu(x) * x with no other rounding (FP32 activations) or with the BF16
+roundings of the activation dtype.  Bounds are the ones stated in include/ktfp8/moe_epilogue.h."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ktfp8
+from ktfp8 import backends
+from ktfp8.experts import ExpertWeights
+from ktfp8.moe import MoE
+from kernel_tester import F32, kernel
+
+N, T = 256, 48  # H = I = N; T tokens of N values each
+SILU_MAX_ULP = 2  # of silu(x) * x against float64, FP32 activations (moe_epilogue.h)
+ONE = 0x38  # e4m3 code of 1.0
+
+
+def _identity_layer(backend):
+    eye = np.zeros((1, N, N), np.uint8)
+    eye[0, np.arange(N), np.arange(N)] = ONE
+    ones = np.ones((1, N, 1), np.float32)
+    cfg = ktfp8.MoeConfig(expert_num=1, num_experts_per_tok=1, hidden_size=N, intermediate_size=N)
+    cfg.quant_config.method = "FP8"
+    cfg.quant_config.per_channel = True
+    return MoE(cfg, ExpertWeights("fp8_per_channel", eye, eye, eye, ones, ones, ones), backend=backend)
+
+
+def _inputs():
+    """Dense near 0 where silu bends, then out to where e^-|x| underflows; never 0 (relative error)."""
+    x = np.concatenate([np.linspace(-12, 12, T * N // 2), np.linspace(-95, 95, T * N // 2)])
+    x = x[x != 0].astype(np.float32)
+    x = np.concatenate([x, np.full(T * N - x.size, 1.5, np.float32)])
+    return x.reshape(T, N)
+
+
+def _silu_times_x(x):
+    x = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        return x / (1 + np.exp(-x)) * x
+
+
+@pytest.mark.parametrize("backend", backends.usable_variants())
+def test_silu_times_up_against_float64(backend):
+    moe = _identity_layer(backend)
+    x = _inputs()
+    ids, w = np.zeros((T, 1), np.int64), np.ones((T, 1), np.float32)
+    y = moe(x, ids, w).astype(np.float64)
+    if kernel(backend).act is F32:  # FP32 activations: only the epilogue rounds
+        want = _silu_times_x(x)
+        tol = SILU_MAX_ULP * 2.0 ** -23 * np.abs(want)
+    else:  # BF16 activations: x and h are rounded to bf16 (half an ulp, 2^-9 relative, each)
+        xb = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+        want = _silu_times_x(xb)
+        tol = 2.0 ** -8 * np.abs(want)
+    # below x = -86 the epilogue returns -0 (|silu| < 4e-36 there): an absolute bound
+    tol = np.where(x < -86, 1e-30, tol)
+    bad = np.abs(y - want) > tol
+    assert not bad.any(), f"{bad.sum()} values off, e.g. x={x[bad][:3]} y={y[bad][:3]} want={want[bad][:3]}"
