@@ -8,11 +8,23 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from hf_models import expert_name, moe_layers
+from hf_models import build_model, expert_name, moe_layers, save_model
+from ktfp8.convert import main as convert
 
 E4M3 = ml_dtypes.float8_e4m3fn
 ROLES = ("gate", "up", "down")
+PER_CHANNEL = '{"method": "FP8", "per_channel": true}'
+BLOCK_128 = '{"method": "FP8", "per_channel": false, "group_size": 128}'
+SHARDED = {"qwen3_moe", "deepseek_v2", "olmoe"}          # saved in several shards
+BLOCK_TOO = {"qwen3_moe", "deepseek_v3"}                 # also converted block-wise
+FP32_BACKENDS = ("avx512", "avx2", "reference")      # compute in float32, like a float32 oracle
 PROMPT = torch.tensor([[3, 17, 42, 99, 5, 64, 7, 120, 33, 2, 81]])
+
+
+def float32_backend():
+    """The best backend of this CPU that computes in float32 (BF16-compute ones round x and h)."""
+    import ktfp8
+    return next(b for b in ktfp8.available_backends() if b in FP32_BACKENDS)
 
 
 def per_channel_roundtrip(w):
@@ -94,3 +106,26 @@ def greedy(model, new_tokens=16, prompt=PROMPT):
         out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=0)
     return out[0, prompt.shape[1]:].tolist()
+
+
+def _convert(src, dst, quant):
+    assert convert(["--input-type", "bf16", "--input-path", str(src), "--output-path", str(dst),
+                    "--quant-config", quant, "--threads", "2"]) == 0
+    return dst
+
+
+_made = {}
+
+
+def model_folders(kind, tmp_path_factory):
+    """{kind, bf16, fp8[, fp8_block]}: the model's folders, written once per test session."""
+    if kind not in _made:
+        root = tmp_path_factory.mktemp(kind)
+        bf16 = save_model(build_model(kind), root / "bf16", max_shard_size="100KB" if kind in SHARDED else None)
+        out = {"kind": kind, "bf16": bf16, "fp8": _convert(bf16, root / "fp8", PER_CHANNEL)}
+        if kind in BLOCK_TOO:
+            out["fp8_block"] = _convert(bf16, root / "fp8_block", BLOCK_128)
+        _made[kind] = out
+    return _made[kind]
+
+

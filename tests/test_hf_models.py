@@ -1,26 +1,19 @@
 """ktfp8.hf on tiny random models of every supported architecture, both loading paths, against the same
 transformers model running its own eager experts on the dequantized FP8 weights (float32 throughout,
 so that only the order of float32 additions differs)."""
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import ktfp8  # noqa: E402
 import ktfp8.hf  # noqa: E402
-from hf_models import ALL_MODELS, build_model, moe_layers, save_model  # noqa: E402
-from hf_oracle import eager_model, experts_module, greedy, logits  # noqa: E402
-from ktfp8.convert import main as convert  # noqa: E402
+from hf_models import ALL_MODELS, moe_layers  # noqa: E402
+from hf_oracle import (BLOCK_TOO, eager_model, experts_module, float32_backend, greedy, logits,  # noqa: E402
+                       model_folders)
 from moe_oracle import nmse  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-PER_CHANNEL = '{"method": "FP8", "per_channel": true}'
-BLOCK_128 = '{"method": "FP8", "per_channel": false, "group_size": 128}'
-SHARDED = {"qwen3_moe", "deepseek_v2", "olmoe"}          # saved in several shards
-BLOCK_TOO = {"qwen3_moe", "deepseek_v3"}                 # also block-wise, both paths
 NMSE_MAX = 1e-8     # float32 on the same weights: the sums' order alone differs (measured ~1e-12)
-FP32_BACKENDS = ("avx512", "avx2", "reference")      # compute in float32, like the float32 oracle
 
 
 @pytest.fixture(autouse=True)
@@ -28,33 +21,12 @@ def float32_kernels(monkeypatch):
     """BF16-compute backends (avx512_bf16, amx) round x and h to BF16 by design (API.md): against a
     float32 oracle they differ by ~1e-5 and may flip a greedy token.  Their accuracy is the kernel
     tests' business; here the best float32 backend of this CPU runs (except where a test says)."""
-    monkeypatch.setenv("KTFP8_BACKEND", next(b for b in ktfp8.available_backends() if b in FP32_BACKENDS))
-
-
-def _convert(src, dst, quant):
-    assert convert(["--input-type", "bf16", "--input-path", str(src), "--output-path", str(dst),
-                    "--quant-config", quant, "--threads", "2"]) == 0
-    return dst
-
-
-_made = {}
-
-
-def _folders(kind, tmp_path_factory):
-    """{kind, bf16, fp8[, fp8_block]}: the model's folders, written once per test session."""
-    if kind not in _made:
-        root = tmp_path_factory.mktemp(kind)
-        bf16 = save_model(build_model(kind), root / "bf16", max_shard_size="100KB" if kind in SHARDED else None)
-        out = {"kind": kind, "bf16": bf16, "fp8": _convert(bf16, root / "fp8", PER_CHANNEL)}
-        if kind in BLOCK_TOO:
-            out["fp8_block"] = _convert(bf16, root / "fp8_block", BLOCK_128)
-        _made[kind] = out
-    return _made[kind]
+    monkeypatch.setenv("KTFP8_BACKEND", float32_backend())
 
 
 @pytest.fixture(params=sorted(ALL_MODELS))
 def folders(request, tmp_path_factory):
-    return _folders(request.param, tmp_path_factory)
+    return model_folders(request.param, tmp_path_factory)
 
 
 def _check_against(model, oracle):
@@ -80,7 +52,7 @@ def test_fp8_folder_loaded_memory_mapped(folders):
 
 @pytest.mark.parametrize("kind", sorted(BLOCK_TOO))
 def test_block_wise_both_paths(kind, tmp_path_factory):
-    folders = _folders(kind, tmp_path_factory)
+    folders = model_folders(kind, tmp_path_factory)
     oracle = eager_model(folders["bf16"], folders["kind"], fp8_folder=folders["fp8_block"])
     _check_against(ktfp8.hf.from_pretrained(folders["fp8_block"], dtype=torch.float32), oracle)
     quantized_on_load = AutoModelForCausalLM.from_pretrained(folders["bf16"], dtype=torch.float32,
@@ -90,7 +62,7 @@ def test_block_wise_both_paths(kind, tmp_path_factory):
 
 def test_bf16_experts_and_bfloat16_activations(tmp_path_factory, monkeypatch):
     """ktfp8_bf16 computes on the checkpoint's own weights: the oracle is the plain transformers model."""
-    folders = _folders("mixtral", tmp_path_factory)
+    folders = model_folders("mixtral", tmp_path_factory)
     oracle = AutoModelForCausalLM.from_pretrained(folders["bf16"], dtype=torch.float32,
                                                   experts_implementation="eager")
     model = AutoModelForCausalLM.from_pretrained(folders["bf16"], dtype=torch.float32,
