@@ -21,7 +21,7 @@ class TorchMoE:
         return self.moe(hidden_states.contiguous(), topk_ids.contiguous(), topk_weights.contiguous())
 
 
-def build_layer(config, experts, *, threads=None, layer_index=None):
+def build_layer(config, experts, *, threads=None):
     """The callable run for one experts module: `experts` (ktfp8.ExpertWeights of all the layer's
     experts) packed once by ktfp8.MoE under `config` (ktfp8.MoeConfig)."""
     return TorchMoE(MoE(config, experts, threads=threads))
