@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5")
 
 import ktfp8.hf  # noqa: E402
 from hf_oracle import model_folders, tiny_model_settings  # noqa: E402

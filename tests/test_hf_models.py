@@ -4,7 +4,7 @@ so that only the order of float32 additions differs)."""
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5")
 
 import ktfp8.hf  # noqa: E402
 from hf_models import ALL_MODELS, moe_layers  # noqa: E402

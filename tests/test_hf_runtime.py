@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5")
 
 import ktfp8  # noqa: E402
 import ktfp8.hf  # noqa: E402
