@@ -76,7 +76,11 @@ def load(folder, threads):
     if _is_ktfp8_fp8(folder):
         model = ktfp8.hf.from_pretrained(folder, threads=threads, dtype=torch.bfloat16)
     else:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, experts_implementation="ktfp8")
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.bfloat16, experts_implementation="ktfp8", output_loading_info=True)
+        if info["missing_keys"]:        # transformers would fill them with random values and go on
+            missing = sorted(info["missing_keys"])
+            raise ValueError(f"the checkpoint lacks {len(missing)} of the model's weights, e.g. {missing[0]!r}")
         ktfp8.hf.prepare(model, threads=threads)
     tokenizer = None
     if any((folder / f).is_file() for f in TOKENIZER_FILES):
