@@ -15,7 +15,7 @@ E4M3 = ml_dtypes.float8_e4m3fn
 ROLES = ("gate", "up", "down")
 PER_CHANNEL = '{"method": "FP8", "per_channel": true}'
 BLOCK_128 = '{"method": "FP8", "per_channel": false, "group_size": 128}'
-SHARDED = {"qwen3_moe", "deepseek_v2", "olmoe"}          # saved in several shards
+SHARDED = {"qwen3_moe", "deepseek_v2", "olmoe"}          # saved and converted in several shards
 BLOCK_TOO = {"qwen3_moe", "deepseek_v3"}                 # also converted block-wise
 FP32_BACKENDS = ("avx512", "avx2", "reference")      # compute in float32, like a float32 oracle
 PROMPT = torch.tensor([[3, 17, 42, 99, 5, 64, 7, 120, 33, 2, 81]])
@@ -122,9 +122,10 @@ def greedy(model, new_tokens=16, prompt=PROMPT):
     return out[0, prompt.shape[1]:].tolist()
 
 
-def _convert(src, dst, quant):
+def _convert(src, dst, quant, sharded):
+    shards = ["--max-shard-size", "100KB"] if sharded else []
     assert convert(["--input-type", "bf16", "--input-path", str(src), "--output-path", str(dst),
-                    "--quant-config", quant, "--threads", "2"]) == 0
+                    "--quant-config", quant, "--threads", "2", *shards]) == 0
     return dst
 
 
@@ -136,9 +137,10 @@ def model_folders(kind, tmp_path_factory):
     if kind not in _made:
         root = tmp_path_factory.mktemp(kind)
         bf16 = save_model(build_model(kind), root / "bf16", max_shard_size="100KB" if kind in SHARDED else None)
-        out = {"kind": kind, "bf16": bf16, "fp8": _convert(bf16, root / "fp8", PER_CHANNEL)}
+        sharded = kind in SHARDED
+        out = {"kind": kind, "bf16": bf16, "fp8": _convert(bf16, root / "fp8", PER_CHANNEL, sharded)}
         if kind in BLOCK_TOO:
-            out["fp8_block"] = _convert(bf16, root / "fp8_block", BLOCK_128)
+            out["fp8_block"] = _convert(bf16, root / "fp8_block", BLOCK_128, sharded)
         _made[kind] = out
     return _made[kind]
 
