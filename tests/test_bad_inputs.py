@@ -161,6 +161,55 @@ def _cuda(a):
 ROUTER = lambda c: np.zeros((3, E), F32)  # noqa: E731
 cfg = Ctx.config
 
+# ktfp8.hf and python -m ktfp8.generate need torch and transformers: imported by the cases that use them
+def _hf():
+    import ktfp8.hf
+    return ktfp8.hf
+
+
+def _generate(c, *args):
+    from ktfp8.generate import main
+    return main(list(args))
+
+
+def _with_config(c, name, **changes):
+    folder = c.copy(name)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+def _bf16_experts_folder(c):
+    folder = c.tmp / "bf16_experts"
+    folder.mkdir()
+    tensors = {f"model.layers.0.mlp.experts.{e}.{role}_proj.weight": ("BF16", c.w[role][e].astype(BF16))
+               for e in range(E) for role in ("gate", "up", "down")}
+    write_file(folder / "model.safetensors", tensors)
+    (folder / "config.json").write_text((c.ckpt / "config.json").read_text())
+    return _hf().from_pretrained(folder)
+
+
+def _fp8_attention(c):
+    folder = c.copy("fp8_attention")
+    shard = folder / "model.safetensors"
+    tensors = {n: (d, a) for n, (d, a) in _read_all(shard).items()}
+    tensors["model.layers.0.self_attn.q_proj.weight"] = ("F8_E4M3", np.zeros((H, H), U8))
+    write_file(shard, tensors)
+    return _hf().from_pretrained(folder)
+
+
+def _read_all(path):
+    from ktfp8.safetensors_io import SafetensorsFile
+    f = SafetensorsFile(path)
+    return {n: (f.info(n).dtype, np.array(f.memmap(n))) for n in f.tensors}
+
+
+def _tiny_llama():
+    import transformers
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+
+
 CASES = [
     # ---------------------------------------------------------------- MoeConfig / QuantConfig
     Case("MoeConfig", "expert_num=0", lambda c: cfg(expert_num=0, num_experts_per_tok=1), ValueError,
@@ -434,6 +483,40 @@ CASES = [
     # ---------------------------------------------------------------- python -m ktfp8.cpu
     Case("python -m ktfp8.cpu", "an unknown option", lambda c: cpu_main(["--verbose"]), 2,
          "unrecognized arguments: --verbose"),
+    # ---------------------------------------------------------------- ktfp8.hf (torch + transformers)
+    Case("ktfp8.hf.from_pretrained", "a folder that does not exist",
+         lambda c: _hf().from_pretrained(c.tmp / "absent"), FileNotFoundError, "no such model folder"),
+    Case("ktfp8.hf.from_pretrained", "a folder whose experts are BF16", _bf16_experts_folder, ValueError,
+         "experts are 'bf16', not FP8"),
+    Case("ktfp8.hf.from_pretrained", "FP8 tensors outside the experts (--all-linear)", _fp8_attention, ValueError,
+         "FP8 tensors outside the routed experts"),
+    Case("ktfp8.hf.from_pretrained", "a model type without supported experts",
+         lambda c: _hf().from_pretrained(_with_config(c, "llama", model_type="llama")), ValueError,
+         "model type 'llama' is not supported"),
+    Case("ktfp8.hf.from_pretrained", "dtype=torch.float16",
+         lambda c: _hf().from_pretrained(c.ckpt, dtype=__import__("torch").float16), TypeError,
+         "dtype must be torch.bfloat16 or torch.float32"),
+    Case("ktfp8.hf.from_pretrained", "key_mapping= (set by ktfp8.hf)",
+         lambda c: _hf().from_pretrained(c.ckpt, key_mapping={}), TypeError, "sets key_mapping= itself"),
+    Case("ktfp8.hf.prepare", "not a transformers model", lambda c: _hf().prepare("model"), TypeError,
+         "model must be a transformers PreTrainedModel"),
+    Case("ktfp8.hf.prepare", "a model type without supported experts", lambda c: _hf().prepare(_tiny_llama()),
+         ValueError, "model type 'llama' is not supported"),
+    # ---------------------------------------------------------------- python -m ktfp8.generate
+    Case("python -m ktfp8.generate", "a folder that does not exist",
+         lambda c: _generate(c, "--model", str(c.tmp / "absent"), "--prompt-ids", "1"), 1, "no such model folder"),
+    Case("python -m ktfp8.generate", "a checkpoint lacking the model's other weights",
+         lambda c: _generate(c, "--model", str(c.ckpt), "--prompt-ids", "1"), 1,
+         "cannot load the model: the checkpoint lacks"),
+    Case("python -m ktfp8.generate", "--prompt-ids not integers",
+         lambda c: _generate(c, "--model", str(c.ckpt), "--prompt-ids", "1,a"), 2,
+         "expected comma-separated token ids"),
+    Case("python -m ktfp8.generate", "--max-new-tokens 0",
+         lambda c: _generate(c, "--model", str(c.ckpt), "--prompt-ids", "1", "--max-new-tokens", "0"), 2,
+         "expected a positive integer, got '0'"),
+    Case("python -m ktfp8.generate", "both --prompt and --prompt-ids",
+         lambda c: _generate(c, "--model", str(c.ckpt), "--prompt", "a", "--prompt-ids", "1"), 2,
+         "not allowed with argument"),
 ]
 
 
@@ -466,7 +549,8 @@ def test_catalogue_is_large_and_covers_every_entry_point():
     for wanted in ("MoeConfig", "QuantConfig", "MoeConfig.from_hf_config", "route", "fp8.encode", "fp8.decode",
                    "fp8.quantize", "fp8.dequantize", "quantize_experts", "ExpertWeights", "MoE", "MoE.__call__",
                    "MoE.forward", "moe_forward", "FP8SafeTensorLoader", "python -m ktfp8.convert",
-                   "python -m ktfp8.cpu"):
+                   "python -m ktfp8.cpu", "ktfp8.hf.from_pretrained", "ktfp8.hf.prepare",
+                   "python -m ktfp8.generate"):
         assert wanted in entries, wanted
 
 
