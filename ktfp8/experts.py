@@ -84,6 +84,20 @@ def check_expert_range(experts, total, name="experts"):
     return experts
 
 
+def split_experts(expert_num, parts, name="parts"):
+    """`parts` contiguous ranges covering range(expert_num), sizes differing by at most one (the first
+    expert_num % parts ranges hold one more): how ranks or NUMA nodes share a layer's experts."""
+    for what, v in (("expert_num", expert_num), (name, parts)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{what} must be a positive int, got {v!r}")
+    if parts > expert_num:
+        raise ValueError(f"{name}={parts} would leave {parts - expert_num} of them without experts: a layer "
+                         f"of {expert_num} experts splits over at most {expert_num}")
+    size, extra = divmod(int(expert_num), int(parts))
+    bounds = [p * size + min(p, extra) for p in range(parts + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def _validate_shard(w):
     if w.total_experts is None:      # frozen dataclass: the one place a default is filled in
         _check_count("first_expert", w.first_expert)
