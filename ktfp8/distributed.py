@@ -49,11 +49,16 @@ def _dist():
     return dist
 
 
-def init_process_group(timeout_s=None):
+def init_process_group(timeout_s=None, numa=True):
     """Initialises torch.distributed (gloo) from torchrun's environment, unless it already is, with
     every collective (and the rendezvous itself) bounded by timeout_seconds(timeout_s).
+    numa=True: on a machine with several NUMA nodes, first pins this rank to its node(s)
+    (ktfp8.numa.pin_local_rank), so the experts it packs later live in its node's memory.
     Returns (rank, world_size)."""
     dist = _dist()
+    if numa:
+        from .numa import pin_local_rank
+        pin_local_rank()
     if not dist.is_initialized():
         missing = [v for v in TORCHRUN_VARS if not os.environ.get(v)]
         if missing:
