@@ -5,6 +5,8 @@ from typing import Optional, Tuple
 import ml_dtypes
 import numpy as np
 
+from ._torch import accepts_tensors, to_numpy
+
 FORMATS = ("fp8_per_channel", "fp8_block", "bf16")
 
 
@@ -15,7 +17,8 @@ class ExpertWeights:
     fp8_per_channel: uint8 codes + float32 scales [E, out, 1];
     fp8_block:       uint8 codes + float32 scales [E, ceil(out/bn), ceil(in/bk)], block = (bn, bk);
     bf16:            ml_dtypes.bfloat16 weights, scales None.
-    Arrays may be memory-mapped; nothing is copied until a MoE packs them.
+    Arrays may be memory-mapped; nothing is copied until a MoE packs them.  CPU torch tensors are
+    accepted and held as NumPy views of their memory (no copy).
 
     A shard of a layer holds the contiguous global expert ids `expert_range` =
     range(first_expert, first_expert + expert_num) of the layer's `total_experts` (default: the whole
@@ -32,6 +35,8 @@ class ExpertWeights:
     total_experts: Optional[int] = None
 
     def __post_init__(self):
+        for name in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale"):
+            object.__setattr__(self, name, to_numpy(getattr(self, name), f"ExpertWeights.{name}"))
         _validate(self)
         _validate_shard(self)
 
@@ -153,9 +158,11 @@ def _validate(w):
             raise ValueError(f"ExpertWeights.{name} has shape {s.shape}, expected {expected}")
 
 
+@accepts_tensors(main=None)
 def quantize_experts(gate, up, down, quant_config, experts=None):
-    """Quantizes float experts (float32 / bfloat16 / float16, HF layout) as `quant_config` says:
-    method "FP8" per-channel or block-wise (group_size = block edge), or "BF16".
+    """Quantizes float experts (float32 / bfloat16 / float16 arrays or CPU tensors, HF layout) as
+    `quant_config` says: method "FP8" per-channel or block-wise (group_size = block edge), or "BF16".
+    The result holds NumPy arrays whatever the input.
     experts=range(a, b): quantize only that contiguous shard of the layer (see ExpertWeights.shard);
     every scale is per expert, so a shard's codes equal the same experts' codes of the whole layer."""
     from . import fp8

@@ -5,7 +5,8 @@ round-to-nearest-even with saturation to +-448; +-Inf saturates to +-448; NaN st
 sign (0x7F / 0xFF).  Codes are returned as ``uint8``; ``ml_dtypes.float8_e4m3fn`` codes are accepted
 wherever codes are read.  Every function is bit-identical across backends and thread counts.
 
-Float inputs are ``float32``, ``ml_dtypes.bfloat16`` or ``float16`` NumPy arrays.  Non-contiguous
+Float inputs are ``float32``, ``ml_dtypes.bfloat16`` or ``float16`` NumPy arrays or CPU torch
+tensors (read in place; the results are then tensors, and torch dtypes are accepted as dtypes).  Non-contiguous
 inputs are copied to C order first (the result is the same; only the copy costs).  Every function
 takes the keyword arguments ``backend`` (a name from ``ktfp8.available_backends()``; default: the
 ``KTFP8_BACKEND`` environment variable, else the best one) and ``threads`` (default:
@@ -20,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from ._native import _ext
+from ._torch import accepts_tensors
 from .backends import default_threads, resolve_backend
 
 # dtype -> code understood by the C side (enum ktfp8_dtype)
@@ -29,6 +31,7 @@ _CODE_DTYPES = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))
 _SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
 
+@accepts_tensors("x")
 def encode(x, *, backend=None, threads=None):
     """E4M3 codes (uint8, shape of `x`) of a float32 / bfloat16 / float16 array, without scaling.
     Equal to ``np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)``."""
@@ -40,6 +43,7 @@ def encode(x, *, backend=None, threads=None):
     return codes
 
 
+@accepts_tensors("codes")
 def decode(codes, dtype=np.float32, *, backend=None, threads=None):
     """The values of E4M3 `codes` (uint8 or float8_e4m3fn, any shape) as float32 or bfloat16,
     exact for every code; NaN codes give NaN."""
@@ -52,6 +56,7 @@ def decode(codes, dtype=np.float32, *, backend=None, threads=None):
     return out
 
 
+@accepts_tensors("w")
 def quantize(w, per_channel=True, block=(128, 128), *, backend=None, threads=None):
     """Quantizes a 2-D ``[out, in]`` matrix or a 3-D ``[experts, out, in]`` stack to E4M3.
 
@@ -73,6 +78,7 @@ def quantize(w, per_channel=True, block=(128, 128), *, backend=None, threads=Non
     return codes, scale
 
 
+@accepts_tensors("codes")
 def dequantize(codes, scale, out_dtype=np.float32, block=(128, 128), *, backend=None, threads=None):
     """``decode(codes) * scale`` for codes from `quantize` (2-D or 3-D), computed in float32 and
     returned as `out_dtype` (float32 or bfloat16, rounded to nearest even).  A `scale` of shape

@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 
 from . import backends
+from ._torch import accepts_tensors
 from ._native import _ext
 from .config import MoeConfig
 from .experts import ExpertWeights
@@ -59,14 +60,17 @@ class MoE:
 
     y = moe(x, topk_ids, topk_weights): x float32 or bfloat16 [T, hidden_size]; topk_ids int32/int64
     [T, num_experts_per_tok] (ids < 0 are skipped); topk_weights float32 [T, num_experts_per_tok].
+    Each may be a torch tensor on the CPU (read in place; y is then a tensor). copy_to_cpu=True lets
+    tensors on another device (CUDA, ...) through: copied to the CPU for each call, y copied back.
 
     `experts` may be a shard of the layer (ExpertWeights.expert_range inside range(config.expert_num)):
     ids are global, those outside the shard are skipped like ids < 0, so the outputs of MoEs over
     disjoint shards that cover the layer sum to the whole layer's output."""
 
-    def __init__(self, config, experts, backend=None, threads=None):
+    def __init__(self, config, experts, backend=None, threads=None, copy_to_cpu=False):
         _check_matches(config, experts)
         self.config = config
+        self.copy_to_cpu = bool(copy_to_cpu)
         self.backend = backends.resolve_backend(backend)
         self.threads = backends.default_threads(threads if threads is not None else config.threads)
         self.expert_range = experts.expert_range
@@ -85,6 +89,7 @@ class MoE:
         """Resident bytes of the packed weights (FP8: about one byte per weight)."""
         return self._packed.nbytes
 
+    @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def __call__(self, x, topk_ids, topk_weights, out=None, accumulate=False):
         cfg = self.config
         x = _as_c_array("x", x, (np.dtype(np.float32), _BF16), 2)
@@ -124,6 +129,7 @@ class MoE:
         held = (ids >= own.start) & (ids < own.stop)
         return np.where(held, ids - own.start, -1)
 
+    @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def forward(self, x, topk_ids=None, topk_weights=None, *, router_logits=None, correction_bias=None,
                 out=None, accumulate=False):
         """Like __call__; with router_logits= the experts are chosen by ktfp8.route first."""
@@ -143,8 +149,11 @@ class MoE:
                 f"intermediate={self._shape[2]}, nbytes={self.nbytes})")
 
 
-def moe_forward(x, experts, topk_ids, topk_weights, config, backend=None, out=None, accumulate=False):
-    """Functional form: packs `experts` for this call, then runs it (prefer MoE for repeated calls)."""
+@accepts_tensors("x", copy_to_cpu=lambda args: args.get("copy_to_cpu", False))
+def moe_forward(x, experts, topk_ids, topk_weights, config, backend=None, out=None, accumulate=False,
+                copy_to_cpu=False):
+    """Functional form: packs `experts` for this call, then runs it (prefer MoE for repeated calls).
+    copy_to_cpu: as for MoE (tensors on another device are copied to the CPU and y back)."""
     return MoE(config, experts, backend=backend)(x, topk_ids, topk_weights, out=out, accumulate=accumulate)
 
 
@@ -155,10 +164,10 @@ def _native_class(name, fmt, doc):
     if not usable:
         return None
 
-    def __init__(self, config, experts, threads=None):
+    def __init__(self, config, experts, threads=None, copy_to_cpu=False):
         if experts.format != fmt:
             raise ValueError(f"{name} takes {fmt!r} experts, got {experts.format!r}")
-        MoE.__init__(self, config, experts, backend=usable[0], threads=threads)
+        MoE.__init__(self, config, experts, backend=usable[0], threads=threads, copy_to_cpu=copy_to_cpu)
 
     return type(name, (MoE,), {"__init__": __init__, "__doc__": doc})
 

@@ -6,6 +6,7 @@ logit dtype), so the weights agree with them to float32 rounding of exp and sums
 import ml_dtypes
 import numpy as np
 
+from ._torch import accepts_tensors
 from .config import MoeConfig
 
 _LOGIT_DTYPES = tuple(np.dtype(t) for t in (np.float32, ml_dtypes.bfloat16, np.float16))
@@ -15,13 +16,15 @@ _BIAS_DTYPES = _LOGIT_DTYPES + (np.dtype(np.float64),)
 _RENORM_EPS = np.float32(1e-20)
 
 
+@accepts_tensors("router_logits")
 def route(router_logits, cfg, correction_bias=None):
     """Chooses num_experts_per_tok experts per token and their weights.
 
     router_logits: [T, expert_num] float32, bfloat16 or float16 (T may be 0).
     correction_bias: None or [expert_num] (float32, or any float dtype, cast to float32): added to the
         scores for *choosing* experts only, never to the weights (DeepSeek-V3 `e_score_correction_bias`).
-    Returns topk_ids int64 [T, k] and topk_weights float32 [T, k].
+    Returns topk_ids int64 [T, k] and topk_weights float32 [T, k] (CPU tensors when router_logits
+    is a torch tensor).
 
     scores = softmax(logits) (Qwen2/3-MoE, Mixtral, DeepSeek-V2) or sigmoid(logits) (DeepSeek-V3), in
     float32. With n_group > 1, only the topk_group best groups of expert_num / n_group consecutive experts

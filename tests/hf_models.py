@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face MoE models (Qwen3-MoE, DeepSeek-V3, Mixtral) written by `save_pretrained`,
-for the checkpoint tests.  Sizes are small but not multiples of 128, so block-wise tails are exercised."""
+"""Tiny random Hugging Face MoE models written by `save_pretrained`: MODELS (Qwen3-MoE, DeepSeek-V3,
+Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE) for the ktfp8.hf tests.  Sizes are small but not multiples of 128, so block-wise tails are exercised."""
 import hashlib
 import os
 
@@ -30,6 +30,26 @@ MODELS = {
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=2),
         [0, 1], "model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight"),
 }
+MORE_MODELS = {
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=False), [0, 1],
+        "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        topk_method="group_limited_greedy", routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), [1],
+        "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=MOE_INTER, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=EXPERTS, num_experts_per_tok=2,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0), [0, 1],
+        "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+}
+ALL_MODELS = {**MODELS, **MORE_MODELS}
 MIXTRAL_ROLE = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
@@ -37,7 +57,7 @@ def build_model(kind, seed=0):
     """The random transformers model (float32, eval mode) of `kind`."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    config_cls, model_cls, kwargs, _, _ = MODELS[kind]
+    config_cls, model_cls, kwargs, _, _ = ALL_MODELS[kind]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**kwargs)
     model = getattr(transformers, model_cls)(config).eval()
@@ -57,12 +77,12 @@ def save_model(model, path, max_shard_size=None, dtype="bfloat16"):
 
 
 def expert_name(kind, layer, expert, role):
-    template = MODELS[kind][4]
+    template = ALL_MODELS[kind][4]
     return template.format(l=layer, e=expert, role=role, w=MIXTRAL_ROLE[role])
 
 
 def moe_layers(kind):
-    return MODELS[kind][3]
+    return ALL_MODELS[kind][3]
 
 
 def read_experts(folder, kind, layer, role):

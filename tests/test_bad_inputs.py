@@ -148,6 +148,16 @@ def _with_env(var, value, fn):
     return run
 
 
+def _tensor(make):
+    """make(torch): a tensor case, skipped where torch is not installed."""
+    return make(pytest.importorskip("torch"))
+
+
+def _cuda(a):
+    """Array `a` in a tensor that reports device cuda:0 (tests/torch_fakes.py)."""
+    return _tensor(lambda torch: __import__("torch_fakes").cuda_tensor(torch.from_numpy(a)))
+
+
 ROUTER = lambda c: np.zeros((3, E), F32)  # noqa: E731
 cfg = Ctx.config
 
@@ -222,6 +232,8 @@ CASES = [
          "correction_bias must be finite"),
     Case("route", "correction_bias a list", lambda c: ktfp8.route(ROUTER(c), c.cfg, correction_bias=[0] * E),
          TypeError, "correction_bias must be None or a numpy float array"),
+    Case("route", "logits a CUDA tensor", lambda c: ktfp8.route(_cuda(ROUTER(c)), c.cfg), ValueError,
+         "router_logits is a tensor on device 'cuda:0'; ktfp8 computes on the CPU: pass router_logits.cpu()"),
     # ---------------------------------------------------------------- ktfp8.fp8
     Case("fp8.encode", "a list", lambda c: fp8.encode([1.0]), TypeError, "x must be a numpy array"),
     Case("fp8.encode", "int32 array", lambda c: fp8.encode(np.zeros(4, np.int32)), TypeError,
@@ -238,8 +250,13 @@ CASES = [
     Case("fp8.encode", "KTFP8_NUM_THREADS=zero in the environment",
          _with_env("KTFP8_NUM_THREADS", "zero", lambda c: fp8.encode(np.zeros(4, F32))), ValueError,
          "KTFP8_NUM_THREADS='zero' is not an integer"),
+    Case("fp8.encode", "a float8_e4m3fnuz tensor",
+         lambda c: fp8.encode(_tensor(lambda torch: torch.zeros(4, dtype=torch.float8_e4m3fnuz))), TypeError,
+         "x has dtype torch.float8_e4m3fnuz, which NumPy cannot hold"),
     Case("fp8.decode", "float32 codes", lambda c: fp8.decode(np.zeros(4, F32)), TypeError,
          "codes must have dtype uint8 or float8_e4m3fn, got float32"),
+    Case("fp8.decode", "a float32 tensor as codes", lambda c: fp8.decode(_tensor(lambda torch: torch.zeros(4))),
+         TypeError, "codes must have dtype uint8 or float8_e4m3fn, got float32"),
     Case("fp8.decode", "dtype=float16", lambda c: fp8.decode(np.zeros(4, U8), np.float16), ValueError,
          "dtype must be np.float32 or ml_dtypes.bfloat16, got float16"),
     Case("fp8.decode", "dtype='nonsense'", lambda c: fp8.decode(np.zeros(4, U8), "nonsense"), TypeError,
@@ -254,6 +271,8 @@ CASES = [
          "block must be an int or a pair of ints"),
     Case("fp8.quantize", "per_channel=1", lambda c: fp8.quantize(np.ones((4, 4), F32), 1), TypeError,
          "per_channel must be True or False"),
+    Case("fp8.quantize", "a sparse tensor", lambda c: fp8.quantize(_tensor(lambda torch: torch.eye(4).to_sparse())),
+         TypeError, "w must be a dense tensor, got layout torch.sparse_coo"),
     Case("fp8.dequantize", "scale of neither shape",
          lambda c: fp8.dequantize(np.zeros((4, 8), U8), np.ones((4, 2), F32)), ValueError,
          "scale has shape (4, 2); for codes of shape (4, 8) expected (4, 1)"),
@@ -281,6 +300,9 @@ CASES = [
          "fp8_block needs block=(block_n, block_k) > 0"),
     Case("ExpertWeights", "bf16 format with uint8 weights", lambda c: c.experts_with(format="bf16"), TypeError,
          "ExpertWeights.gate must be bfloat16 (or uint16 bits), got uint8"),
+    Case("ExpertWeights", "gate a meta tensor",
+         lambda c: c.experts_with(gate=_tensor(lambda torch: torch.empty(E, I, H, dtype=torch.uint8, device="meta"))),
+         ValueError, "ExpertWeights.gate is a meta tensor (a shape without data)"),
     # ---------------------------------------------------------------- MoE construction
     Case("MoE", "a tuple as experts", lambda c: ktfp8.MoE(c.cfg, (c.w["gate"], c.w["up"], c.w["down"])),
          TypeError, "experts must be ktfp8.ExpertWeights, got tuple"),
@@ -311,6 +333,17 @@ CASES = [
     Case("MoE.__call__", "x non-contiguous", lambda c: c.call(x=np.zeros((3, 2 * H), F32)[:, ::2]), ValueError,
          "x must be C-contiguous"),
     Case("MoE.__call__", "x a list", lambda c: c.call(x=c.x.tolist()), TypeError, "x must be a numpy array"),
+    Case("MoE.__call__", "x a CUDA tensor", lambda c: c.call(x=_cuda(c.x)), ValueError,
+         "x is a tensor on device 'cuda:0'; ktfp8 computes on the CPU: pass x.cpu() or copy_to_cpu=True"),
+    Case("MoE.__call__", "x a meta tensor", lambda c: c.call(x=_tensor(lambda torch: torch.empty(3, H, device="meta"))),
+         ValueError, "x is a meta tensor (a shape without data); ktfp8 needs a CPU tensor"),
+    Case("MoE.__call__", "x a float64 tensor", lambda c: c.call(x=_tensor(lambda torch: torch.zeros(3, H).double())),
+         TypeError, "x must have dtype float32 or bfloat16, got float64"),
+    Case("MoE.__call__", "x a non-contiguous tensor", lambda c: c.call(x=_tensor(lambda torch: torch.zeros(H, 3).T)),
+         ValueError, "x must be C-contiguous"),
+    Case("MoE.__call__", "out a bfloat16 tensor for float32 x",
+         lambda c: c.call(out=_tensor(lambda torch: torch.zeros(3, H, dtype=torch.bfloat16))), TypeError,
+         "out must have dtype float32, got bfloat16"),
     Case("MoE.__call__", "topk_ids float32", lambda c: c.call(topk_ids=c.ids.astype(F32)), TypeError,
          "topk_ids must have dtype int32 or int64, got float32"),
     Case("MoE.__call__", "an expert id >= expert_num", lambda c: c.call(topk_ids=c.ids + E), ValueError,
@@ -348,6 +381,9 @@ CASES = [
     Case("moe_forward", "negative and too-large ids mixed",
          lambda c: ktfp8.moe_forward(c.x, c.experts, np.array([[-1, 9]] * 3), c.tw, c.cfg), ValueError,
          "topk_ids holds expert id 9 >= expert_num 4"),
+    Case("moe_forward", "topk_ids a CUDA tensor",
+         lambda c: ktfp8.moe_forward(c.x, c.experts, _cuda(c.ids), c.tw, c.cfg), ValueError, "topk_ids is a tensor on device 'cuda:0'; ktfp8 computes on the CPU: pass topk_ids.cpu() or "
+                     "copy_to_cpu=True"),
     # ---------------------------------------------------------------- FP8SafeTensorLoader
     Case("FP8SafeTensorLoader", "a path that is not a folder",
          lambda c: FP8SafeTensorLoader(c.ckpt / "config.json"), SafetensorsError, "not a directory"),

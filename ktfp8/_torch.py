@@ -1,0 +1,124 @@
+"""PyTorch tensors at the public entry points: NumPy views of their memory in, tensors back out.
+
+Every entry point that takes arrays is wrapped by `accepts_tensors`, so the code under it only ever
+sees NumPy arrays and the validation (and its messages) is the arrays' own.  A CPU tensor becomes an
+array over the same memory, strides included: no copy, and a non-contiguous tensor is treated exactly
+like a non-contiguous array.  Tensors are read as `tensor.detach()` would be (no autograd graph).
+
+`import ktfp8` must not import torch, and need not: a tensor can only exist once its caller imported
+torch, so a tensor is recognised through `sys.modules`, never by importing torch here.
+"""
+import functools
+import inspect
+import sys
+
+import ml_dtypes
+import numpy as np
+
+# Dtypes NumPy only knows through ml_dtypes: read and written through an integer view of the same
+# width.  The key is the dtype's name in torch and in ml_dtypes alike.
+_BIT_VIEWS = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+_ML_DTYPES = {name: np.dtype(getattr(ml_dtypes, name)) for name in _BIT_VIEWS}
+_ML_DTYPE_NAMES = {dt: name for name, dt in _ML_DTYPES.items()}     # np.dtype.name is slow to compute
+
+
+def _is_tensor(obj, torch):
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def to_numpy(obj, name, copy_to_cpu=None):
+    """`obj` unchanged unless it is a torch tensor or dtype; a tensor -> a NumPy array over its memory,
+    a torch dtype -> the NumPy dtype of the same name.  An off-CPU tensor is copied to the CPU when
+    `copy_to_cpu` is True; otherwise it is a ValueError naming `name` and the device (False: the caller
+    has a copy_to_cpu option, and the message says so)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor):
+        return _numpy_dtype(obj) if torch is not None and isinstance(obj, torch.dtype) else obj
+    device = obj.device
+    if device.type != "cpu":
+        if device.type == "meta":
+            raise ValueError(f"{name} is a meta tensor (a shape without data); ktfp8 needs a CPU tensor")
+        if not copy_to_cpu:     # False: the entry point has the option, None: it has not
+            raise ValueError(f"{name} is a tensor on device {str(device)!r}; ktfp8 computes on the CPU: "
+                             f"pass {name}.cpu()" + ("" if copy_to_cpu is None else " or copy_to_cpu=True"))
+        obj = obj.cpu()
+    if obj.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense tensor, got layout {obj.layout}")
+    t = obj.detach() if obj.requires_grad else obj
+    dtype_name = _name(t.dtype)
+    bits = _BIT_VIEWS.get(dtype_name)
+    if bits is None:
+        try:
+            return t.numpy()
+        except TypeError:       # a dtype NumPy has no equivalent for (float8_e4m3fnuz, qint8, ...)
+            raise TypeError(f"{name} has dtype {t.dtype}, which NumPy cannot hold") from None
+    return t.view(getattr(torch, bits)).numpy().view(_ML_DTYPES[dtype_name])
+
+
+def to_tensor(a):
+    """A CPU tensor over the memory of NumPy array `a` (bfloat16 / float8 through an integer view)."""
+    torch = sys.modules.get("torch")
+    dtype_name = _ML_DTYPE_NAMES.get(a.dtype)
+    if dtype_name is None:
+        return torch.from_numpy(a)
+    return torch.from_numpy(a.view(_BIT_VIEWS[dtype_name])).view(getattr(torch, dtype_name))
+
+
+def to_device(t, device):
+    """`t` moved to `device` (a separate function so that tests without a GPU can stand in for it)."""
+    return t.to(device)
+
+
+def _name(torch_dtype):
+    return str(torch_dtype).replace("torch.", "")
+
+
+def _numpy_dtype(torch_dtype):
+    name = _name(torch_dtype)
+    if name in _ML_DTYPES:
+        return _ML_DTYPES[name]
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return torch_dtype          # let the entry point's own dtype check name it
+
+
+def accepts_tensors(main, copy_to_cpu=None):
+    """Decorator: every torch tensor argument reaches the function as a NumPy view (`to_numpy`, the
+    argument's parameter name in messages); when the `main` argument was a tensor, the arrays returned
+    (alone or in a tuple) come back as tensors on its device.  An `out=` tensor is returned as itself.
+
+    copy_to_cpu: None when off-CPU tensors are always refused; else a function of the arguments (a dict
+    by parameter name) saying whether they are copied to the CPU for the call (and the results back to
+    main's device)."""
+    def wrap(fn):
+        names = tuple(inspect.signature(fn).parameters)
+
+        @functools.wraps(fn)
+        def entry(*args, **kwargs):
+            torch = sys.modules.get("torch")
+            if torch is None or not any(isinstance(a, (torch.Tensor, torch.dtype))
+                                        for a in (*args, *kwargs.values())):
+                return fn(*args, **kwargs)                  # NumPy callers pay nothing more
+            given = {**dict(zip(names, args)), **kwargs}
+            allow_copy = None if copy_to_cpu is None else bool(copy_to_cpu(given))
+            args = tuple(to_numpy(a, name, allow_copy) for name, a in zip(names, args)) + args[len(names):]
+            kwargs = {name: to_numpy(value, name, allow_copy) for name, value in kwargs.items()}
+            result = fn(*args, **kwargs)
+            out = given.get("out")
+            if _is_tensor(out, torch) and result is {**dict(zip(names, args)), **kwargs}["out"]:
+                if out.device.type != "cpu":                # written into a CPU copy: copy it back
+                    out.copy_(to_tensor(result))
+                return out
+            if not _is_tensor(given.get(main), torch):
+                return result
+            device = given[main].device
+
+            def back(r):
+                if not isinstance(r, np.ndarray):
+                    return r
+                t = to_tensor(r)
+                return t if device.type == "cpu" else to_device(t, device)
+            return tuple(back(r) for r in result) if isinstance(result, tuple) else back(result)
+        return entry
+    return wrap

@@ -1,0 +1,183 @@
+"""python -m ktfp8.generate: greedy generation with a transformers MoE model whose experts ktfp8 runs.
+
+A folder written by `python -m ktfp8.convert` (its config.json has a quantization_config) loads with
+ktfp8.hf.from_pretrained, experts memory-mapped from the FP8 shards; any other (BF16) folder loads
+with transformers and its experts are quantized to FP8 per-channel on load.  Prints the generated text
+(the token ids when the folder has no tokenizer) and the prefill and decode speeds; with --json, one
+JSON object on stdout: {"ids", "text", "prefill_tokens_per_s", "decode_tokens_per_s"}.
+Exit status: 0 done, 1 the folder cannot be loaded, 2 bad arguments."""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+PROGRESS_EVERY_S = 0.5
+
+
+class _Failure(Exception):
+    """A message for the user and the exit status that goes with it."""
+
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.status = status
+
+
+def _token_ids(text):
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids, got {text!r}")
+    return ids
+
+
+def _positive(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m ktfp8.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="Hugging Face model folder (BF16, or FP8 from ktfp8.convert)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer in the folder)")
+    prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=_positive, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="threads for torch and the ktfp8 kernels (default: all cores this process may use)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")
+    return p.parse_args(argv)
+
+
+def _is_ktfp8_fp8(folder):
+    """True for a folder whose config.json says its weights are quantized (as ktfp8.convert writes it)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise _Failure(f"{folder}: cannot read config.json ({e})", 1) from None
+    return bool(isinstance(config, dict) and config.get("quantization_config"))
+
+
+def load(folder, threads):
+    """(model, tokenizer or None) of `folder`, experts run by ktfp8."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ktfp8.hf
+
+    if _is_ktfp8_fp8(folder):
+        model = ktfp8.hf.from_pretrained(folder, threads=threads, dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, experts_implementation="ktfp8")
+        ktfp8.hf.prepare(model, threads=threads)
+    tokenizer = None
+    if any((folder / f).is_file() for f in TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model, tokenizer
+
+
+class Progress:
+    """A decode progress line on stderr, rewritten in place on a terminal, throttled."""
+
+    def __init__(self, total, stream=sys.stderr):
+        self.total, self.stream, self.last = total, stream, time.perf_counter()
+        self.tty, self.shown = stream.isatty(), False
+
+    def update(self, done, tokens_per_s):
+        now = time.perf_counter()
+        if now - self.last < (PROGRESS_EVERY_S if self.tty else 10 * PROGRESS_EVERY_S):
+            return
+        self.last, self.shown = now, True
+        end = "\r" if self.tty else "\n"
+        self.stream.write(f"decode: {done}/{self.total} tokens, {tokens_per_s:.2f} tokens/s{end}")
+        self.stream.flush()
+
+    def close(self):
+        if self.shown and self.tty:
+            self.stream.write("\n")
+
+
+def greedy(model, prompt_ids, max_new_tokens, eos_ids=(), progress=None):
+    """(new ids, prefill tokens/s, decode tokens/s or None): argmax decoding with the KV cache."""
+    import torch
+
+    new = []
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_ids])
+        start = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        while True:
+            token = int(out.logits[0, -1].argmax())
+            new.append(token)
+            if len(new) == max_new_tokens or token in eos_ids:
+                break
+            out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+            if progress is not None:
+                progress.update(len(new), len(new) / (time.perf_counter() - start))
+        decode_s = time.perf_counter() - start
+    decoded = len(new) - 1              # the first new token comes out of the prefill
+    return new, len(prompt_ids) / prefill_s, (decoded / decode_s if decoded else None)
+
+
+def _eos_ids(model):
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+
+def run(args):
+    folder = Path(args.model)
+    if not folder.is_dir():
+        raise _Failure(f"{folder}: no such model folder", 1)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    try:
+        model, tokenizer = load(folder, args.threads)
+    except (OSError, ValueError, TypeError) as e:
+        raise _Failure(f"{folder}: cannot load the model: {e}", 1) from None
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise _Failure(f"{folder} has no tokenizer: give the prompt as --prompt-ids", 2)
+        prompt_ids = tokenizer(args.prompt)["input_ids"]
+    else:
+        prompt_ids = args.prompt_ids
+    vocab = model.config.get_text_config().vocab_size
+    if max(prompt_ids) >= vocab:
+        raise _Failure(f"--prompt-ids: token id {max(prompt_ids)} is outside the vocabulary (size {vocab})", 2)
+    progress = Progress(args.max_new_tokens) if not args.json else None
+    ids, prefill_tps, decode_tps = greedy(model, prompt_ids, args.max_new_tokens, _eos_ids(model), progress)
+    if progress is not None:
+        progress.close()
+    text = tokenizer.decode(ids) if tokenizer is not None else None
+    if args.json:
+        print(json.dumps({"ids": ids, "text": text, "prefill_tokens_per_s": prefill_tps,
+                          "decode_tokens_per_s": decode_tps}))
+    else:
+        print(text if text is not None else " ".join(map(str, ids)))
+        decode = f"{decode_tps:.2f} tokens/s" if decode_tps is not None else "-"
+        print(f"prefill: {len(prompt_ids)} tokens, {prefill_tps:.2f} tokens/s; "
+              f"decode: {len(ids) - 1} tokens, {decode}")
+
+
+def main(argv=None):
+    args = parse_args(argv)             # argparse exits with status 2 on bad arguments
+    try:
+        run(args)
+    except _Failure as e:
+        print(f"ktfp8.generate: error: {e}", file=sys.stderr)
+        return e.status
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

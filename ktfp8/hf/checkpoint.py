@@ -1,0 +1,111 @@
+"""ktfp8.hf.from_pretrained: a transformers model from a folder written by `python -m ktfp8.convert`,
+its routed experts memory-mapped from the FP8 shards (never widened), everything else loaded by
+transformers as usual.
+
+transformers would read the expert tensors into BF16 `gate_up_proj` / `down_proj` parameters.  Two
+things keep it away from them: while the model is built, the experts modules get empty parameters
+instead of [E, 2I, H] ones (a parameter-registration hook), and the checkpoint's expert tensor names
+are renamed (key_mapping) so that no transformers weight converter matches and reads them."""
+import contextlib
+import re
+from pathlib import Path
+
+import torch
+
+from ..config import QuantConfig
+from ..loader import EXPERT_RE, FP8SafeTensorLoader
+from . import experts as hf_experts
+from .layer import build_layer
+
+_SKIPPED = "ktfp8_fp8_routed"        # what expert tensor names become for transformers: not a parameter
+_KEY_MAPPING = {r"\.experts\.(\d+)\.": rf".{_SKIPPED}.\1."}
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_FP8_FORMATS = ("fp8_per_channel", "fp8_block")
+
+
+@contextlib.contextmanager
+def _expert_weights_left_empty():
+    """While active, supported experts modules register empty gate_up_proj / down_proj parameters."""
+    def hook(module, name, param):
+        if name in hf_experts.RELEASED and type(module).__name__ in hf_experts.SUPPORTED_EXPERTS:
+            return torch.nn.Parameter(torch.empty(0, dtype=param.dtype, device="cpu"), requires_grad=False)
+        return None
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _quant_config(loader):
+    if loader.format == "fp8_per_channel":
+        return QuantConfig("FP8", per_channel=True)
+    return loader.config.quant_config          # block-wise with the checkpoint's block edge
+
+
+def _check_folder(path):
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such model folder")
+    loader = FP8SafeTensorLoader(folder)
+    if loader.format not in _FP8_FORMATS:
+        raise ValueError(f"{folder}: experts are {loader.format!r}, not FP8; load a BF16 folder with "
+                         f"AutoModelForCausalLM.from_pretrained(path, experts_implementation='ktfp8') after "
+                         f"`import ktfp8.hf`, or convert it with `python -m ktfp8.convert`")
+    others = [n for n in loader.checkpoint.names()
+              if EXPERT_RE.match(n) is None and loader.checkpoint.info(n).dtype == "F8_E4M3"]
+    if others:
+        raise ValueError(f"{folder}: FP8 tensors outside the routed experts (e.g. {others[0]!r}); ktfp8.hf "
+                         f"loads checkpoints whose experts only are FP8 (convert without --all-linear)")
+    return loader
+
+
+def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
+    """The transformers causal-LM model of a ktfp8-converted FP8 folder (per-channel or block-wise),
+    its experts run by ktfp8 straight from the memory-mapped FP8 shards.
+
+    threads: kernel threads of the MoE layers (default: KTFP8_NUM_THREADS, OMP_NUM_THREADS, all cores);
+    dtype: of everything transformers holds (activations too): torch.bfloat16 or torch.float32;
+    kwargs: passed on to AutoModelForCausalLM.from_pretrained (e.g. attn_implementation)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype!r}")
+    for reserved in ("config", "key_mapping", "experts_implementation", "quantization_config", "device_map"):
+        if reserved in kwargs:
+            raise TypeError(f"ktfp8.hf.from_pretrained sets {reserved}= itself; do not pass it")
+    loader = _check_folder(path)
+    config = AutoConfig.from_pretrained(path)
+    hf_experts.check_model_type(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config        # the experts are ours; the rest is not quantized
+    quant_config = _quant_config(loader)
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()          # the report lists the experts we skip on purpose
+    try:
+        with _expert_weights_left_empty():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, config=config, dtype=dtype, key_mapping=_KEY_MAPPING, output_loading_info=True,
+                experts_implementation=hf_experts._implementation_name(quant_config), **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = [k for k in info["missing_keys"] if k.rpartition(".")[2] not in hf_experts.RELEASED]
+    if missing or info["mismatched_keys"]:
+        raise ValueError(f"{path}: checkpoint does not fit {type(model).__name__}: missing "
+                         f"{sorted(missing)[:5]}, mismatched {sorted(info['mismatched_keys'])[:5]}")
+
+    for name, module in model.named_modules():
+        if not hf_experts.is_experts_module(module):
+            continue
+        hf_experts.check_supported(module)
+        m = _LAYER_RE.search(name)
+        if m is None or int(m[1]) not in loader.moe_layers():
+            raise ValueError(f"{path}: no expert tensors for {name} (the checkpoint has experts in layers "
+                             f"{loader.moe_layers()})")
+        layer = int(m[1])
+        config_of_layer = hf_experts.layer_config(module, quant_config, threads)
+        hf_experts.attach(module, build_layer(config_of_layer, loader.load_experts(layer), threads=threads,
+                                              layer_index=layer))
+    return model

@@ -1,0 +1,163 @@
+"""The "ktfp8" experts implementations of transformers: which experts modules they take, how a module's
+weights become a ktfp8 layer (once), and the forward function transformers dispatches to.
+
+transformers 5 keeps a MoE block's routed experts in one module (fused `gate_up_proj` [E, 2I, H] and
+`down_proj` [E, H, I], HF Linear layout) called as experts(hidden_states, top_k_index, top_k_weights)
+after its own router: exactly what ktfp8.MoE computes, so routing stays in transformers."""
+import weakref
+
+import torch
+
+from ..config import MoeConfig, QuantConfig
+from ..experts import quantize_experts
+from . import op
+from .layer import build_layer
+
+# transformers experts classes whose layout and activation the kernels compute (silu(gate) * up, no bias)
+SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_moe",
+                     "DeepseekV2Experts": "deepseek_v2", "DeepseekV3Experts": "deepseek_v3",
+                     "MixtralExperts": "mixtral", "OlmoeExperts": "olmoe"}
+SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_EXPERTS.values())
+
+# experts_implementation name -> how the weights are held
+IMPLEMENTATIONS = {"ktfp8": lambda: QuantConfig("FP8", per_channel=True),
+                   "ktfp8_block": lambda: QuantConfig("FP8", per_channel=False, group_size=128),
+                   "ktfp8_bf16": lambda: QuantConfig("BF16")}
+RELEASED = ("gate_up_proj", "down_proj")
+
+
+def is_experts_module(module):
+    """A module transformers' @use_experts_implementation made dispatchable (it sets these flags)."""
+    return all(hasattr(module, a) for a in ("has_gate", "is_concatenated", "gate_up_proj", "down_proj"))
+
+
+def _unsupported(what):
+    return ValueError(f"ktfp8 experts implementation: {what} is not supported; supported model types: "
+                      f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def check_model_type(config):
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise _unsupported(f"model type {model_type!r}")
+
+
+def check_supported(module):
+    """Raises ValueError naming the module's class when ktfp8 cannot run it."""
+    name = type(module).__name__
+    if name not in SUPPORTED_EXPERTS:
+        raise _unsupported(f"{name} (model type {getattr(module.config, 'model_type', None)!r})")
+    layout = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True,
+                  has_post_expert_norm=False, _is_expert_parallel=False)
+    wrong = {k: getattr(module, k, v) for k, v in layout.items() if getattr(module, k, v) != v}
+    act = getattr(module.config, "hidden_act", "silu")
+    if wrong or act not in ("silu", "swish"):
+        raise _unsupported(f"{name} with {wrong or ''} hidden_act={act!r}")
+
+
+def attach(module, layer):
+    """Makes `module` run `layer` (a callable over CPU tensors) and releases its transformers weights
+    (replaced by empty tensors: the memory goes back once nothing else holds them)."""
+    handle = op.register(layer)
+    weakref.finalize(module, op.unregister, handle)
+    module._ktfp8_handle = handle
+    for name in RELEASED:
+        old = getattr(module, name)
+        setattr(module, name, torch.nn.Parameter(torch.empty(0, dtype=old.dtype), requires_grad=False))
+
+
+def layer_config(module, quant_config, threads=None):
+    """ktfp8.MoeConfig of one experts module (routing fields unused: transformers routes)."""
+    return MoeConfig(expert_num=module.num_experts, num_experts_per_tok=module.config.num_experts_per_tok,
+                     hidden_size=module.hidden_dim, intermediate_size=module.intermediate_dim,
+                     threads=threads, quant_config=quant_config)
+
+
+def _weight_array(t, name):
+    if t.device.type != "cpu":
+        raise ValueError(f"ktfp8 experts: {name} is on {t.device}; ktfp8 runs on the CPU "
+                         f"(load the model without device_map / .to('cuda'))")
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype not in (torch.float32, torch.float16):
+        raise TypeError(f"ktfp8 experts: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+    return t.numpy()
+
+
+def prepare_module(module, quant_config, threads=None):
+    """Quantizes one experts module's weights as `quant_config` says, once; no-op when already done."""
+    if getattr(module, "_ktfp8_handle", None) is not None:
+        return
+    check_supported(module)
+    inter = module.intermediate_dim
+    gate_up = _weight_array(module.gate_up_proj, "gate_up_proj")
+    down = _weight_array(module.down_proj, "down_proj")
+    experts = quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, quant_config)
+    attach(module, build_layer(layer_config(module, quant_config, threads), experts, threads=threads))
+
+
+def _quant_config(spec):
+    if spec is None:
+        return IMPLEMENTATIONS["ktfp8"]()
+    if isinstance(spec, QuantConfig):
+        return spec
+    if isinstance(spec, str) and spec in IMPLEMENTATIONS:
+        return IMPLEMENTATIONS[spec]()
+    raise ValueError(f"quant_config must be a ktfp8.QuantConfig or one of {sorted(IMPLEMENTATIONS)}, got {spec!r}")
+
+
+def _implementation_name(quant_config):
+    if quant_config.method == "BF16":
+        return "ktfp8_bf16"
+    return "ktfp8" if quant_config.per_channel else "ktfp8_block"
+
+
+def prepare(model, quant_config=None, *, threads=None):
+    """Converts every routed-experts block of a transformers `model` now (instead of at its first call)
+    and switches the model to the matching "ktfp8" experts implementation; returns the model.
+
+    quant_config: a ktfp8.QuantConfig (e.g. block-wise with group_size=64) or an implementation name
+    ("ktfp8", "ktfp8_block", "ktfp8_bf16"); default: the model's ktfp8 implementation, else "ktfp8".
+    threads: kernel threads of these layers (default: KTFP8_NUM_THREADS, OMP_NUM_THREADS, all cores)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    check_model_type(model.config)
+    if quant_config is None and getattr(model.config, "_experts_implementation", None) in IMPLEMENTATIONS:
+        quant_config = model.config._experts_implementation
+    quant_config = _quant_config(quant_config)
+    modules = [m for m in model.modules() if is_experts_module(m)]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no experts module that transformers' experts_implementation "
+                         f"dispatches")
+    for m in modules:
+        check_supported(m)
+    for m in modules:
+        prepare_module(m, quant_config, threads)
+    model.set_experts_implementation(_implementation_name(quant_config))
+    return model
+
+
+def _forward_for(name):
+    @torch.compiler.disable
+    def first_call(module):
+        prepare_module(module, IMPLEMENTATIONS[name]())
+        return module._ktfp8_handle
+
+    def ktfp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+        handle = getattr(self, "_ktfp8_handle", None)
+        if handle is None:
+            handle = first_call(self)
+        return torch.ops.ktfp8.moe(hidden_states, top_k_index, top_k_weights, handle)
+
+    ktfp8_experts_forward.__qualname__ = f"ktfp8_experts_forward[{name}]"
+    return ktfp8_experts_forward
+
+
+def register_implementations():
+    """Adds the ktfp8 names to transformers' ALL_EXPERTS_FUNCTIONS (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    for name in IMPLEMENTATIONS:
+        if name not in ALL_EXPERTS_FUNCTIONS:
+            ALL_EXPERTS_FUNCTIONS.register(name, _forward_for(name))

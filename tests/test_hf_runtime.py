@@ -1,0 +1,124 @@
+"""ktfp8.hf around the forward: torch.compile, inference_mode, prepare(), the custom op, and the errors
+a user gets for what it cannot run."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import ktfp8  # noqa: E402
+import ktfp8.hf  # noqa: E402
+from hf_models import build_model, save_model  # noqa: E402
+from hf_oracle import PROMPT, experts_module, float32_backend, logits, model_folders  # noqa: E402
+from ktfp8.hf import op  # noqa: E402
+from moe_oracle import nmse  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def float32_kernels(monkeypatch):
+    monkeypatch.setenv("KTFP8_BACKEND", float32_backend())
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return model_folders("qwen3_moe", tmp_path_factory)
+
+
+def test_torch_compile_traces_the_custom_op(qwen3):
+    """fullgraph=True: the experts are one op in the graph (no graph break); aot_eager runs the fake
+    implementation through AOTAutograd like inductor does, without inductor's C++ build time."""
+    model = ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32)
+    want = logits(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert nmse(logits(compiled), want) < 1e-12
+
+
+def test_custom_op_fake_and_real_agree(qwen3):
+    model = ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32)
+    handle = experts_module(model, 0)._ktfp8_handle
+    x = torch.randn(5, 160)
+    ids = torch.randint(0, 4, (5, 2))
+    weights = torch.rand(5, 2)
+    torch.library.opcheck(torch.ops.ktfp8.moe.default, (x, ids, weights, handle),
+                          test_utils=("test_schema", "test_faketensor"))
+    with torch.inference_mode():
+        y = torch.ops.ktfp8.moe(x, ids, weights, handle)
+        ref = torch.ops.ktfp8.moe(x.to(torch.bfloat16), ids.to(torch.int32), weights, handle)
+    assert y.dtype == torch.float32 and ref.dtype == torch.bfloat16
+    assert nmse(ref.float(), y) < 1e-4          # bfloat16 activations: rounding of x and y only
+
+
+def test_prepare_quantizes_now_and_releases_the_bf16_weights(qwen3):
+    model = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)
+    want = logits(ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)))
+    before = sum(p.numel() for p in model.parameters())
+    assert ktfp8.hf.prepare(model) is model
+    assert model.config._experts_implementation == "ktfp8"
+    ex = experts_module(model, 0)
+    released = 4 * (2 * 96 * 160 + 160 * 96) * 2        # experts x (gate_up + down) x 2 layers
+    assert before - sum(p.numel() for p in model.parameters()) == released
+    moe = op.layer_of(ex._ktfp8_handle).moe
+    assert moe.nbytes < released                         # 1 byte per weight (+ scales), not 4
+    ktfp8.hf.prepare(model)                              # a second call changes nothing
+    with torch.inference_mode():
+        got = logits(model)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_set_experts_implementation_switches_a_loaded_model(qwen3):
+    model = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)
+    model.set_experts_implementation("ktfp8_block")
+    logits(model)
+    assert op.layer_of(experts_module(model, 1)._ktfp8_handle).moe.config.quant_config.per_channel is False
+
+
+def test_unsupported_models_are_refused_by_name(tmp_path):
+    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                    num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match="gpt_oss"):
+        ktfp8.hf.prepare(model)
+    model.set_experts_implementation("ktfp8")          # transformers accepts the name; the first call refuses
+    with pytest.raises(ValueError, match="GptOssExperts"):
+        model(torch.tensor([[1, 2, 3]]))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    llama.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="'llama'"):
+        ktfp8.hf.prepare(llama)
+    with pytest.raises(ValueError, match="not FP8"):     # a BF16 folder: that is the other path
+        ktfp8.hf.from_pretrained(tmp_path / "llama")
+
+
+def test_bad_folders_and_arguments(qwen3, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such model folder"):
+        ktfp8.hf.from_pretrained(tmp_path / "missing")
+    with pytest.raises(ValueError, match="not FP8"):
+        ktfp8.hf.from_pretrained(qwen3["bf16"])
+    with pytest.raises(TypeError, match="dtype"):
+        ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float16)
+    with pytest.raises(TypeError, match="key_mapping"):
+        ktfp8.hf.from_pretrained(qwen3["fp8"], key_mapping={})
+    with pytest.raises(ValueError, match="quant_config"):
+        ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(qwen3["bf16"]), quant_config="int4")
+
+
+def test_bad_activations(qwen3):
+    model = ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32)
+    layer = op.layer_of(experts_module(model, 0)._ktfp8_handle)
+    x, ids, w = torch.randn(3, 160), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2)
+    # a tensor on another device (CUDA on a GPU machine; meta here) is refused, not read
+    with pytest.raises(ValueError, match="hidden_states must be on the CPU, got a tensor on meta"):
+        layer(x.to("meta"), ids, w)
+    with pytest.raises(TypeError, match="hidden_states must be torch.bfloat16 or torch.float32, got torch.float16"):
+        layer(x.half(), ids, w)
+    with pytest.raises(TypeError, match="top_k_index must be int32 or int64"):
+        layer(x, ids.float(), w)
+    with pytest.raises(ValueError, match="expert id 9"):
+        layer(x, torch.full((3, 2), 9), w)
+    # a float16 model: the first MoE block says what to do
+    half = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float16, experts_implementation="ktfp8")
+    with pytest.raises(TypeError, match="float16"):
+        half(PROMPT)
