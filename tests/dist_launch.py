@@ -13,7 +13,7 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PRELOAD = ["torch", "torch.distributed", "ktfp8.distributed", "dist_worker"]
+_PRELOAD = ["torch", "torch.distributed", "transformers", "ktfp8.distributed", "dist_worker"]
 
 
 def free_port():
@@ -31,19 +31,21 @@ def _rank_main(env, log_path, target, args):
     with open(log_path, "w") as log:       # the server's stdio belongs to whichever test started it
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+    os.environ.clear()                      # the launching test's environment, not the server's
     os.environ.update(env)
     target(*args)
 
 
-def run_ranks(target, args, world, limit_s, log_dir):
+def run_ranks(target, args, world, limit_s, log_dir, env=None):
     """Runs target(*args) as ranks 0..world-1 (target: a module-level function), each rank's output in
-    log_dir/rank{r}.log; returns [(exit code, output)] per rank."""
+    log_dir/rank{r}.log, `env` added to its environment; returns [(exit code, output)] per rank."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     port = free_port()
     logs = [os.path.join(log_dir, f"rank{r}.log") for r in range(world)]
-    procs = [ctx.Process(target=_rank_main, args=(rank_env(r, world, port), logs[r], target, args),
-                         daemon=True) for r in range(world)]
+    envs = [{**os.environ, **rank_env(r, world, port), **(env or {})} for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(envs[r], logs[r], target, args), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + limit_s
