@@ -60,6 +60,14 @@ def equal(rank, size, out_dir):
         result[f"{fmt}_tensor_bf16"] = y_tensor.view(torch.int16).numpy().view(np.uint16)
         result[f"{fmt}_nbytes"] = np.array([ep.nbytes, MoE(config(fmt), experts, threads=1).nbytes])
         result[f"{fmt}_range"] = np.array([ep.expert_range.start, ep.expert_range.stop])
+    # from a checkpoint: this rank maps only its experts; the same layer gives the same output, bit for bit
+    from ktfp8.loader import FP8SafeTensorLoader
+    from test_expert_shards import _write_checkpoint
+    from pathlib import Path
+    loader = FP8SafeTensorLoader(_write_checkpoint(Path(out_dir) / f"checkpoint{rank}", layer(FORMATS[0])))
+    ep = ExpertParallelMoE.from_loader(loader, 0, config=config(FORMATS[0]), threads=1, timeout_s=TIMEOUT_S)
+    result["from_loader_f32"] = ep(x, ids, w)
+    result["from_loader_range"] = np.array([ep.moe.expert_range.start, ep.moe.expert_range.stop])
     errors = {}
     # a rank whose layer differs: every rank refuses, none hangs on a mismatched all-reduce
     try:

@@ -59,6 +59,9 @@ def test_expert_parallel_equals_one_process(world, tmp_path):
             # resident packed experts: this rank's share of the layer
             mine, total = got[f"{fmt}_nbytes"]
             assert mine == pytest.approx(total * len(parts[r]) / W.E, rel=0.02)
+    for r, got in enumerate(ranks):
+        np.testing.assert_array_equal(got["from_loader_f32"], got[f"{W.FORMATS[0]}_f32"])
+        assert tuple(got["from_loader_range"]) == (parts[r].start, parts[r].stop)
     for r in range(world):
         errors = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert "ranks disagree on (expert_num, hidden_size" in errors["mismatch"]

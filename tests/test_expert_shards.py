@@ -148,7 +148,7 @@ def _write_checkpoint(folder, experts):
     """One safetensors file in DeepSeek/Qwen naming, expert after expert (as HF writes them)."""
     names = {"fp8_per_channel": "weight_scale", "fp8_block": "weight_scale_inv"}
     tensors = {}
-    for e in range(E):
+    for e in range(experts.expert_num):
         for role in ("gate", "up", "down"):
             prefix = f"model.layers.0.mlp.experts.{e}.{role}_proj"
             w = getattr(experts, role)[e]
