@@ -157,17 +157,17 @@ class ExpertParallelMoE:
 
     def __call__(self, x, topk_ids, topk_weights):
         import torch
-        is_tensor = isinstance(x, torch.Tensor)
-        x32, ids, weights = _as_numpy(x, topk_ids, topk_weights)
+        x32 = _float32(x)
         start = time.perf_counter()
-        partial = self.moe(x32, ids, weights)       # float32: the sum loses nothing to BF16 rounding
+        partial = self.moe(x32, topk_ids, topk_weights)     # the core checks shapes, devices, dtypes
         reduced = time.perf_counter()
-        all_reduce_sum(torch.from_numpy(partial), self.group, self.timeout_s)
+        summed = partial if isinstance(partial, torch.Tensor) else torch.from_numpy(partial)
+        all_reduce_sum(summed, self.group, self.timeout_s)  # in place: float32, so BF16 rounds once
         self.timings["calls"] += 1
         self.timings["compute_s"] += reduced - start
         self.timings["allreduce_s"] += time.perf_counter() - reduced
-        if is_tensor:
-            return torch.from_numpy(partial).to(x.dtype)
+        if isinstance(x, torch.Tensor):
+            return summed.to(x.dtype)
         return partial if x.dtype == np.float32 else partial.astype(x.dtype)
 
     def __repr__(self):
@@ -177,22 +177,16 @@ class ExpertParallelMoE:
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def _as_numpy(x, topk_ids, topk_weights):
-    """float32 x and NumPy views of the routing, from NumPy arrays or CPU torch tensors; dtypes are
-    checked here (widening would hide a wrong dtype), shapes by MoE."""
+def _float32(x):
+    """x (float32 or bfloat16, NumPy array or torch tensor) as float32 of the same kind; the dtype is
+    checked here because widening would hide a wrong one."""
     import torch
     if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            raise ValueError(f"x must be a CPU tensor, got one on {x.device}")
         if x.dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
-        x32 = x.detach().to(torch.float32).contiguous().numpy()
-    elif isinstance(x, np.ndarray):
+        return x.detach().to(torch.float32)
+    if isinstance(x, np.ndarray):
         if x.dtype not in (np.dtype(np.float32), _BF16):
             raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
-        x32 = np.ascontiguousarray(x, dtype=np.float32)
-    else:
-        raise TypeError(f"x must be a numpy array or a torch tensor, got {type(x).__name__}")
-    ids, weights = (a.detach().contiguous().numpy() if isinstance(a, torch.Tensor) else a
-                    for a in (topk_ids, topk_weights))
-    return x32, ids, weights
+        return x.astype(np.float32, copy=False)
+    raise TypeError(f"x must be a numpy array or a torch tensor, got {type(x).__name__}")

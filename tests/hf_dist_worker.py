@@ -24,7 +24,7 @@ def run(bf16_folder, fp8_folder, out_dir):
         result[f"{path}_logits"] = logits(model)
         result[f"{path}_tokens"] = np.array(greedy(model))
         layers = [i for i, block in enumerate(model.model.layers) if hasattr(block.mlp, "experts")]
-        result[f"{path}_nbytes"] = np.array([op.layer_of(experts_module(model, i)._ktfp8_handle).layer.nbytes
+        result[f"{path}_nbytes"] = np.array([op.layer_of(experts_module(model, i)._ktfp8_handle).moe.nbytes
                                              for i in layers])
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
     torch.distributed.destroy_process_group()

@@ -73,17 +73,11 @@ def layer_config(module, quant_config, threads=None):
                      threads=threads, quant_config=quant_config)
 
 
-def _weight_array(t, name):
+def _check_weight(t, name):
     if t.device.type != "cpu":
         raise ValueError(f"ktfp8 experts: {name} is on {t.device}; ktfp8 runs on the CPU "
                          f"(load the model without device_map / .to('cuda'))")
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    if t.dtype not in (torch.float32, torch.float16):
-        raise TypeError(f"ktfp8 experts: {name} must be bfloat16, float16 or float32, got {t.dtype}")
-    return t.numpy()
+    return t.detach()
 
 
 def prepare_module(module, quant_config, threads=None):
@@ -92,8 +86,8 @@ def prepare_module(module, quant_config, threads=None):
         return
     check_supported(module)
     inter = module.intermediate_dim
-    gate_up = _weight_array(module.gate_up_proj, "gate_up_proj")
-    down = _weight_array(module.down_proj, "down_proj")
+    gate_up = _check_weight(module.gate_up_proj, "gate_up_proj")
+    down = _check_weight(module.down_proj, "down_proj")
     experts = quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, quant_config,
                                experts=local_experts(module.num_experts))
     attach(module, build_layer(layer_config(module, quant_config, threads), experts, threads=threads))

@@ -1,0 +1,191 @@
+"""python -m ktfp8.bench.model: tokens per second of a whole transformers MoE model, ktfp8 FP8 experts
+beside transformers' own BF16 experts, in one run on the same model.
+
+The model is Qwen3-30B-A3B at its real widths (hidden 2048, 128 experts, top-8, moe_intermediate 768,
+32 query / 4 key-value heads of 128) with its first --layers of 48 layers and a reduced vocabulary,
+random BF16 weights made here.  Sides, in this order (ktfp8 last: quantizing releases the BF16 experts):
+transformers "eager" and "grouped_mm" (and "batched_mm" for decode: for a prefill it gathers one weight
+copy per token and expert), then ktfp8 FP8 per-channel.  Each side: greedy generation of
+--decode-tokens after a --prompt-tokens prompt (prefill tokens/s = prompt / time of the first
+forward; decode tokens/s = tokens after the first / their time), best of --repeats after a warm-up."""
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+PHASES = ("prefill", "decode")
+SIDES = ("eager", "grouped_mm", "batched_mm", "ktfp8")
+BATCHED_MM_MAX_TOKENS = 8       # batched_mm gathers [tokens x top-k, 2I, H] weights: 25 GB at 512 tokens
+
+
+def qwen3_30b_a3b_config(layers, vocab_size):
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=layers, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, max_position_embeddings=4096,
+                          rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def build_model(layers=6, vocab_size=8192, seed=0):
+    """The random BF16 Qwen3-MoE model (eval mode); weights N(0, 0.02) like transformers' init."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)    # parameters are made in BF16: no float32 copy of 7 GB
+    try:
+        model = Qwen3MoeForCausalLM(qwen3_30b_a3b_config(layers, vocab_size)).eval()
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def measure(model, prompt_ids, new_tokens, repeats, phases=PHASES):
+    """{phase: best tokens/s} of greedy generation (ktfp8.generate.greedy), after a short warm-up."""
+    from ..generate import greedy
+
+    greedy(model, prompt_ids[:8], 2)
+    best = {}
+    for _ in range(repeats):
+        if "prefill" in phases:
+            _, prefill, decode = greedy(model, prompt_ids, new_tokens if "decode" in phases else 1)
+        else:       # decode alone: a short prompt
+            _, prefill, decode = greedy(model, prompt_ids[:BATCHED_MM_MAX_TOKENS], new_tokens)
+        for phase, value in (("prefill", prefill), ("decode", decode)):
+            if phase in phases and value is not None:
+                best[phase] = max(best.get(phase, 0.0), value)
+    return best
+
+
+def rss_gb():
+    """(current, peak) resident set of this process in GB."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    current = int(fields["VmRSS"].split()[0]) * 1024
+    return current / 1e9, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def run(layers=6, threads=2, prompt_tokens=512, decode_tokens=16, repeats=2, vocab_size=8192, sides=SIDES,
+        log=sys.stderr):
+    """Rows {side, backend, prefill, decode, skipped} measured in this process, and the RSS figures."""
+    import torch
+
+    import ktfp8
+    import ktfp8.hf
+
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    model = build_model(layers, vocab_size)
+    print(f"built the model in {time.perf_counter() - start:.0f} s; RSS {rss_gb()[0]:.1f} GB", file=log)
+    prompt = torch.randint(0, vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    rows, memory = [], {}
+    for side in sides:
+        row = {"side": side, "backend": None, "skipped": None}
+        if side == "ktfp8":
+            memory["bf16"] = rss_gb()
+            start = time.perf_counter()
+            ktfp8.hf.prepare(model, "ktfp8", threads=threads)
+            print(f"quantized the experts in {time.perf_counter() - start:.0f} s", file=log)
+            row["backend"] = ktfp8.hf.op.layer_of(model.model.layers[0].mlp.experts._ktfp8_handle).moe.backend
+        else:
+            model.set_experts_implementation(side)
+        phases = PHASES
+        if side == "batched_mm":
+            phases = ("decode",)
+            row["skipped"] = f"prefill: gathers one weight copy per token and expert ({prompt_tokens * 8} copies)"
+        row.update(measure(model, prompt, decode_tokens, repeats, phases))
+        print(f"{side}: " + ", ".join(f"{p} {row[p]:.2f} tokens/s" for p in phases), file=log)
+        rows.append(row)
+    memory["ktfp8"] = rss_gb()
+    return rows, memory
+
+
+def _fmt(v, digits=2):
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def table(rows, layers, threads, prompt_tokens, vocab_size):
+    """Markdown lines: tokens/s per side and ktfp8's ratio to each transformers side."""
+    from .. import backends
+    ours = next((r for r in rows if r["side"] == "ktfp8"), None)
+    lines = [f"Qwen3-30B-A3B widths, first {layers} of 48 layers, vocab {vocab_size}, {threads} threads, "
+             f"{backends.cpu_features()['brand'].strip()}; prefill {prompt_tokens} tokens",
+             "", "| experts | prefill tokens/s | decode tokens/s | ktfp8 prefill x | ktfp8 decode x |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        name = (f"ktfp8 FP8 per-channel ({r['backend']})" if r["side"] == "ktfp8"
+                else f"transformers {r['side']} (BF16)")
+        ratio = {p: (ours[p] / r[p] if ours and ours.get(p) and r.get(p) and r is not ours else None)
+                 for p in PHASES}
+        lines.append(f"| {name} | {_fmt(r.get('prefill'))} | {_fmt(r.get('decode'))} | "
+                     f"{_fmt(ratio['prefill'])} | {_fmt(ratio['decode'])} |")
+    return lines
+
+
+def goals(rows):
+    """The goal lines: ktfp8 vs the fastest transformers BF16 side of each phase."""
+    ours = next((r for r in rows if r["side"] == "ktfp8"), None)
+    out = []
+    for phase, target in (("decode", 1.8), ("prefill", 2.0)):
+        peers = [r for r in rows if r["side"] != "ktfp8" and r.get(phase)]
+        if ours is None or not ours.get(phase) or not peers:
+            continue
+        best = max(peers, key=lambda r: r[phase])
+        ratio = ours[phase] / best[phase]
+        out.append(f"{'reached' if ratio >= target else 'NOT reached'}: {phase} {ratio:.2f}x the fastest "
+                   f"transformers BF16 experts ({best['side']}), goal >= {target}x")
+    return out
+
+
+def _positive(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _sides(text):
+    sides = text.split(",")
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown or not sides:
+        raise argparse.ArgumentTypeError(f"unknown side(s) {unknown}; choose from {','.join(SIDES)}")
+    return [s for s in SIDES if s in sides]          # ktfp8 last: it releases the BF16 experts
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m ktfp8.bench.model", description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=_positive, default=6, help="first N of the 48 layers (default 6, ~7.5 GB)")
+    p.add_argument("--threads", type=_positive, default=os.cpu_count() or 1)
+    p.add_argument("--prompt-tokens", type=_positive, default=512)
+    p.add_argument("--decode-tokens", type=_positive, default=16)
+    p.add_argument("--repeats", type=_positive, default=2, help="measurements per side; the best counts")
+    p.add_argument("--vocab", type=_positive, default=8192)
+    p.add_argument("--sides", type=_sides, default=list(SIDES), help=f"comma-separated from {','.join(SIDES)}")
+    p.add_argument("--json", metavar="PATH", help="also write the rows and RSS figures as JSON")
+    args = p.parse_args(argv)
+    rows, memory = run(args.layers, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats,
+                       args.vocab, args.sides)
+    print("\n".join(table(rows, args.layers, args.threads, args.prompt_tokens, args.vocab)))
+    print("\n".join(goals(rows)))
+    for when, (current, peak) in memory.items():
+        print(f"RSS with {'BF16' if when == 'bf16' else 'FP8 (ktfp8)'} experts: {current:.2f} GB "
+              f"(peak so far {peak:.2f} GB)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "rss_gb": memory, "args": vars(args)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

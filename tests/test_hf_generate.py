@@ -1,0 +1,94 @@
+"""python -m ktfp8.generate: the tokens are transformers' own greedy ones (model.generate on the same
+ktfp8 model), for a BF16 folder and an FP8 folder, with and without a tokenizer; its exit statuses."""
+import json
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import ktfp8.hf  # noqa: E402
+from hf_oracle import float32_backend, model_folders  # noqa: E402
+from ktfp8.generate import main  # noqa: E402
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+PROMPT = [5, 17, 42, 99, 3]
+NEW = 12
+
+
+@pytest.fixture(autouse=True)
+def float32_kernels(monkeypatch):
+    monkeypatch.setenv("KTFP8_BACKEND", float32_backend())
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return model_folders("mixtral", tmp_path_factory)
+
+
+def _generate_json(capsys, *args):
+    assert main([*args, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1           # one JSON object, nothing else on stdout
+    return json.loads(out)
+
+
+def _expected(model, prompt=PROMPT):
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    ids = out[0, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_id
+    return ids[:ids.index(eos) + 1] if eos in ids else ids     # generate pads after EOS; we stop
+
+
+@pytest.mark.parametrize("folder", ["fp8", "bf16"])
+def test_json_ids_are_transformers_greedy_tokens(mixtral, folder, capsys):
+    got = _generate_json(capsys, "--model", str(mixtral[folder]), "--prompt-ids", ",".join(map(str, PROMPT)),
+                         "--max-new-tokens", str(NEW), "--threads", "2")
+    if folder == "fp8":
+        model = ktfp8.hf.from_pretrained(mixtral["fp8"])
+    else:
+        model = ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(mixtral["bf16"], dtype=torch.bfloat16))
+    assert got["ids"] == _expected(model)
+    assert got["text"] is None                                   # the folder has no tokenizer
+    assert got["prefill_tokens_per_s"] > 0
+    assert got["decode_tokens_per_s"] is None or got["decode_tokens_per_s"] > 0
+
+
+def _word_tokenizer(vocab_size):
+    """A whitespace tokenizer whose word 'w<i>' is token i (an oracle for text in, text out)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f"w{i}": i for i in range(vocab_size - 1)} | {"[UNK]": vocab_size - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+def test_text_prompt_and_text_out(mixtral, tmp_path, capsys):
+    folder = shutil.copytree(mixtral["fp8"], tmp_path / "with_tokenizer")
+    _word_tokenizer(128).save_pretrained(folder)
+    got = _generate_json(capsys, "--model", str(folder), "--prompt", " ".join(f"w{i}" for i in PROMPT),
+                         "--max-new-tokens", str(NEW))
+    assert got["ids"] == _expected(ktfp8.hf.from_pretrained(mixtral["fp8"]))
+    assert got["text"].split() == [f"w{i}" if i < 127 else "[UNK]" for i in got["ids"]]
+    assert main(["--model", str(folder), "--prompt", "w1 w2", "--max-new-tokens", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines[0].split()) <= 3 and lines[1].startswith("prefill: 2 tokens")
+
+
+def test_exit_statuses(mixtral, tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "missing"), "--prompt-ids", "1"]) == 1
+    assert "no such model folder" in capsys.readouterr().err
+    assert main(["--model", str(mixtral["fp8"]), "--prompt", "hello"]) == 2     # no tokenizer for text
+    assert "--prompt-ids" in capsys.readouterr().err
+    assert main(["--model", str(mixtral["fp8"]), "--prompt-ids", "1,500"]) == 2
+    assert "outside the vocabulary" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["--model", str(tmp_path / "empty"), "--prompt-ids", "1"]) == 1
+    for bad in (["--prompt-ids", "1"], ["--model", "x"], ["--model", "x", "--prompt-ids", "1,a"],
+                ["--model", "x", "--prompt-ids", "1", "--max-new-tokens", "0"],
+                ["--model", "x", "--prompt", "a", "--prompt-ids", "1"], ["--model", "x", "--prompt-ids", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2
