@@ -3,11 +3,16 @@ top-8, hidden 2048, intermediate 768, FP8 per-channel) run by 1 process over all
 ranks (torch.distributed, gloo on loopback) each holding 1/N of the experts on cores/N threads.
 
     python bench/expert_parallel.py [--ranks 1,2] [--tokens 1,8,64,512] [--repeat 2] [--json FILE]
+    python bench/expert_parallel.py --model-layers 2 [--prompt-tokens 256] [--decode-tokens 16]
 
 Per rank and token count: MoE-layer milliseconds per call (median over fresh routings), of which the
 partial compute and the all-reduce (which includes waiting for the slowest rank), a bare all-reduce of
 the same message after a barrier (the transport alone), tokens/s, packed expert bytes and RSS.
-Configurations alternate `--repeat` times and the fastest of each is kept (this machine is shared)."""
+Configurations alternate `--repeat` times and the fastest of each is kept (this machine is shared).
+
+--model-layers N: the model instead of the layer - ktfp8.bench.model's Qwen3-30B-A3B-wide model (128
+experts, top-8) with its first N layers, the same random weights on every rank, experts quantized by
+ktfp8.hf (each rank only its own); prefill and decode tokens/s of greedy generation and RSS per rank."""
 import argparse
 import dataclasses
 import json
@@ -89,19 +94,58 @@ def rank_main(rank, world, port, threads, tokens, rounds, queue):
         torch.distributed.destroy_process_group()
 
 
+def model_rank_main(rank, world, port, threads, args, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    import torch
+
+    import ktfp8.hf
+    from ktfp8.bench import model as M
+    from ktfp8.hf import op
+    torch.set_num_threads(threads)
+    if world > 1:
+        from ktfp8 import distributed as D
+        D.init_process_group(timeout_s=600)
+    model = M.build_model(args.model_layers, seed=0)
+    bf16_rss = M.rss_gb()[0]
+    ktfp8.hf.prepare(model, "ktfp8", threads=threads)
+    prompt = torch.randint(0, 8192, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    speeds = M.measure(model, prompt, args.decode_tokens, args.repeat)
+    layers = [op.layer_of(b.mlp.experts._ktfp8_handle).moe for b in model.model.layers]
+    allreduce = sum(getattr(m, "timings", {}).get("allreduce_s", 0.0) for m in layers)
+    calls = sum(getattr(m, "timings", {}).get("calls", 0) for m in layers)
+    queue.put({"rank": rank, "world": world, "threads": threads, **speeds,
+               "packed_bytes": sum(m.nbytes for m in layers), "rss_bf16_model_gb": bf16_rss,
+               "rss_gb": M.rss_gb()[0], "peak_rss_gb": M.rss_gb()[1],
+               "allreduce_ms_per_call": 1e3 * allreduce / calls if calls else None})
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def model_report(results, args):
+    print(f"\nQwen3-30B-A3B widths, first {args.model_layers} layers; prompt {args.prompt_tokens}, "
+          f"decode {args.decode_tokens} tokens; best of {args.repeat}")
+    print(f"{'ranks':>5} {'rank':>4} {'threads':>7} {'prefill tok/s':>13} {'decode tok/s':>12} "
+          f"{'packed GiB':>10} {'RSS GB':>7} {'peak GB':>7} {'all-reduce ms/call':>18}")
+    for world, ranks in results.items():
+        for r in ranks:
+            ar = "-" if r["allreduce_ms_per_call"] is None else f"{r['allreduce_ms_per_call']:.2f}"
+            print(f"{world:>5} {r['rank']:>4} {r['threads']:>7} {r['prefill']:>13.2f} {r['decode']:>12.2f} "
+                  f"{r['packed_bytes'] / 2**30:>10.2f} {r['rss_gb']:>7.2f} {r['peak_rss_gb']:>7.2f} {ar:>18}")
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run(world, cores, tokens, rounds):
+def run(world, cores, target, *args):
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     threads = max(1, cores // world)
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, threads, tokens, rounds, queue))
-             for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, threads, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = sorted((queue.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
@@ -153,15 +197,22 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=9, help="timed calls per T (default 9)")
     p.add_argument("--repeat", type=int, default=2, help="alternate the configurations this often (default 2)")
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="cores shared by the ranks")
+    p.add_argument("--model-layers", type=int, default=0, help="run the model with this many layers instead")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="model: prompt length (default 256)")
+    p.add_argument("--decode-tokens", type=int, default=16, help="model: generated tokens (default 16)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     worlds = [int(w) for w in args.ranks.split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]
-    best = {w: None for w in worlds}
-    for _ in range(args.repeat):
-        for w in worlds:
-            best[w] = _merge(best[w], run(w, args.cores, tokens, args.rounds))
-    report(best)
+    if args.model_layers:
+        best = {w: run(w, args.cores, model_rank_main, args) for w in worlds}
+        model_report(best, args)
+    else:
+        best = {w: None for w in worlds}
+        for _ in range(args.repeat):
+            for w in worlds:
+                best[w] = _merge(best[w], run(w, args.cores, rank_main, tokens, args.rounds))
+        report(best)
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in best.items()}, indent=1))
     return 0

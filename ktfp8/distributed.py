@@ -15,13 +15,12 @@ import time
 import ml_dtypes
 import numpy as np
 
-from .experts import ExpertWeights, split_experts
+from .experts import FORMATS, ExpertWeights, split_experts
 from .moe import MoE
 
 ENV_TIMEOUT = "KTFP8_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_FORMAT_CODES = {"fp8_per_channel": 0, "fp8_block": 1, "bf16": 2}
 
 
 class ExpertParallelError(RuntimeError):
@@ -138,7 +137,7 @@ class ExpertParallelMoE:
         self.moe = MoE(config, shard, backend=backend, threads=threads)
         self.config = config
         check_same_on_all_ranks((config.expert_num, config.hidden_size, config.intermediate_size,
-                                 config.num_experts_per_tok, _FORMAT_CODES[experts.format]),
+                                 config.num_experts_per_tok, FORMATS.index(experts.format)),
                                 "(expert_num, hidden_size, intermediate_size, num_experts_per_tok, format)",
                                 group, self.timeout_s)
         self.timings = {"calls": 0, "compute_s": 0.0, "allreduce_s": 0.0}
