@@ -47,44 +47,69 @@ class QuantConfig:
                  group_size x group_size block (DeepSeek-V3 `weight_scale_inv`).
     group_size:  0 when per_channel; the block edge (> 0, default 128) when block-wise.
 
-    Fields are set one at a time in KTransformers code, so `per_channel` is the mode switch and
-    carries `group_size` along when the old value no longer fits: `per_channel = True` sets
-    group_size to 0, `per_channel = False` with group_size 0 sets it to 128. `group_size` itself is
-    checked against the current mode (a block edge while per_channel is True raises ValueError),
-    so switch the mode first: `per_channel = False; group_size = 64`.
+    per_channel and group_size state one fact twice (group_size 0 <=> per-channel), and KTransformers
+    code sets them one at a time, so the order of assignment does not matter: a field you have not set
+    follows the one you set (on a fresh config `per_channel = False` gives group_size 128 and
+    `group_size = 64` gives per_channel False), while a value you did set is never changed behind your
+    back: setting the other field against it raises ValueError, whichever comes first
+    (`per_channel = True` and `group_size = 128`). To switch an explicitly set config to the other
+    scale mode, assign both at once (`cfg.quant_config = {"method": "FP8", "per_channel": False,
+    "group_size": 64}`) or first release group_size with `group_size = None` (it then follows the mode).
     """
 
-    def __init__(self, method="FP8", per_channel=True, group_size=None):
+    def __init__(self, method="FP8", per_channel=None, group_size=None):
         method = _as_choice("QuantConfig", "method", method, QUANT_METHODS)
-        per_channel = _as_bool("QuantConfig", "per_channel", per_channel)
+        # the scale fields the caller chose (the others follow them); not part of equality
+        chosen = frozenset(name for name, value in (("per_channel", per_channel), ("group_size", group_size))
+                           if value is not None)
+        if per_channel is not None:
+            per_channel = _as_bool("QuantConfig", "per_channel", per_channel)
+        if group_size is not None:
+            group_size = _as_int("QuantConfig", "group_size", group_size, 0)
+        if per_channel is None:                 # not given: follows group_size, per-channel by default
+            per_channel = group_size is None or group_size == 0
         if group_size is None:
             group_size = 0 if per_channel else DEFAULT_BLOCK
-        group_size = _as_int("QuantConfig", "group_size", group_size, 0)
         _check_scale_mode(per_channel, group_size)
         object.__setattr__(self, "method", method)
         object.__setattr__(self, "per_channel", per_channel)
         object.__setattr__(self, "group_size", group_size)
+        object.__setattr__(self, "_chosen", chosen)
 
     def __setattr__(self, name, value):
         if name == "method":
-            value = _as_choice("QuantConfig", "method", value, QUANT_METHODS)
+            object.__setattr__(self, name, _as_choice("QuantConfig", "method", value, QUANT_METHODS))
         elif name == "per_channel":
-            value = _as_bool("QuantConfig", "per_channel", value)
-            if value and self.group_size != 0:
-                object.__setattr__(self, "group_size", 0)
-            elif not value and self.group_size == 0:
-                object.__setattr__(self, "group_size", DEFAULT_BLOCK)
+            self._set_scale_mode("per_channel", _as_bool("QuantConfig", "per_channel", value))
+        elif name == "group_size" and value is None:
+            object.__setattr__(self, "group_size", 0 if self.per_channel else DEFAULT_BLOCK)
+            object.__setattr__(self, "_chosen", self._chosen - {"group_size"})
         elif name == "group_size":
-            value = _as_int("QuantConfig", "group_size", value, 0)
-            _check_scale_mode(self.per_channel, value)
+            self._set_scale_mode("group_size", _as_int("QuantConfig", "group_size", value, 0))
         else:
             raise AttributeError(f"QuantConfig has no field {name!r}; fields: method, per_channel, group_size")
-        object.__setattr__(self, name, value)
+
+    def _set_scale_mode(self, name, value):
+        per_channel, group_size = (value, self.group_size) if name == "per_channel" else (self.per_channel, value)
+        if per_channel != (group_size == 0):
+            other = "group_size" if name == "per_channel" else "per_channel"
+            if name == "per_channel":
+                group_size = 0 if per_channel else DEFAULT_BLOCK
+            else:
+                per_channel = group_size == 0
+            if other in self._chosen:
+                wanted = {"method": self.method, "per_channel": per_channel, "group_size": group_size}
+                raise ValueError(f"QuantConfig.{name} = {value!r} contradicts {other} = {getattr(self, other)!r} "
+                                 f"set before (group_size 0 means per-channel); to change both, assign them at "
+                                 f"once: cfg.quant_config = {wanted}")
+        object.__setattr__(self, "per_channel", per_channel)
+        object.__setattr__(self, "group_size", group_size)
+        object.__setattr__(self, "_chosen", self._chosen | {name})
 
     def __eq__(self, other):
         if not isinstance(other, QuantConfig):
             return NotImplemented
-        return vars(self) == vars(other)
+        return (self.method, self.per_channel, self.group_size) == (other.method, other.per_channel, other.group_size)
 
     __hash__ = None  # mutable
 
@@ -95,10 +120,10 @@ class QuantConfig:
 def _check_scale_mode(per_channel, group_size):
     if per_channel and group_size != 0:
         raise ValueError(f"QuantConfig.group_size must be 0 with per_channel=True (one scale per output row), "
-                         f"got {group_size}; set per_channel = False first for block-wise scales")
+                         f"got {group_size}; use per_channel=False for block-wise scales")
     if not per_channel and group_size <= 0:
         raise ValueError(f"QuantConfig.group_size must be > 0 (the block edge, e.g. {DEFAULT_BLOCK}) with "
-                         f"per_channel=False, got {group_size}; set per_channel = True for per-channel scales")
+                         f"per_channel=False, got {group_size}; use per_channel=True for per-channel scales")
 
 
 _MOE_FIELDS = ("expert_num", "num_experts_per_tok", "hidden_size", "intermediate_size", "scoring_func",

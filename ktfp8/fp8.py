@@ -6,10 +6,10 @@ sign (0x7F / 0xFF).  Codes are returned as ``uint8``; ``ml_dtypes.float8_e4m3fn`
 wherever codes are read.  Every function is bit-identical across backends and thread counts.
 
 Float inputs are ``float32``, ``ml_dtypes.bfloat16`` or ``float16`` NumPy arrays or CPU torch
-tensors (read in place; the results are then tensors, and torch dtypes are accepted as dtypes).  Non-contiguous
-inputs are copied to C order first (the result is the same; only the copy costs).  Every function
-takes the keyword arguments ``backend`` (a name from ``ktfp8.available_backends()``; default: the
-``KTFP8_BACKEND`` environment variable, else the best one) and ``threads`` (default:
+tensors (read in place; the results are then tensors, and torch dtypes are accepted as dtypes).
+Non-contiguous inputs are copied to C order first (the result is the same; only the copy costs).
+Every function takes the keyword arguments ``backend`` (a name from ``ktfp8.available_backends()``;
+default: the ``KTFP8_BACKEND`` environment variable, else the best one) and ``threads`` (default:
 ``KTFP8_NUM_THREADS``, else all cores); the GIL is released while the C code runs.
 
 Scales follow DeepSeek-V3's ``weight_scale_inv``: ``w ~= decode(code) * scale`` with

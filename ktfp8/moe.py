@@ -1,13 +1,15 @@
 """MoE: routed experts packed once for one kernel backend, then run many times.
 
 Also the classes with the names KTransformers users know (AMXFP8PerChannel_MOE, AMXFP8_MOE,
-AMXBF16_MOE): present when this CPU runs the native AVX-512-BF16 path or better, else None."""
+AMXBF16_MOE): they run the native AVX-512-BF16 path or AMX; on a CPU without either, constructing one
+raises RuntimeError saying what the CPU lacks (ktfp8.MoE runs everywhere).  _HAS_FP8_PERCHANNEL_SUPPORT
+is True exactly when they can be constructed."""
 import ml_dtypes
 import numpy as np
 
 from . import backends
-from ._torch import accepts_tensors
 from ._native import _ext
+from ._torch import accepts_tensors
 from .config import MoeConfig
 from .experts import ExpertWeights
 
@@ -157,17 +159,32 @@ def moe_forward(x, experts, topk_ids, topk_weights, config, backend=None, out=No
     return MoE(config, experts, backend=backend)(x, topk_ids, topk_weights, out=out, accumulate=accumulate)
 
 
+# the native classes' backends, best first, and the CPU flags the slower of them needs (dispatch.c)
+_NATIVE_BACKENDS = [b for b in ("amx", "avx512_bf16") if b in backends.available_backends()]
+_AVX512_BF16_FLAGS = ("os_avx512", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi")
+
+
+def _unsupported(name):
+    """Why `name` cannot run here, and what to use instead."""
+    features = backends.cpu_features()
+    lacking = [flag for flag in _AVX512_BF16_FLAGS if not features.get(flag)]
+    why = (f"this CPU lacks {', '.join(lacking)}" if lacking else
+           "this build did not compile the avx512_bf16 / amx kernels (KTFP8_ENABLE_AVX512_BF16)")
+    return (f"{name} needs the native AVX-512-BF16 path (AVX-512 F/DQ/BW/VL + BF16 + VBMI) or AMX, and {why}; "
+            f"use ktfp8.MoE(config, experts), which runs the same weights here with backend "
+            f"{backends.available_backends()[0]!r}")
+
+
 def _native_class(name, fmt, doc):
     """A KTransformers-named class bound to one weight format, using AMX where the CPU has it and
-    the AVX-512-BF16 path otherwise; None when neither is available."""
-    usable = [b for b in ("amx", "avx512_bf16") if b in backends.available_backends()]
-    if not usable:
-        return None
+    the AVX-512-BF16 path otherwise; constructing it where neither runs raises RuntimeError."""
 
     def __init__(self, config, experts, threads=None, copy_to_cpu=False):
+        if not _NATIVE_BACKENDS:
+            raise RuntimeError(_unsupported(name))
         if experts.format != fmt:
             raise ValueError(f"{name} takes {fmt!r} experts, got {experts.format!r}")
-        MoE.__init__(self, config, experts, backend=usable[0], threads=threads, copy_to_cpu=copy_to_cpu)
+        MoE.__init__(self, config, experts, backend=_NATIVE_BACKENDS[0], threads=threads, copy_to_cpu=copy_to_cpu)
 
     return type(name, (MoE,), {"__init__": __init__, "__doc__": doc})
 
@@ -176,4 +193,4 @@ AMXFP8PerChannel_MOE = _native_class("AMXFP8PerChannel_MOE", "fp8_per_channel",
                                      "FP8 E4M3 experts with one fp32 scale per output row.")
 AMXFP8_MOE = _native_class("AMXFP8_MOE", "fp8_block", "FP8 E4M3 experts with block-wise scales.")
 AMXBF16_MOE = _native_class("AMXBF16_MOE", "bf16", "BF16 experts.")
-_HAS_FP8_PERCHANNEL_SUPPORT = AMXFP8PerChannel_MOE is not None
+_HAS_FP8_PERCHANNEL_SUPPORT = bool(_NATIVE_BACKENDS)

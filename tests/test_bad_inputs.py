@@ -199,6 +199,9 @@ CASES = [
          ValueError, "group_size must be 0 with per_channel=True"),
     Case("QuantConfig", "block-wise with group_size=0", lambda c: ktfp8.QuantConfig("FP8", False, 0),
          ValueError, "group_size must be > 0"),
+    Case("QuantConfig (assignment)", "group_size = 128 after per_channel = True",
+         lambda c: setattr(ktfp8.QuantConfig("FP8", per_channel=True), "group_size", 128), ValueError,
+         "QuantConfig.group_size = 128 contradicts per_channel = True set before"),
     Case("QuantConfig", "per_channel='yes'", lambda c: ktfp8.QuantConfig("FP8", "yes"), TypeError,
          "per_channel must be a bool"),
     Case("MoeConfig.from_hf_config", "a path with no config.json",
@@ -382,8 +385,8 @@ CASES = [
          lambda c: ktfp8.moe_forward(c.x, c.experts, np.array([[-1, 9]] * 3), c.tw, c.cfg), ValueError,
          "topk_ids holds expert id 9 >= expert_num 4"),
     Case("moe_forward", "topk_ids a CUDA tensor",
-         lambda c: ktfp8.moe_forward(c.x, c.experts, _cuda(c.ids), c.tw, c.cfg), ValueError, "topk_ids is a tensor on device 'cuda:0'; ktfp8 computes on the CPU: pass topk_ids.cpu() or "
-                     "copy_to_cpu=True"),
+         lambda c: ktfp8.moe_forward(c.x, c.experts, _cuda(c.ids), c.tw, c.cfg), ValueError,
+         "topk_ids is a tensor on device 'cuda:0'; ktfp8 computes on the CPU: pass topk_ids.cpu() or copy_to_cpu=True"),
     # ---------------------------------------------------------------- FP8SafeTensorLoader
     Case("FP8SafeTensorLoader", "a path that is not a folder",
          lambda c: FP8SafeTensorLoader(c.ckpt / "config.json"), SafetensorsError, "not a directory"),

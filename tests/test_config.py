@@ -3,6 +3,7 @@
 from_hf_config is checked against config dicts and files written by transformers' own config classes,
 so the field names are the ones real checkpoints use."""
 import copy
+import itertools
 import json
 
 import numpy as np
@@ -133,26 +134,73 @@ def test_quant_config_invalid(kwargs, error, field):
         QuantConfig(**kwargs)
 
 
-def test_quant_config_ktransformers_assignment_order():
-    """The field-by-field idiom works in its natural order, both ways, and the mode switch
-    (per_channel) brings group_size along; an explicit contradiction still raises."""
-    q = MoeConfig(**SIZES).quant_config
-    q.method, q.per_channel, q.group_size = "FP8", True, 0
-    assert q == QuantConfig("FP8", True, 0)
+SCALE_TARGETS = [(True, 0), (False, 128), (False, 64)]
+
+
+@pytest.mark.parametrize("method", ["FP8", "BF16"])
+@pytest.mark.parametrize("per_channel, group_size", SCALE_TARGETS)
+def test_quant_config_assignment_order_does_not_matter(method, per_channel, group_size):
+    """The KTransformers field-by-field idiom on a fresh config reaches the same config in every order."""
+    for order in itertools.permutations([("method", method), ("per_channel", per_channel),
+                                         ("group_size", group_size)]):
+        q = MoeConfig(**SIZES).quant_config
+        for name, value in order:
+            setattr(q, name, value)
+        assert q == QuantConfig(method, per_channel, group_size), order
+
+
+@pytest.mark.parametrize("per_channel, group_size", [(True, 128), (False, 0)])
+def test_quant_config_contradiction_raises_in_either_order(per_channel, group_size):
+    """Two assignments that contradict each other: ValueError at the second, whichever it is, and the
+    config stays as the first left it."""
+    values = {"per_channel": per_channel, "group_size": group_size}
+    for first, second in (("per_channel", "group_size"), ("group_size", "per_channel")):
+        q = QuantConfig()
+        setattr(q, first, values[first])
+        before = (q.per_channel, q.group_size)
+        with pytest.raises(ValueError, match=f"QuantConfig.{second} = .* contradicts {first} = .* set before"):
+            setattr(q, second, values[second])
+        assert (q.per_channel, q.group_size) == before
+        with pytest.raises(ValueError, match="group_size"):
+            QuantConfig("FP8", per_channel, group_size)
+
+
+def test_quant_config_unset_field_follows_the_set_one():
+    q = QuantConfig()
     q.per_channel = False                      # block-wise, default block 128
-    assert q.group_size == 128
+    assert q == QuantConfig("FP8", False, 128)
     q.group_size = 64
     assert q == QuantConfig("FP8", False, 64)
-    q.per_channel = True                       # back to per-channel: the block edge no longer applies
+    q = QuantConfig()
+    q.group_size = 32                          # a block edge: block-wise
+    assert q == QuantConfig("FP8", False, 32)
+    assert QuantConfig(group_size=64) == QuantConfig("FP8", False, 64)
+    assert QuantConfig(group_size=0) == QuantConfig("FP8", True, 0)
+
+
+def test_quant_config_switching_a_set_config():
+    """Values set are never changed behind the user's back; the message shows the one-step switch, and
+    group_size = None hands group_size back to the mode."""
+    cfg = MoeConfig(**SIZES)
+    q = cfg.quant_config
+    q.method, q.per_channel, q.group_size = "FP8", True, 0
+    with pytest.raises(ValueError, match=r"cfg.quant_config = \{'method': 'FP8', 'per_channel': False, "
+                                         r"'group_size': 128\}"):
+        q.per_channel = False
+    assert q == QuantConfig("FP8", True, 0)
+    cfg.quant_config = {"method": "FP8", "per_channel": False, "group_size": 64}
+    assert cfg.quant_config == QuantConfig("FP8", False, 64)
+    q = cfg.quant_config
+    q.group_size = None                        # released: follows the mode
+    assert q.group_size == 128
+    q.per_channel = True
+    assert q == QuantConfig("FP8", True, 0)
     q.group_size = 0
     assert q == QuantConfig("FP8", True, 0)
-    with pytest.raises(ValueError, match="per_channel = False first"):
-        q.group_size = 128                     # a block edge while per-channel
-    assert q == QuantConfig("FP8", True, 0)
-    q.per_channel = False
-    with pytest.raises(ValueError, match="group_size"):
-        q.group_size = 0                       # block-wise without a block
-    assert q == QuantConfig("FP8", False, 128)
+
+
+def test_quant_config_method_checked_on_assignment():
+    q = QuantConfig()
     with pytest.raises(ValueError, match="method"):
         q.method = "AMXINT4"
     assert q.method == "FP8"

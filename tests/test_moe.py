@@ -206,16 +206,31 @@ def test_unusable_backend_is_refused(layer):
 def test_ktransformers_named_classes():
     from ktfp8 import moe as moe_mod
     native = [b for b in ("amx", "avx512_bf16") if b in ktfp8.available_backends()]
-    assert moe_mod._HAS_FP8_PERCHANNEL_SUPPORT == (moe_mod.AMXFP8PerChannel_MOE is not None)
-    assert (moe_mod.AMXFP8PerChannel_MOE is not None) == bool(native)
-    assert (moe_mod.AMXFP8_MOE is not None) == bool(native)
-    assert (moe_mod.AMXBF16_MOE is not None) == bool(native)
+    assert moe_mod._HAS_FP8_PERCHANNEL_SUPPORT == bool(native)
+    classes = (moe_mod.AMXFP8PerChannel_MOE, moe_mod.AMXFP8_MOE, moe_mod.AMXBF16_MOE)
+    assert all(isinstance(cls, type) and issubclass(cls, MoE) for cls in classes)
+    experts, dense = make_experts("fp8_per_channel", E, H, I, seed=14)
     if native:
-        experts, dense = make_experts("fp8_per_channel", E, H, I, seed=14)
         m = moe_mod.AMXFP8PerChannel_MOE(config("fp8_per_channel"), experts)
         assert m.backend == native[0]
         x, ids, w = _inputs(3)
         assert nmse(m(x, ids, w), moe_fp64(x, ids, w, *dense)) <= 2e-5
+    else:
+        lacking = [f for f in ("avx512f", "avx512bw", "avx512_bf16", "avx512_vbmi") if not ktfp8.cpu_features()[f]]
+        for cls in classes:
+            with pytest.raises(RuntimeError, match=f"{cls.__name__} needs the native AVX-512-BF16 path") as e:
+                cls(config("fp8_per_channel"), experts)
+            assert all(flag in str(e.value) for flag in lacking) and "use ktfp8.MoE(config, experts)" in str(e.value)
+
+
+def test_ktransformers_named_class_on_a_build_without_native_kernels(monkeypatch):
+    """A CPU that has every flag but a build without the kernels: the message says it is the build."""
+    from ktfp8 import moe as moe_mod
+    monkeypatch.setattr(moe_mod, "_NATIVE_BACKENDS", [])
+    monkeypatch.setattr(moe_mod.backends, "cpu_features", lambda: dict.fromkeys(moe_mod._AVX512_BF16_FLAGS, 1))
+    experts, _ = make_experts("fp8_per_channel", E, H, I, seed=14)
+    with pytest.raises(RuntimeError, match="this build did not compile the avx512_bf16 / amx kernels"):
+        moe_mod.AMXFP8PerChannel_MOE(config("fp8_per_channel"), experts)
 
 
 def test_moe_forward_functional_form(layer):

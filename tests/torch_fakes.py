@@ -1,7 +1,8 @@
 """A tensor on a device this machine lacks: CPU memory behind a tensor that says it lives on cuda:0.
 
-What ktfp8 sees of it is what it would see of a real CUDA tensor (`.device`, `.is_cuda`); `.cpu()` and
-`.numpy()` still work, so a copy to the CPU can be followed through (`.cpu()` keeps the subclass)."""
+What ktfp8 sees of it is what it would see of a real CUDA tensor (`.device`, `.is_cuda`, `.is_cpu`);
+`.cpu()` and `.numpy()` still work, so a copy to the CPU can be followed through (`.cpu()` keeps the
+subclass)."""
 import torch
 
 
@@ -13,6 +14,10 @@ class _OnCuda(torch.Tensor):
     @property
     def is_cuda(self):
         return True
+
+    @property
+    def is_cpu(self):
+        return False
 
 
 def cuda_tensor(t):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import QuantConfig
-from ..loader import EXPERT_RE, FP8SafeTensorLoader
+from ..loader import EXPERT_RE, FP8SafeTensorLoader, block_size_of
 from . import experts as hf_experts
 from .layer import build_layer, local_experts
 
@@ -40,7 +40,8 @@ def _expert_weights_left_empty():
 def _quant_config(loader):
     if loader.format == "fp8_per_channel":
         return QuantConfig("FP8", per_channel=True)
-    return loader.config.quant_config          # block-wise with the checkpoint's block edge
+    block = block_size_of(loader.hf_config)     # block-wise: the checkpoint's (square) block edge
+    return QuantConfig("FP8", per_channel=False, group_size=block[0])
 
 
 def _check_folder(path):
@@ -107,5 +108,5 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
         layer = int(m[1])
         config_of_layer = hf_experts.layer_config(module, quant_config, threads)
         experts = loader.load_experts(layer, experts=local_experts(module.num_experts))
-        hf_experts.attach(module, build_layer(config_of_layer, experts, threads=threads, layer_index=layer))
+        hf_experts.attach(module, build_layer(config_of_layer, experts, threads=threads))
     return model

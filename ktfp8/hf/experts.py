@@ -49,10 +49,12 @@ def check_supported(module):
         raise _unsupported(f"{name} (model type {getattr(module.config, 'model_type', None)!r})")
     layout = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True,
                   has_post_expert_norm=False, _is_expert_parallel=False)
-    wrong = {k: getattr(module, k, v) for k, v in layout.items() if getattr(module, k, v) != v}
+    problems = [f"{k}={getattr(module, k)}" for k, v in layout.items() if getattr(module, k, v) != v]
     act = getattr(module.config, "hidden_act", "silu")
-    if wrong or act not in ("silu", "swish"):
-        raise _unsupported(f"{name} with {wrong or ''} hidden_act={act!r}")
+    if act not in ("silu", "swish"):             # the kernels compute silu(gate) * up
+        problems.append(f"hidden_act={act!r}")
+    if problems:
+        raise _unsupported(f"{name} with {', '.join(problems)}")
 
 
 def attach(module, layer):

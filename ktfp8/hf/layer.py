@@ -37,7 +37,7 @@ def local_experts(expert_num):
     return range(expert_num)
 
 
-def build_layer(config, experts, *, threads=None, layer_index=None):
+def build_layer(config, experts, *, threads=None):
     """The callable run for one experts module: `experts` (ktfp8.ExpertWeights of the layer's
     local_experts(), or of all of them) packed once by ktfp8.MoE under `config` (ktfp8.MoeConfig)."""
     if _expert_parallel():
