@@ -10,7 +10,7 @@ import os
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5")
 
 import ktfp8.hf  # noqa: E402
 from ktfp8.bench.model import BATCHED_MM_MAX_TOKENS, build_model  # noqa: E402

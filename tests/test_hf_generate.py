@@ -6,10 +6,10 @@ import shutil
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5")
 
 import ktfp8.hf  # noqa: E402
-from hf_oracle import float32_backend, model_folders  # noqa: E402
+from hf_oracle import model_folders, tiny_model_settings  # noqa: E402
 from ktfp8.generate import main  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
@@ -18,8 +18,8 @@ NEW = 12
 
 
 @pytest.fixture(autouse=True)
-def float32_kernels(monkeypatch):
-    monkeypatch.setenv("KTFP8_BACKEND", float32_backend())
+def settings(monkeypatch):
+    yield from tiny_model_settings(monkeypatch)          # float32 kernels, 1 thread
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def _expected(model, prompt=PROMPT):
 @pytest.mark.parametrize("folder", ["fp8", "bf16"])
 def test_json_ids_are_transformers_greedy_tokens(mixtral, folder, capsys):
     got = _generate_json(capsys, "--model", str(mixtral[folder]), "--prompt-ids", ",".join(map(str, PROMPT)),
-                         "--max-new-tokens", str(NEW), "--threads", "2")
+                         "--max-new-tokens", str(NEW), "--threads", "1")
     if folder == "fp8":
         model = ktfp8.hf.from_pretrained(mixtral["fp8"])
     else:

@@ -4,12 +4,12 @@ so that only the order of float32 additions differs)."""
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5")
 
 import ktfp8.hf  # noqa: E402
 from hf_models import ALL_MODELS, moe_layers  # noqa: E402
-from hf_oracle import (BLOCK_TOO, eager_model, experts_module, float32_backend, greedy, logits,  # noqa: E402
-                       model_folders)
+from hf_oracle import (BLOCK_TOO, eager_model, experts_module, greedy, logits,  # noqa: E402
+                       model_folders, tiny_model_settings)
 from moe_oracle import nmse  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -17,11 +17,8 @@ NMSE_MAX = 1e-8     # float32 on the same weights: the sums' order alone differs
 
 
 @pytest.fixture(autouse=True)
-def float32_kernels(monkeypatch):
-    """BF16-compute backends (avx512_bf16, amx) round x and h to BF16 by design (API.md): against a
-    float32 oracle they differ by ~1e-5 and may flip a greedy token.  Their accuracy is the kernel
-    tests' business; here the best float32 backend of this CPU runs (except where a test says)."""
-    monkeypatch.setenv("KTFP8_BACKEND", float32_backend())
+def settings(monkeypatch):
+    yield from tiny_model_settings(monkeypatch)      # float32 kernels (except where a test says), 1 thread
 
 
 @pytest.fixture(params=sorted(ALL_MODELS))

@@ -4,20 +4,20 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5")
 
 import ktfp8  # noqa: E402
 import ktfp8.hf  # noqa: E402
 from hf_models import build_model, save_model  # noqa: E402
-from hf_oracle import PROMPT, experts_module, float32_backend, logits, model_folders  # noqa: E402
+from hf_oracle import PROMPT, experts_module, logits, model_folders, tiny_model_settings  # noqa: E402
 from ktfp8.hf import op  # noqa: E402
 from moe_oracle import nmse  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def float32_kernels(monkeypatch):
-    monkeypatch.setenv("KTFP8_BACKEND", float32_backend())
+def settings(monkeypatch):
+    yield from tiny_model_settings(monkeypatch)          # float32 kernels, 1 thread
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ memory-mapped from the FP8 shards.  Needs torch and transformers; `import ktfp8`
 try:
     import torch  # noqa: F401
     import transformers  # noqa: F401
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: F401
 except ImportError as e:        # pragma: no cover - depends on the environment
-    raise ImportError(f"ktfp8.hf needs torch and transformers ({e}); install them, e.g. "
-                      f"`pip install torch transformers`") from e
+    raise ImportError(f"ktfp8.hf needs torch and transformers >= 5 (its experts implementations) ({e}); "
+                      f"install them, e.g. `pip install torch 'transformers>=5'`") from e
 
 from .checkpoint import from_pretrained
 from .experts import IMPLEMENTATIONS, SUPPORTED_MODEL_TYPES, prepare, register_implementations

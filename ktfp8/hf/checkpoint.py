@@ -89,7 +89,7 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
         with _expert_weights_left_empty():
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, config=config, dtype=dtype, key_mapping=_KEY_MAPPING, output_loading_info=True,
-                experts_implementation=hf_experts._implementation_name(quant_config), **kwargs)
+                experts_implementation=hf_experts.implementation_name(quant_config), **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
     missing = [k for k in info["missing_keys"] if k.rpartition(".")[2] not in hf_experts.RELEASED]

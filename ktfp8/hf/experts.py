@@ -105,7 +105,8 @@ def _quant_config(spec):
     raise ValueError(f"quant_config must be a ktfp8.QuantConfig or one of {sorted(IMPLEMENTATIONS)}, got {spec!r}")
 
 
-def _implementation_name(quant_config):
+def implementation_name(quant_config):
+    """The experts_implementation name that holds weights as `quant_config` says."""
     if quant_config.method == "BF16":
         return "ktfp8_bf16"
     return "ktfp8" if quant_config.per_channel else "ktfp8_block"
@@ -132,7 +133,7 @@ def prepare(model, quant_config=None, *, threads=None):
         check_supported(m)
     for m in modules:
         prepare_module(m, quant_config, threads)
-    model.set_experts_implementation(_implementation_name(quant_config))
+    model.set_experts_implementation(implementation_name(quant_config))
     return model
 
 
