@@ -3,7 +3,7 @@ import argparse
 import json
 import sys
 
-from . import backends
+from . import backends, numa
 
 # The level whose absence the verdict explains: the native FP8 path (AVX-512-BF16 + VBMI).
 NATIVE_FP8_LEVEL = "avx512bf16"
@@ -36,6 +36,7 @@ def report():
         "usable_backends": usable,
         "selected_backend": _selected(),
         "verdict": verdict,
+        "numa_nodes": numa.report(),
     }
 
 
@@ -62,6 +63,7 @@ def print_report(r, out=sys.stdout):
     print(f"Compiled variants: {', '.join(r['compiled_variants'])}", file=out)
     print(f"Usable backends (best first): {', '.join(r['usable_backends'])}", file=out)
     print(f"Selected backend: {r['selected_backend']}", file=out)
+    print(numa.format_report(r["numa_nodes"]), file=out)
     print(r["verdict"], file=out)
 
 

@@ -18,7 +18,11 @@ class ExpertWeights:
     fp8_block:       uint8 codes + float32 scales [E, ceil(out/bn), ceil(in/bk)], block = (bn, bk);
     bf16:            ml_dtypes.bfloat16 weights, scales None.
     Arrays may be memory-mapped; nothing is copied until a MoE packs them.  CPU torch tensors are
-    accepted and held as NumPy views of their memory (no copy)."""
+    accepted and held as NumPy views of their memory (no copy).
+
+    A shard of a layer holds the contiguous global expert ids `expert_range` =
+    range(first_expert, first_expert + expert_num) of the layer's `total_experts` (default: the whole
+    layer, first_expert 0).  A MoE over a shard skips the ids outside it."""
     format: str
     gate: np.ndarray
     up: np.ndarray
@@ -27,11 +31,14 @@ class ExpertWeights:
     up_scale: Optional[np.ndarray] = None
     down_scale: Optional[np.ndarray] = None
     block: Optional[Tuple[int, int]] = None
+    first_expert: int = 0
+    total_experts: Optional[int] = None
 
     def __post_init__(self):
         for name in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale"):
             object.__setattr__(self, name, to_numpy(getattr(self, name), f"ExpertWeights.{name}"))
         _validate(self)
+        _validate_shard(self)
 
     @property
     def expert_num(self):
@@ -46,9 +53,71 @@ class ExpertWeights:
         return self.gate.shape[1]
 
     @property
+    def expert_range(self):
+        """Global ids of the experts held, within range(total_experts)."""
+        return range(self.first_expert, self.first_expert + self.expert_num)
+
+    def shard(self, experts):
+        """The experts `experts` (a range of global ids inside expert_range) as an ExpertWeights of
+        views (no copy), so a rank or NUMA node holds and packs only its own."""
+        own = self.expert_range
+        check_expert_range(experts, self.total_experts, "experts")
+        if experts.start < own.start or experts.stop > own.stop:
+            raise ValueError(f"experts={experts!r} is not inside the experts held, {own!r}")
+        lo, hi = experts.start - own.start, experts.stop - own.start
+        arrays = [None if a is None else a[lo:hi] for a in (self.gate, self.up, self.down,
+                                                              self.gate_scale, self.up_scale, self.down_scale)]
+        return ExpertWeights(self.format, *arrays, block=self.block, first_expert=experts.start,
+                             total_experts=self.total_experts)
+
+    @property
     def nbytes(self):
         arrays = (self.gate, self.up, self.down, self.gate_scale, self.up_scale, self.down_scale)
         return sum(a.nbytes for a in arrays if a is not None)
+
+
+def check_expert_range(experts, total, name="experts"):
+    """`experts` must be a non-empty range(a, b) with step 1 inside range(total); returns it."""
+    if not isinstance(experts, range):
+        raise TypeError(f"{name} must be a range(start, stop) of expert ids, got {type(experts).__name__}")
+    if experts.step != 1:
+        raise ValueError(f"{name} must be a contiguous range (step 1), got {experts!r}")
+    if len(experts) == 0:
+        raise ValueError(f"{name} must hold at least one expert, got the empty {experts!r}")
+    if experts.start < 0 or experts.stop > total:
+        raise ValueError(f"{name}={experts!r} is outside the layer's experts range(0, {total})")
+    return experts
+
+
+def split_experts(expert_num, parts, name="parts"):
+    """`parts` contiguous ranges covering range(expert_num), sizes differing by at most one (the first
+    expert_num % parts ranges hold one more): how ranks or NUMA nodes share a layer's experts."""
+    for what, v in (("expert_num", expert_num), (name, parts)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{what} must be a positive int, got {v!r}")
+    if parts > expert_num:
+        raise ValueError(f"{name}={parts} would leave {parts - expert_num} of them without experts: a layer "
+                         f"of {expert_num} experts splits over at most {expert_num}")
+    size, extra = divmod(int(expert_num), int(parts))
+    bounds = [p * size + min(p, extra) for p in range(parts + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _validate_shard(w):
+    if w.total_experts is None:      # frozen dataclass: the one place a default is filled in
+        _check_count("first_expert", w.first_expert)
+        object.__setattr__(w, "total_experts", w.first_expert + w.expert_num)
+    for name in ("first_expert", "total_experts"):
+        object.__setattr__(w, name, _check_count(name, getattr(w, name)))
+    if w.first_expert + w.expert_num > w.total_experts:
+        raise ValueError(f"ExpertWeights holds experts {w.expert_range!r}, beyond total_experts="
+                         f"{w.total_experts}")
+
+
+def _check_count(name, v):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"ExpertWeights.{name} must be a non-negative int, got {v!r}")
+    return int(v)
 
 
 def _validate(w):
@@ -90,21 +159,35 @@ def _validate(w):
 
 
 @accepts_tensors(main=None)
-def quantize_experts(gate, up, down, quant_config):
+def quantize_experts(gate, up, down, quant_config, experts=None):
     """Quantizes float experts (float32 / bfloat16 / float16 arrays or CPU tensors, HF layout) as
     `quant_config` says: method "FP8" per-channel or block-wise (group_size = block edge), or "BF16".
-    The result holds NumPy arrays whatever the input."""
+    The result holds NumPy arrays whatever the input.
+    experts=range(a, b): quantize only that contiguous shard of the layer (see ExpertWeights.shard);
+    every scale is per expert, so a shard's codes equal the same experts' codes of the whole layer."""
     from . import fp8
 
     method = getattr(quant_config, "method", None)
+    if method not in ("FP8", "BF16"):
+        raise ValueError(f"quant_config.method must be 'FP8' or 'BF16', got {method!r}")
+    shard = {}
+    if experts is not None:
+        total = {len(a) for a in (gate, up, down) if getattr(a, "ndim", 0) == 3}
+        if len(total) != 1:
+            raise ValueError("experts= needs gate, up and down as 3-D [experts, out, in] stacks of one "
+                             "expert count")
+        total = total.pop()
+        check_expert_range(experts, total, "experts")
+        gate, up, down = (a[experts.start:experts.stop] for a in (gate, up, down))
+        shard = {"first_expert": experts.start, "total_experts": total}
     if method == "BF16":
         as_bf16 = [np.ascontiguousarray(a).astype(ml_dtypes.bfloat16) for a in (gate, up, down)]
-        return ExpertWeights("bf16", *as_bf16)
-    if method != "FP8":
-        raise ValueError(f"quant_config.method must be 'FP8' or 'BF16', got {method!r}")
+        return ExpertWeights("bf16", *as_bf16, **shard)
     if quant_config.per_channel:
         q = [fp8.quantize(a, per_channel=True) for a in (gate, up, down)]
-        return ExpertWeights("fp8_per_channel", q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1])
+        return ExpertWeights("fp8_per_channel", q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1],
+                             **shard)
     block = (quant_config.group_size, quant_config.group_size)
     q = [fp8.quantize(a, per_channel=False, block=block) for a in (gate, up, down)]
-    return ExpertWeights("fp8_block", q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1], block=block)
+    return ExpertWeights("fp8_block", q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1], block=block,
+                         **shard)

@@ -5,9 +5,13 @@ ktfp8.hf.from_pretrained, experts memory-mapped from the FP8 shards; any other (
 with transformers and its experts are quantized to FP8 per-channel on load.  Prints the generated text
 (the token ids when the folder has no tokenizer) and the prefill and decode speeds; with --json, one
 JSON object on stdout: {"ids", "text", "prefill_tokens_per_s", "decode_tokens_per_s"}.
+Under `torchrun --nproc-per-node N` each rank holds 1/N of every layer's experts (expert parallel over
+torch.distributed, gloo, one all-reduce per MoE block); the tokens are those of one process and only
+rank 0 prints.
 Exit status: 0 done, 1 the folder cannot be loaded, 2 bad arguments."""
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -138,10 +142,29 @@ def _eos_ids(model):
     return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
 
 
+def _start_ranks():
+    """Under torchrun with several ranks: torch.distributed (gloo, every collective bounded in time),
+    each rank pinned to its NUMA node where the machine has several.  Returns (rank, world size)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return 0, 1
+    from .distributed import init_process_group
+    return init_process_group()
+
+
 def run(args):
     folder = Path(args.model)
     if not folder.is_dir():
         raise _Failure(f"{folder}: no such model folder", 1)
+    rank, world_size = _start_ranks()
+    try:
+        _generate(args, folder, rank == 0)
+    finally:
+        if world_size > 1:
+            import torch.distributed
+            torch.distributed.destroy_process_group()
+
+
+def _generate(args, folder, prints):
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -158,11 +181,13 @@ def run(args):
     vocab = model.config.get_text_config().vocab_size
     if max(prompt_ids) >= vocab:
         raise _Failure(f"--prompt-ids: token id {max(prompt_ids)} is outside the vocabulary (size {vocab})", 2)
-    progress = Progress(args.max_new_tokens) if not args.json else None
+    progress = Progress(args.max_new_tokens) if prints and not args.json else None
     ids, prefill_tps, decode_tps = greedy(model, prompt_ids, args.max_new_tokens, _eos_ids(model), progress)
     if progress is not None:
         progress.close()
     text = tokenizer.decode(ids) if tokenizer is not None else None
+    if not prints:
+        return
     if args.json:
         print(json.dumps({"ids": ids, "text": text, "prefill_tokens_per_s": prefill_tps,
                           "decode_tokens_per_s": decode_tps}))

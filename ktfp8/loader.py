@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .experts import ExpertWeights
+from .experts import ExpertWeights, check_expert_range
 from .safetensors_io import SafetensorsError, SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -184,49 +184,64 @@ class FP8SafeTensorLoader:
             quant = QuantConfig("FP8", per_channel=True)
         return MoeConfig.from_hf_config(self.hf_config, quant_config=quant)
 
-    def load_expert_tensors(self, layer):
+    def load_expert_tensors(self, layer, experts=None):
         """(gate, up, down) weights of `layer` as stored, each [E, out, in]: memory-map views when the
-        experts lie at equal distances in one shard (as HF and ktfp8 write them), else stacked copies."""
-        return tuple(self._stack(layer, role, "weight") for role in ROLES)
+        experts lie at equal distances in one shard (as HF and ktfp8 write them), else stacked copies.
+        experts=range(a, b): only those experts' tensors (the bytes of the others are never mapped in)."""
+        experts = self._expert_range(layer, experts)
+        return tuple(self._stack(layer, role, "weight", experts) for role in ROLES)
 
-    def load_experts(self, layer) -> ExpertWeights:
+    def load_experts(self, layer, experts=None) -> ExpertWeights:
         """The experts of `layer` as ExpertWeights (fp8_per_channel, fp8_block or bf16), memory-mapped.
+        experts=range(a, b) (contiguous global ids): a shard holding only those experts, whose bytes are
+        the only ones read; a MoE over it skips the other ids.
         fp16/fp32 checkpoints are not FP8 or BF16: convert them first (python -m ktfp8.convert)."""
         fmt = self.layer_format(layer)
-        weights = self.load_expert_tensors(layer)
+        experts = self._expert_range(layer, experts)
+        weights = self.load_expert_tensors(layer, experts)
+        shard = {"first_expert": experts.start, "total_experts": self.expert_count(layer)}
         if fmt == "bf16":
-            return ExpertWeights("bf16", *weights)
+            return ExpertWeights("bf16", *weights, **shard)
         if fmt in ("fp16", "fp32"):
             raise ValueError(f"{self.path}: layer {layer} experts are {fmt}; load_experts returns FP8 or BF16 "
                              f"experts: convert the checkpoint with `python -m ktfp8.convert`, or quantize "
                              f"load_expert_tensors({layer}) with ktfp8.quantize_experts")
         if fmt == "fp8_per_channel":
-            scales = [self._per_channel_scale(layer, role, w) for role, w in zip(ROLES, weights)]
-            return ExpertWeights(fmt, *weights, *scales)
+            scales = [self._per_channel_scale(layer, role, w, experts) for role, w in zip(ROLES, weights)]
+            return ExpertWeights(fmt, *weights, *scales, **shard)
         block = block_size_of(self.hf_config)
-        scales = [self._block_scale(layer, role, w, block) for role, w in zip(ROLES, weights)]
-        return ExpertWeights(fmt, *weights, *scales, block=block)
+        scales = [self._block_scale(layer, role, w, block, experts) for role, w in zip(ROLES, weights)]
+        return ExpertWeights(fmt, *weights, *scales, block=block, **shard)
+
+    def expert_count(self, layer):
+        """Number of routed experts of `layer` in the checkpoint."""
+        self._check_layer(layer)
+        return max(len(self._layers[layer].tensors.get((r, "weight"), {})) for r in ROLES)
 
     # -- internals ------------------------------------------------------------------------------
     def _check_layer(self, layer):
         if layer not in self._layers:
             raise ValueError(f"layer {layer!r} has no experts in {self.path}; MoE layers: {self.moe_layers()}")
 
-    def _names(self, layer, role, kind):
+    def _expert_range(self, layer, experts):
+        total = self.expert_count(layer)
+        return range(total) if experts is None else check_expert_range(experts, total, "experts")
+
+    def _names(self, layer, role, kind, experts):
         stack = self._layers[layer]
-        experts = stack.tensors.get((role, kind))
-        if not experts:
+        names = stack.tensors.get((role, kind))
+        if not names:
             raise SafetensorsError(f"{self.path}: layer {layer} has no {role} expert {kind} tensors "
                                    f"under {stack.prefix}")
-        count = max(len(stack.tensors.get((r, "weight"), {})) for r in ROLES)
-        missing = [e for e in range(count) if e not in experts]
-        if missing or len(experts) != count:
+        count = self.expert_count(layer)
+        missing = [e for e in range(count) if e not in names]
+        if missing or len(names) != count:
             raise SafetensorsError(f"{self.path}: layer {layer}: {role} {kind} missing for experts "
-                                   f"{missing[:8] or sorted(set(experts) - set(range(count)))[:8]}")
-        return [experts[e] for e in range(count)]
+                                   f"{missing[:8] or sorted(set(names) - set(range(count)))[:8]}")
+        return [names[e] for e in experts]
 
-    def _stack(self, layer, role, kind):
-        names = self._names(layer, role, kind)
+    def _stack(self, layer, role, kind, experts):
+        names = self._names(layer, role, kind, experts)
         files = {self.checkpoint.weight_map[n] for n in names}
         infos = [self.checkpoint.info(n) for n in names]
         if any(i.shape != infos[0].shape or i.dtype != infos[0].dtype for i in infos):
@@ -273,10 +288,10 @@ class FP8SafeTensorLoader:
         floats = [d for d in dtypes if d in FLOAT_FORMATS]
         return FLOAT_FORMATS[max(set(floats), key=floats.count)] if floats else "unknown"
 
-    def _per_channel_scale(self, layer, role, weights):
-        scale = self._stack(layer, role, "weight_scale")
+    def _per_channel_scale(self, layer, role, weights, experts):
+        scale = self._stack(layer, role, "weight_scale", experts)
         E, out, _ = weights.shape
-        dtype = self.checkpoint.info(self._names(layer, role, "weight_scale")[0]).dtype
+        dtype = self.checkpoint.info(self._names(layer, role, "weight_scale", experts)[0]).dtype
         if dtype not in SCALE_DTYPES:
             raise SafetensorsError(f"{self.path}: layer {layer} {role} weight_scale is {dtype}; expected "
                                    f"F32 (or BF16/F16, widened)")
@@ -287,8 +302,8 @@ class FP8SafeTensorLoader:
                                    f"{list(scale.shape[1:])}; per-channel needs [{out}] or [{out}, 1]")
         return scale if scale.dtype == np.float32 else scale.astype(np.float32)
 
-    def _block_scale(self, layer, role, weights, block):
-        scale = self._stack(layer, role, "weight_scale_inv")
+    def _block_scale(self, layer, role, weights, block, experts):
+        scale = self._stack(layer, role, "weight_scale_inv", experts)
         E, out, inn = weights.shape
         expected = (E, -(-out // block[0]), -(-inn // block[1]))
         if scale.shape != expected:

@@ -33,7 +33,7 @@ def _check_matches(config, experts):
         raise TypeError(f"config must be a ktfp8.MoeConfig, got {type(config).__name__}")
     if not isinstance(experts, ExpertWeights):
         raise TypeError(f"experts must be ktfp8.ExpertWeights, got {type(experts).__name__}")
-    got = (experts.expert_num, experts.hidden_size, experts.intermediate_size)
+    got = (experts.total_experts, experts.hidden_size, experts.intermediate_size)
     want = (config.expert_num, config.hidden_size, config.intermediate_size)
     if got != want:
         raise ValueError(f"experts hold (expert_num, hidden_size, intermediate_size) = {got}, "
@@ -67,7 +67,11 @@ class MoE:
     y = moe(x, topk_ids, topk_weights): x float32 or bfloat16 [T, hidden_size]; topk_ids int32/int64
     [T, num_experts_per_tok] (ids < 0 are skipped); topk_weights float32 [T, num_experts_per_tok].
     Each may be a torch tensor on the CPU (read in place; y is then a tensor). copy_to_cpu=True lets
-    tensors on another device (CUDA, ...) through: copied to the CPU for each call, y copied back."""
+    tensors on another device (CUDA, ...) through: copied to the CPU for each call, y copied back.
+
+    `experts` may be a shard of the layer (ExpertWeights.expert_range inside range(config.expert_num)):
+    ids are global, those outside the shard are skipped like ids < 0, so the outputs of MoEs over
+    disjoint shards that cover the layer sum to the whole layer's output."""
 
     def __init__(self, config, experts, backend=None, threads=None, copy_to_cpu=False):
         _check_matches(config, experts)
@@ -76,6 +80,7 @@ class MoE:
         variant = backends.variant(backend)
         self.backend = variant.name
         self.threads = backends.default_threads(threads if threads is not None else config.threads)
+        self.expert_range = experts.expert_range
         self._act_dtype = variant.act_dtype
         fmt = experts.format
         block = experts.block or (0, 0)
@@ -114,10 +119,21 @@ class MoE:
                 raise ValueError(f"out must have the shape of x {x.shape}, got {out.shape}")
             if not out.flags.writeable:
                 raise ValueError("out must be writeable")
-        ids = topk_ids.astype(np.int64, copy=False)
+        ids = self._local_ids(topk_ids)
         # expert ids >= expert_num are refused there, before anything is written
         self._kernel.forward(x, ids, topk_weights, out, bool(accumulate), self._act_dtype)
         return out
+
+    def _local_ids(self, topk_ids):
+        """int64 ids into the packed experts: global id - first expert, -1 (skip) outside the shard."""
+        ids = topk_ids.astype(np.int64, copy=False)
+        own = self.expert_range
+        if len(own) == self.config.expert_num:
+            return ids
+        if ids.size and ids.max() >= self.config.expert_num:   # the kernel only sees local ids
+            raise ValueError(f"topk_ids holds expert id {int(ids.max())} >= expert_num {self.config.expert_num}")
+        held = (ids >= own.start) & (ids < own.stop)
+        return np.where(held, ids - own.start, -1)
 
     @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def forward(self, x, topk_ids=None, topk_weights=None, *, router_logits=None, correction_bias=None,
@@ -133,7 +149,9 @@ class MoE:
         return self(x, topk_ids, topk_weights, out=out, accumulate=accumulate)
 
     def __repr__(self):
-        return (f"MoE(backend={self.backend!r}, experts={self._shape[0]}, hidden={self._shape[1]}, "
+        own = self.expert_range
+        held = "" if len(own) == self.config.expert_num else f" ({own!r} of {self.config.expert_num})"
+        return (f"MoE(backend={self.backend!r}, experts={self._shape[0]}{held}, hidden={self._shape[1]}, "
                 f"intermediate={self._shape[2]}, nbytes={self.nbytes})")
 
 

@@ -15,7 +15,7 @@ import torch
 from ..config import QuantConfig
 from ..loader import EXPERT_RE, FP8SafeTensorLoader, block_size_of
 from . import experts as hf_experts
-from .layer import build_layer
+from .layer import build_layer, local_experts
 
 _SKIPPED = "ktfp8_fp8_routed"        # what expert tensor names become for transformers: not a parameter
 _KEY_MAPPING = {r"\.experts\.(\d+)\.": rf".{_SKIPPED}.\1."}
@@ -107,5 +107,6 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
                              f"{loader.moe_layers()})")
         layer = int(m[1])
         config_of_layer = hf_experts.layer_config(module, quant_config, threads)
-        hf_experts.attach(module, build_layer(config_of_layer, loader.load_experts(layer), threads=threads))
+        experts = loader.load_experts(layer, experts=local_experts(module.num_experts))
+        hf_experts.attach(module, build_layer(config_of_layer, experts, threads=threads))
     return model

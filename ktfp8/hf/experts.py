@@ -11,7 +11,7 @@ import torch
 from ..config import MoeConfig, QuantConfig
 from ..experts import quantize_experts
 from . import op
-from .layer import build_layer
+from .layer import build_layer, local_experts
 
 # transformers experts classes whose layout and activation the kernels compute (silu(gate) * up, no bias)
 SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_moe",
@@ -90,7 +90,8 @@ def prepare_module(module, quant_config, threads=None):
     inter = module.intermediate_dim
     gate_up = _check_weight(module.gate_up_proj, "gate_up_proj")
     down = _check_weight(module.down_proj, "down_proj")
-    experts = quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, quant_config)
+    experts = quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, quant_config,
+                               experts=local_experts(module.num_experts))
     attach(module, build_layer(layer_config(module, quant_config, threads), experts, threads=threads))
 
 

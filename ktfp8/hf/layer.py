@@ -1,7 +1,9 @@
 """One MoE layer seen from torch: CPU tensors in, a tensor out, ktfp8.MoE underneath.
 
-build_layer() is the one place where the callable run for a transformers experts module is made
-(expert parallelism replaces it with a MoE over a shard of the experts plus an all-reduce)."""
+build_layer() is the one place where the callable run for a transformers experts module is made.
+Under torch.distributed with more than one rank (e.g. torchrun), each rank holds local_experts() of
+every layer, a contiguous range, and the layer is a ktfp8.distributed.ExpertParallelMoE: partial
+output, one all-reduce per MoE block.  The non-expert weights stay replicated on every rank."""
 import torch
 
 from ..moe import MoE
@@ -9,7 +11,8 @@ from ..moe import MoE
 
 class TorchMoE:
     """y = layer(x [T, H], topk_ids [T, k], topk_weights [T, k]): CPU tensors, y a new tensor like x.
-    The core validates them (device, dtype, shape) with messages naming the argument."""
+    The core validates them (device, dtype, shape) with messages naming the argument.
+    `moe`: a ktfp8.MoE, or a ktfp8.distributed.ExpertParallelMoE (same call)."""
 
     def __init__(self, moe):
         self.moe = moe
@@ -21,7 +24,23 @@ class TorchMoE:
         return self.moe(hidden_states.contiguous(), topk_ids.contiguous(), topk_weights.contiguous())
 
 
+def _expert_parallel():
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def local_experts(expert_num):
+    """The experts of a layer this process holds: all, or under torch.distributed this rank's range."""
+    if _expert_parallel():
+        from ..distributed import rank_experts
+        return rank_experts(expert_num)
+    return range(expert_num)
+
+
 def build_layer(config, experts, *, threads=None):
-    """The callable run for one experts module: `experts` (ktfp8.ExpertWeights of all the layer's
-    experts) packed once by ktfp8.MoE under `config` (ktfp8.MoeConfig)."""
+    """The callable run for one experts module: `experts` (ktfp8.ExpertWeights of the layer's
+    local_experts(), or of all of them) packed once by ktfp8.MoE under `config` (ktfp8.MoeConfig)."""
+    if _expert_parallel():
+        from ..distributed import ExpertParallelMoE
+        return TorchMoE(ExpertParallelMoE(config, experts, threads=threads))
     return TorchMoE(MoE(config, experts, threads=threads))

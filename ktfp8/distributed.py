@@ -1,0 +1,191 @@
+"""Expert parallelism over torch.distributed (gloo, CPU): each rank holds a contiguous range of a
+layer's experts, computes the partial output of the ids it holds, and one all-reduce (SUM) per call
+gives every rank the layer's output.
+
+Activations are replicated: every rank calls with the same x, topk_ids and topk_weights (as every rank
+runs the same non-expert layers).  Experts are split as evenly as possible (split_experts: sizes
+differ by at most one, the first ranks hold one more); a world size above the expert count is refused.
+Every collective is bounded: a rank that dies, or does not reach the collective within `timeout_s`
+(argument, else $KTFP8_DIST_TIMEOUT_S, else 300 s), makes the others raise ExpertParallelError.
+torch is imported when this module's functions are called, never by `import ktfp8`."""
+import datetime
+import os
+import time
+
+import ml_dtypes
+import numpy as np
+
+from .experts import FORMATS, ExpertWeights, split_experts
+from .moe import MoE
+
+ENV_TIMEOUT = "KTFP8_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class ExpertParallelError(RuntimeError):
+    """A collective between the ranks failed: a rank died, stalled past the timeout, or disagrees."""
+
+
+def timeout_seconds(timeout_s=None):
+    """The bound on every collective: `timeout_s`, else $KTFP8_DIST_TIMEOUT_S, else 300 s."""
+    source = "timeout_s"
+    if timeout_s is None:
+        timeout_s, source = os.environ.get(ENV_TIMEOUT, "").strip() or DEFAULT_TIMEOUT_S, ENV_TIMEOUT
+    try:
+        value = float(timeout_s)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source} must be a positive number of seconds, got {timeout_s!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{source} must be a positive, finite number of seconds, got {timeout_s!r}")
+    return value
+
+
+def _dist():
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed")
+    return dist
+
+
+def init_process_group(timeout_s=None, numa=True):
+    """Initialises torch.distributed (gloo) from torchrun's environment, unless it already is, with
+    every collective (and the rendezvous itself) bounded by timeout_seconds(timeout_s).
+    numa=True: on a machine with several NUMA nodes, first pins this rank to its node(s)
+    (ktfp8.numa.pin_local_rank), so the experts it packs later live in its node's memory.
+    Returns (rank, world_size)."""
+    dist = _dist()
+    if numa:
+        from .numa import pin_local_rank
+        pin_local_rank()
+    if not dist.is_initialized():
+        missing = [v for v in TORCHRUN_VARS if not os.environ.get(v)]
+        if missing:
+            raise RuntimeError(f"torch.distributed is not initialised and {', '.join(missing)} is not set: "
+                               f"launch with `torchrun --nproc-per-node N ...` or call "
+                               f"torch.distributed.init_process_group first")
+        timeout = datetime.timedelta(seconds=timeout_seconds(timeout_s))
+        dist.init_process_group("gloo", timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def rank_and_size(group=None):
+    """(rank, world size) in `group` (default: the whole world); an error when not initialised."""
+    dist = _dist()
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call ktfp8.distributed.init_process_group() "
+                           "(or torch.distributed.init_process_group) first")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def rank_experts(expert_num, group=None):
+    """The contiguous range of a layer's `expert_num` experts this rank holds."""
+    rank, size = rank_and_size(group)
+    return split_experts(expert_num, size, name="world size")[rank]
+
+
+def _bounded(op, what, group, timeout_s):
+    """Runs collective `op(async_op=True)` and waits at most the timeout; failures -> ExpertParallelError."""
+    seconds = timeout_seconds(timeout_s)
+    try:
+        op().wait(timeout=datetime.timedelta(seconds=seconds))
+    except RuntimeError as err:
+        rank, size = rank_and_size(group)
+        raise ExpertParallelError(f"{what} failed on rank {rank} of {size}: a rank died, or did not reach this "
+                                  f"collective within timeout_s={seconds:g} ({err})") from err
+
+
+def all_reduce_sum(tensor, group=None, timeout_s=None):
+    """Sums a CPU tensor over the ranks in place (one gloo all-reduce), bounded by the timeout."""
+    dist = _dist()
+    _bounded(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True),
+             "all-reduce of the partial expert outputs", group, timeout_s)
+    return tensor
+
+
+def check_same_on_all_ranks(values, what, group=None, timeout_s=None):
+    """All-gathers a short list of ints and raises ValueError naming the ranks when they differ
+    (mismatched shapes would otherwise make the all-reduce fail obscurely or sum garbage)."""
+    import torch
+    dist = _dist()
+    mine = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(rank_and_size(group)[1])]
+    _bounded(lambda: dist.all_gather(gathered, mine, group=group, async_op=True), f"checking {what}",
+             group, timeout_s)
+    rows = [g.tolist() for g in gathered]
+    if any(r != rows[0] for r in rows):
+        raise ValueError(f"the ranks disagree on {what}: " + "; ".join(f"rank {i}: {r}" for i, r in enumerate(rows)))
+
+
+class ExpertParallelMoE:
+    """One MoE layer split over the ranks of `group`: this rank packs only rank_experts(expert_num).
+
+    `experts` holds at least this rank's range (the whole layer, e.g. memory-mapped, or exactly the
+    shard); from_loader() reads only the shard from a checkpoint.  y = ep(x, topk_ids, topk_weights)
+    takes and returns what MoE does (NumPy arrays or CPU torch tensors); the partial outputs are
+    computed and summed in float32, then given x's dtype.  `timings` accumulates compute and
+    all-reduce seconds separately."""
+
+    def __init__(self, config, experts, *, group=None, backend=None, threads=None, timeout_s=None):
+        self.rank, self.world_size = rank_and_size(group)
+        self.group = group
+        self.timeout_s = timeout_seconds(timeout_s)
+        if not isinstance(experts, ExpertWeights):
+            raise TypeError(f"experts must be ktfp8.ExpertWeights, got {type(experts).__name__}")
+        self.expert_range = split_experts(config.expert_num, self.world_size, name="world size")[self.rank]
+        shard = experts if experts.expert_range == self.expert_range else experts.shard(self.expert_range)
+        self.moe = MoE(config, shard, backend=backend, threads=threads)
+        self.config = config
+        check_same_on_all_ranks((config.expert_num, config.hidden_size, config.intermediate_size,
+                                 config.num_experts_per_tok, FORMATS.index(experts.format)),
+                                "(expert_num, hidden_size, intermediate_size, num_experts_per_tok, format)",
+                                group, self.timeout_s)
+        self.timings = {"calls": 0, "compute_s": 0.0, "allreduce_s": 0.0}
+
+    @classmethod
+    def from_loader(cls, loader, layer, config=None, **kwargs):
+        """Reads only this rank's experts of `layer` from an FP8SafeTensorLoader (memory-mapped)."""
+        config = loader.config if config is None else config
+        experts = loader.load_experts(layer, experts=rank_experts(config.expert_num, kwargs.get("group")))
+        return cls(config, experts, **kwargs)
+
+    @property
+    def nbytes(self):
+        """Resident bytes of this rank's packed experts (about 1/world_size of the layer's)."""
+        return self.moe.nbytes
+
+    def __call__(self, x, topk_ids, topk_weights):
+        import torch
+        x32 = _float32(x)
+        start = time.perf_counter()
+        partial = self.moe(x32, topk_ids, topk_weights)     # the core checks shapes, devices, dtypes
+        reduced = time.perf_counter()
+        summed = partial if isinstance(partial, torch.Tensor) else torch.from_numpy(partial)
+        all_reduce_sum(summed, self.group, self.timeout_s)  # in place: float32, so BF16 rounds once
+        self.timings["calls"] += 1
+        self.timings["compute_s"] += reduced - start
+        self.timings["allreduce_s"] += time.perf_counter() - reduced
+        if isinstance(x, torch.Tensor):
+            return summed.to(x.dtype)
+        return partial if x.dtype == np.float32 else partial.astype(x.dtype)
+
+    def __repr__(self):
+        return f"ExpertParallelMoE(rank={self.rank} of {self.world_size}, {self.moe!r})"
+
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _float32(x):
+    """x (float32 or bfloat16, NumPy array or torch tensor) as float32 of the same kind; the dtype is
+    checked here because widening would hide a wrong one."""
+    import torch
+    if isinstance(x, torch.Tensor):
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
+        return x.detach().to(torch.float32)
+    if isinstance(x, np.ndarray):
+        if x.dtype not in (np.dtype(np.float32), _BF16):
+            raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
+        return x.astype(np.float32, copy=False)
+    raise TypeError(f"x must be a numpy array or a torch tensor, got {type(x).__name__}")

@@ -1,0 +1,210 @@
+"""NUMA placement: which CPUs and memory each node has, which experts each node's thread team (or
+rank) holds, and pinning so that a team's packed experts are first-touched on its own node.
+
+On a two-socket server a thread reading the other socket's memory gets a fraction of the bandwidth,
+and decode is bandwidth-bound.  Linux places an anonymous page on the node of the CPU that first
+writes it, so a thread team pinned to a node *before* it packs (MoE.__init__ writes the packed copy)
+keeps its experts local, without libnuma.  The topology comes from /sys/devices/system/node (the root
+is a parameter, so tests can fake a machine); without it, the machine is one node."""
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Tuple
+
+import numpy as np
+
+from .experts import split_experts
+
+NODE_ROOT = "/sys/devices/system/node"
+_NODE_DIR = re.compile(r"^node(\d+)$")
+_MEM_TOTAL = re.compile(r"MemTotal:\s*(\d+)\s*kB")
+
+
+@dataclass(frozen=True)
+class NumaNode:
+    id: int
+    cpus: Tuple[int, ...]                 # every CPU of the node (nodeN/cpulist)
+    memory_bytes: Optional[int] = None    # nodeN/meminfo MemTotal; None where unknown
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One thread team (or rank): its node, the CPUs it runs on and the experts it holds."""
+    node: int
+    cpus: Tuple[int, ...]
+    experts: range
+
+
+def parse_cpulist(text, source="cpulist"):
+    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11); '' -> () (a node without CPUs)."""
+    cpus = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if m is None or (m[2] is not None and int(m[2]) < int(m[1])):
+            raise ValueError(f"{source}: cannot read CPU list {text.strip()!r} (expected e.g. '0-3,8')")
+        cpus.extend(range(int(m[1]), int(m[2] or m[1]) + 1))
+    return tuple(sorted(set(cpus)))
+
+
+def topology(root=NODE_ROOT):
+    """The NUMA nodes under `root`, by id.  No such folder (not Linux, or no NUMA support in the
+    kernel): one node 0 with the CPUs this process may use and unknown memory."""
+    root = Path(root)
+    dirs = sorted((int(m[1]), p) for p in root.glob("node*") if (m := _NODE_DIR.match(p.name)))
+    if not root.is_dir() or not dirs:
+        return [NumaNode(0, tuple(sorted(_allowed_cpus())))]
+    nodes = []
+    for node_id, path in dirs:
+        cpulist = path / "cpulist"
+        cpus = parse_cpulist(cpulist.read_text(), str(cpulist)) if cpulist.is_file() else ()
+        meminfo = path / "meminfo"
+        m = _MEM_TOTAL.search(meminfo.read_text()) if meminfo.is_file() else None
+        nodes.append(NumaNode(node_id, cpus, int(m[1]) * 1024 if m else None))
+    return nodes
+
+
+def _allowed_cpus():
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def plan(expert_num, nodes=None, allowed_cpus=None):
+    """One Placement per node that has CPUs this process may use (`allowed_cpus`, default its
+    affinity), in node order, the layer's experts split contiguously and evenly between them."""
+    teams = _usable(nodes, allowed_cpus)
+    parts = split_experts(expert_num, len(teams), name="NUMA nodes with usable CPUs")
+    return [Placement(node, cpus, part) for (node, cpus), part in zip(teams, parts)]
+
+
+def rank_cpus(local_rank, local_world_size, nodes=None, allowed_cpus=None):
+    """(node ids, CPUs) of rank `local_rank` of the `local_world_size` ranks on this machine.
+    As many ranks as nodes (the intended layout): one node each.  Fewer ranks: each takes a contiguous
+    group of nodes.  More: the ranks on a node split its CPUs into contiguous, even parts."""
+    for name, v in (("local_rank", local_rank), ("local_world_size", local_world_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    if not local_rank < local_world_size:
+        raise ValueError(f"local_rank={local_rank} must be in range(local_world_size={local_world_size})")
+    teams = _usable(nodes, allowed_cpus)
+    if local_world_size <= len(teams):
+        group = split_experts(len(teams), local_world_size, name="ranks")[local_rank]
+        mine = teams[group.start:group.stop]
+        return tuple(n for n, _ in mine), tuple(c for _, cpus in mine for c in cpus)
+    index = local_rank * len(teams) // local_world_size
+    node, cpus = teams[index]
+    sharing = [r for r in range(local_world_size) if r * len(teams) // local_world_size == index]
+    if len(sharing) > len(cpus):
+        raise ValueError(f"{len(sharing)} ranks on NUMA node {node} but it has only {len(cpus)} usable CPUs")
+    share = split_experts(len(cpus), len(sharing), name="ranks on the node")[sharing.index(local_rank)]
+    return (node,), cpus[share.start:share.stop]
+
+
+def pin_local_rank(nodes=None):
+    """Pins this process to its NUMA node(s) as rank_cpus says for torchrun's LOCAL_RANK /
+    LOCAL_WORLD_SIZE; returns (node ids, CPUs), or None (nothing pinned) on a one-node machine or
+    outside torchrun.  Call it before building any MoE, so packing first-touches local memory."""
+    teams = _usable(nodes, None)
+    env = [os.environ.get(v, "").strip() for v in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")]
+    if len(teams) < 2 or not all(env):
+        return None
+    try:
+        local_rank, local_world_size = (int(v) for v in env)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={env[0]!r} and LOCAL_WORLD_SIZE={env[1]!r} must be integers") from None
+    node_ids, cpus = rank_cpus(local_rank, local_world_size, nodes)
+    pin(cpus)
+    return node_ids, cpus
+
+
+def _usable(nodes, allowed_cpus):
+    """[(node id, its CPUs this process may use)] for the nodes that have any."""
+    nodes = topology() if nodes is None else nodes
+    allowed = set(_allowed_cpus() if allowed_cpus is None else allowed_cpus)
+    teams = [(n.id, tuple(c for c in n.cpus if c in allowed)) for n in nodes]
+    teams = [(node, cpus) for node, cpus in teams if cpus]
+    if not teams:
+        raise ValueError(f"no NUMA node has a CPU this process may use (allowed: {sorted(allowed)})")
+    return teams
+
+
+def pin(cpus):
+    """Binds the calling thread (and the threads it starts later, OpenMP teams included) to `cpus`."""
+    cpus = set(cpus)
+    if not cpus:
+        raise ValueError("cpus must name at least one CPU")
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as err:
+        raise ValueError(f"cannot pin to CPUs {sorted(cpus)}: {err.strerror}") from None
+
+
+class NumaMoE:
+    """One MoE layer split over NUMA nodes inside one process: per node a thread pinned to that node's
+    CPUs packs the node's contiguous share of the experts (first touch: the pages land on the node)
+    and runs it with an OpenMP team of those CPUs; a call sums the teams' float32 partial outputs.
+    On a one-node machine this is one MoE with extra steps: use MoE there."""
+
+    def __init__(self, config, experts, *, nodes=None, allowed_cpus=None, backend=None):
+        from .moe import MoE
+        self.placements = plan(config.expert_num, nodes, allowed_cpus)
+        self._teams = [ThreadPoolExecutor(1, thread_name_prefix=f"ktfp8-numa{p.node}", initializer=pin,
+                                          initargs=(p.cpus,)) for p in self.placements]
+        futures = [team.submit(MoE, config, experts.shard(p.experts), backend=backend, threads=len(p.cpus))
+                   for team, p in zip(self._teams, self.placements)]
+        self.moes = [f.result() for f in futures]
+        self.config = config
+
+    @property
+    def nbytes(self):
+        return sum(m.nbytes for m in self.moes)
+
+    def __call__(self, x, topk_ids, topk_weights):
+        """Like MoE.__call__ (NumPy x, float32 or bfloat16): the partial outputs are summed in float32."""
+        if not isinstance(x, np.ndarray) or x.dtype.name not in ("float32", "bfloat16"):
+            raise TypeError(f"x must be a float32 or bfloat16 numpy array, got {getattr(x, 'dtype', type(x).__name__)}")
+        x32 = np.ascontiguousarray(x, np.float32)
+        futures = [team.submit(moe, x32, topk_ids, topk_weights) for team, moe in zip(self._teams, self.moes)]
+        partials = [f.result() for f in futures]
+        y = partials[0]
+        for p in partials[1:]:
+            y += p
+        return y if x.dtype == np.float32 else y.astype(x.dtype)
+
+    def close(self):
+        for team in self._teams:
+            team.shutdown()
+
+
+def report(root=NODE_ROOT):
+    """The NUMA layout for `python -m ktfp8.cpu`: nodes with CPUs and memory, and the CPUs this
+    process may use on each."""
+    allowed = _allowed_cpus()
+    return [{"node": n.id, "cpus": format_cpulist(n.cpus), "usable_cpus": format_cpulist(
+        [c for c in n.cpus if c in allowed]), "memory_bytes": n.memory_bytes} for n in topology(root)]
+
+
+def format_report(nodes):
+    """Text lines of report(): one per node, and what ktfp8 does with that many.  The node's memory
+    is in the JSON report only: a VM with hot-plugged memory changes it from one run to the next."""
+    lines = [f"NUMA nodes: {len(nodes)}"]
+    for n in nodes:
+        usable = "" if n["usable_cpus"] == n["cpus"] else f" (usable here: {n['usable_cpus'] or 'none'})"
+        lines.append(f"  node {n['node']}: CPUs {n['cpus'] or 'none'}{usable}")
+    if sum(1 for n in nodes if n["usable_cpus"]) > 1:
+        lines.append("  experts split per node: torchrun --nproc-per-node <nodes> (one rank pinned per node) "
+                     "or ktfp8.numa.NumaMoE (one thread team per node)")
+    return "\n".join(lines)
+
+
+def format_cpulist(cpus):
+    """(0, 1, 2, 3, 8) -> '0-3,8' (the kernel's own notation)."""
+    cpus, runs = sorted(cpus), []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

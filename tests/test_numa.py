@@ -1,0 +1,172 @@
+"""NUMA topology, placement and pinning on faked machines (this one has a single node): sysfs trees
+written under tmp_path, and a fake 2-node split of this machine's own CPUs to run real pinned teams."""
+import io
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import ktfp8
+from ktfp8 import cpu, numa
+from ktfp8.moe import MoE
+from moe_oracle import make_experts, random_routing
+
+GiB = 2 ** 30
+
+
+def fake_sysfs(root, cpulists, mem_kb=None):
+    """A /sys/devices/system/node lookalike: node{i}/cpulist and meminfo, plus the files around them."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "online").write_text(f"0-{len(cpulists) - 1}\n")
+    (root / "has_cpu").write_text("0\n")
+    for i, cpus in enumerate(cpulists):
+        node = root / f"node{i}"
+        node.mkdir()
+        (node / "cpulist").write_text(cpus + "\n")
+        kb = (mem_kb or [64 * 2 ** 20] * len(cpulists))[i]
+        (node / "meminfo").write_text(f"Node {i} MemTotal:       {kb} kB\nNode {i} MemFree:        1 kB\n")
+    return root
+
+
+def test_two_socket_topology_and_plan(tmp_path):
+    root = fake_sysfs(tmp_path / "node", ["0-15,32-47", "16-31,48-63"])
+    nodes = numa.topology(root)
+    assert [n.id for n in nodes] == [0, 1]
+    assert nodes[0].cpus == tuple(range(16)) + tuple(range(32, 48))
+    assert nodes[1].memory_bytes == 64 * GiB
+    placements = numa.plan(64, nodes, allowed_cpus=range(64))
+    assert [(p.node, p.experts) for p in placements] == [(0, range(0, 32)), (1, range(32, 64))]
+    assert placements[1].cpus == nodes[1].cpus
+    # a process confined to node 1's CPUs (taskset / cgroup) plans one team there, all experts
+    assert [(p.node, p.experts) for p in numa.plan(64, nodes, allowed_cpus=range(16, 32))] == [(1, range(64))]
+
+
+def test_four_nodes_uneven_experts_and_a_memory_only_node(tmp_path):
+    root = fake_sysfs(tmp_path / "node", ["0-3", "4-7", "", "8-11", "12-15"],
+                      mem_kb=[2 ** 20, 2 ** 20, 4 * 2 ** 20, 2 ** 20, 2 ** 20])
+    nodes = numa.topology(root)
+    assert nodes[2].cpus == () and nodes[2].memory_bytes == 4 * GiB      # e.g. CXL memory: no team
+    placements = numa.plan(10, nodes, allowed_cpus=range(16))
+    assert [p.node for p in placements] == [0, 1, 3, 4]
+    assert [len(p.experts) for p in placements] == [3, 3, 2, 2]
+    assert [e for p in placements for e in p.experts] == list(range(10))
+    with pytest.raises(ValueError, match="without experts"):
+        numa.plan(3, nodes, allowed_cpus=range(16))
+    with pytest.raises(ValueError, match="no NUMA node has a CPU this process may use"):
+        numa.plan(8, nodes, allowed_cpus=[99])
+
+
+def test_rank_cpus(tmp_path):
+    nodes = numa.topology(fake_sysfs(tmp_path / "node", ["0-7", "8-15"]))
+    every = range(16)
+    assert numa.rank_cpus(0, 2, nodes, every) == ((0,), tuple(range(8)))
+    assert numa.rank_cpus(1, 2, nodes, every) == ((1,), tuple(range(8, 16)))
+    assert numa.rank_cpus(0, 1, nodes, every) == ((0, 1), tuple(range(16)))     # one rank: the machine
+    assert [numa.rank_cpus(r, 4, nodes, every) for r in range(4)] == [
+        ((0,), (0, 1, 2, 3)), ((0,), (4, 5, 6, 7)), ((1,), (8, 9, 10, 11)), ((1,), (12, 13, 14, 15))]
+    with pytest.raises(ValueError, match=r"local_rank=2 must be in range\(local_world_size=2\)"):
+        numa.rank_cpus(2, 2, nodes, every)
+    with pytest.raises(ValueError, match="18 ranks on NUMA node 0 but it has only 8"):
+        numa.rank_cpus(0, 36, nodes, every)
+
+
+def test_missing_sysfs_is_one_node_of_the_allowed_cpus(tmp_path):
+    nodes = numa.topology(tmp_path / "absent")
+    assert len(nodes) == 1 and set(nodes[0].cpus) == os.sched_getaffinity(0) and nodes[0].memory_bytes is None
+
+
+@pytest.mark.parametrize("text, cpus", [("0-3,8,10-11", (0, 1, 2, 3, 8, 10, 11)), ("5", (5,)), ("", ()),
+                                        ("2,0-1\n", (0, 1, 2))])
+def test_cpulist_round_trip(text, cpus):
+    assert numa.parse_cpulist(text) == cpus
+    assert numa.parse_cpulist(numa.format_cpulist(cpus)) == cpus
+
+
+@pytest.mark.parametrize("bad", ["0-", "a", "3-1", "1,,x"])
+def test_bad_cpulist(bad):
+    with pytest.raises(ValueError, match="cannot read CPU list"):
+        numa.parse_cpulist(bad, "node0/cpulist")
+
+
+def _in_thread(fn):
+    """Runs fn in a fresh thread: pinning there leaves this test process's affinity alone."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except Exception as err:     # handed back to the test thread
+            result["error"] = err
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def test_pin(monkeypatch, tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    assert _in_thread(lambda: (numa.pin([cpu]), os.sched_getaffinity(0))[1]) == {cpu}
+    with pytest.raises(ValueError, match="at least one CPU"):
+        numa.pin([])
+    with pytest.raises(ValueError, match=r"cannot pin to CPUs \[100000\]"):
+        numa.pin([100000])
+    # torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE on a faked 2-node machine made of this one's CPUs
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs to fake two nodes")
+    nodes = [numa.NumaNode(0, tuple(allowed[:1])), numa.NumaNode(1, tuple(allowed[1:]))]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    got = _in_thread(lambda: (numa.pin_local_rank(nodes), os.sched_getaffinity(0)))
+    assert got == (((1,), tuple(allowed[1:])), set(allowed[1:]))
+    assert _in_thread(lambda: numa.pin_local_rank(nodes[:1])) is None         # one node: nothing to do
+    monkeypatch.delenv("LOCAL_RANK")
+    assert _in_thread(lambda: numa.pin_local_rank(nodes)) is None             # not under torchrun
+
+
+def test_numa_moe_teams_are_pinned_and_sum_to_the_layer():
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs to fake two nodes")
+    nodes = [numa.NumaNode(0, tuple(allowed[:1])), numa.NumaNode(1, tuple(allowed[1:]))]
+    E, H, I, K = 9, 128, 48, 3
+    cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=I)
+    experts, _ = make_experts("fp8_per_channel", E, H, I, seed=2)
+    layer = numa.NumaMoE(cfg, experts, nodes=nodes)
+    try:
+        assert [p.experts for p in layer.placements] == [range(0, 5), range(5, 9)]
+        for team, p in zip(layer._teams, layer.placements):
+            assert team.submit(os.sched_getaffinity, 0).result() == set(p.cpus)
+        assert [m.threads for m in layer.moes] == [1, len(allowed) - 1]
+        whole = MoE(cfg, experts, threads=1)
+        assert layer.nbytes == pytest.approx(whole.nbytes, rel=0.01)
+        x = np.random.default_rng(0).standard_normal((11, H)).astype(np.float32)
+        ids, w = random_routing(11, E, K, seed=1, skip_fraction=0.1)
+        want = whole(x, ids, w)
+        np.testing.assert_allclose(layer(x, ids, w), want, rtol=0,
+                                   atol=8 * np.finfo(np.float32).eps * np.abs(want).max())
+        with pytest.raises(TypeError, match="float32 or bfloat16 numpy array"):
+            layer(x.astype(np.float64), ids, w)
+    finally:
+        layer.close()
+
+
+def test_cpu_report_shows_the_numa_layout():
+    report = cpu.report()
+    out = io.StringIO()
+    cpu.print_report(report, out=out)
+    text = out.getvalue()
+    nodes = numa.topology()
+    assert f"NUMA nodes: {len(nodes)}" in text
+    assert f"node 0: CPUs {numa.format_cpulist(nodes[0].cpus)}" in text
+    text = numa.format_report([{"node": 0, "cpus": "0-7", "usable_cpus": "0-7", "memory_bytes": 8 * GiB},
+                               {"node": 1, "cpus": "8-15", "usable_cpus": "", "memory_bytes": None}])
+    assert text.splitlines()[1:] == ["  node 0: CPUs 0-7", "  node 1: CPUs 8-15 (usable here: none)"]
+    assert "one rank pinned per node" not in text            # one node usable: nothing to split
+    reported = json.loads(json.dumps(report))["numa_nodes"]          # what --json prints
+    assert [(n["node"], n["cpus"]) for n in reported] == [(n.id, numa.format_cpulist(n.cpus)) for n in nodes]
+    assert all(n["memory_bytes"] is None or n["memory_bytes"] > 0 for n in reported)
