@@ -15,6 +15,8 @@ import resource
 import sys
 import time
 
+from ..generate import _positive  # the same --threads/--layers check as the generate CLI
+
 PHASES = ("prefill", "decode")
 SIDES = ("eager", "grouped_mm", "batched_mm", "ktfp8")
 BATCHED_MM_MAX_TOKENS = 8       # batched_mm gathers [tokens x top-k, 2I, H] weights: 25 GB at 512 tokens
@@ -143,16 +145,6 @@ def goals(rows):
         out.append(f"{'reached' if ratio >= target else 'NOT reached'}: {phase} {ratio:.2f}x the fastest "
                    f"transformers BF16 experts ({best['side']}), goal >= {target}x")
     return out
-
-
-def _positive(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _sides(text):
