@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "ktfp8/abi.h"
+#include "ktfp8/moe_epilogue.h"
 #include "ktfp8/e4m3_bf16_vbmi.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/token_count.h"
@@ -199,9 +200,12 @@ static void tile_matmul(const ktfp8_tile_job *j) {
 /* bf16 [k/2][16][2] copy of one FP8 tile, for the prefill path. */
 static size_t tile_scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(uint16_t); }
 
+KTFP8_EPILOGUE_OPS(epilogue);
+
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .shuffle64 = 1},
     .act_dtype = KTFP8_BF16,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
+    .epilogue = &epilogue,
 };

@@ -223,10 +223,9 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                 kern->tile_matmul(&gate);
                 kern->tile_matmul(&up);
             }
-            ktfp8_silu_mul(gbuf, ubuf, m * nb);
             const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
-            for (int64_t i = 0; i < m; i++)
-                ktfp8_store_row((char *)b.h + esz * (size_t)((p0 + i) * b.h_stride + n0), act, gbuf + i * nb, rows);
+            kern->epilogue->silu_mul_store(gbuf, ubuf, m, nb, rows, (char *)b.h + esz * (size_t)(p0 * b.h_stride + n0),
+                                           b.h_stride, act);
         }
 
         /* phase 2: y[token, columns] += weight * (h @ down_tiles^T), experts in id order */
@@ -250,8 +249,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                 } else {
                     kern->tile_matmul(&down);
                 }
-                for (int64_t i = 0; i < m; i++)
-                    ktfp8_axpy(yacc + b.pair_token[p0 + i] * dcols, b.pair_weight[p0 + i], zbuf + i * dcols, cols);
+                kern->epilogue->scatter_add(yacc, dcols, b.pair_token + p0, b.pair_weight + p0, zbuf, dcols, m, cols);
             }
             y_columns_store(c, n0, cols, yacc, dcols);
         }
