@@ -140,9 +140,12 @@ static void configure(int nw, int chunks, int tail_rows) {
 /* Tokens m0 .. m0 + rows - 1 of NW jobs sharing their activations and K: the K reduction slab by
  * slab, block by block, scaled into each job's FP32 output.  codes[w] != NULL: w_bf16[w] is
  * scratch still to be filled slab by slab from those codes (the first pass); the conversion of
- * slab s + 1 runs beside the products of slab s. */
+ * slab s + 1 runs beside the products of slab s.  ring: this is the only pass, so no slab is read
+ * twice and the scratch is a ring of two slabs per weight tile (2 KiB, in L1) instead of the whole
+ * converted tile (64 KiB at K = 2048, written to L2 and read back); slab s + 1 overwrites slab s - 1,
+ * whose tile loads came before in program order. */
 INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes, const uint8_t *const *w_bf16,
-                 const int NW, int64_t m0, const int chunks, const int tail_rows) {
+                 const int NW, int64_t m0, const int chunks, const int tail_rows, const int ring) {
     const ktfp8_tile_job *j = jobs[0];
     const uint16_t *a = (const uint16_t *)j->a;
     const int64_t a_stride = j->a_stride, a_bytes = a_stride * 2;
@@ -162,15 +165,17 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
         ZERO_C(2);
         ZERO_C(3);
         for (int64_t s = s0; s < s1; s++) {
-            _tile_loadd(TILE_B, w_bf16[0] + s * SLAB_BYTES, NB * 4);
-            if (NW == 2) _tile_loadd(TILE_B2, w_bf16[1] + s * SLAB_BYTES, NB * 4);
+#define SLAB_AT(w, s_) (w_bf16[w] + (ring ? (s_) & 1 : (s_)) * SLAB_BYTES)
+            _tile_loadd(TILE_B, SLAB_AT(0, s), NB * 4);
+            if (NW == 2) _tile_loadd(TILE_B2, SLAB_AT(1, s), NB * 4);
             if (s + 1 < slabs) {
+                compiler_barrier(); /* the tile loads above read the slot converted into next */
                 for (int w = 0; w < NW; w++)
                     if (codes[w])
-                        ktfp8_e4m3_tile_to_bf16(codes[w] + (s + 1) * SLAB * NB, SLAB,
-                                                (uint16_t *)(w_bf16[w] + (s + 1) * SLAB_BYTES));
+                        ktfp8_e4m3_tile_to_bf16(codes[w] + (s + 1) * SLAB * NB, SLAB, (uint16_t *)SLAB_AT(w, s + 1));
                 compiler_barrier();
             }
+#undef SLAB_AT
             if (NW == 1) {
                 DOT1(0);
                 DOT1(1);
@@ -209,23 +214,27 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
 INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
     const ktfp8_tile_job *j = jobs[0];
     const int per_pass = CHUNKS / NW; /* chunks per pass: the four C tiles */
+    const int64_t step = per_pass * CHUNK, full = j->m / step * step, left = j->m - full;
     /* weights as bf16 [k/2][16][2]: BF16 weights are already packed that way; FP8 codes are
-     * converted into scratch (one tile after the other) during the first pass */
+     * converted into scratch during the first pass: the whole tile when later passes reuse it,
+     * else a ring of two slabs (see pass) */
+    const int ring = j->format != KTFP8_FMT_BF16 && j->m <= step;
+    const size_t tile_bytes = ring ? 2 * SLAB_BYTES : (size_t)j->k * NB * 2;
     const uint8_t *codes[2] = {NULL, NULL}, *w_bf16[2] = {NULL, NULL};
     for (int w = 0; w < NW; w++) {
         codes[w] = jobs[w]->format == KTFP8_FMT_BF16 ? NULL : (const uint8_t *)jobs[w]->w;
-        w_bf16[w] = codes[w] ? (const uint8_t *)j->scratch + (size_t)w * j->k * NB * 2 : (const uint8_t *)jobs[w]->w;
+        w_bf16[w] = codes[w] ? (const uint8_t *)j->scratch + w * tile_bytes : (const uint8_t *)jobs[w]->w;
     }
     const uint8_t *none[2] = {NULL, NULL};
-    const int64_t step = per_pass * CHUNK, full = j->m / step * step, left = j->m - full;
     if (full) {
         configure(NW, per_pass, 0);
-        for (int64_t m0 = 0; m0 < full; m0 += step) pass(jobs, m0 == 0 ? codes : none, w_bf16, NW, m0, per_pass, 0);
+        for (int64_t m0 = 0; m0 < full; m0 += step)
+            pass(jobs, m0 == 0 ? codes : none, w_bf16, NW, m0, per_pass, 0, ring);
     }
     if (left) { /* the last pass: fewer chunks, maybe a short one */
         const int chunks = (int)((left + CHUNK - 1) / CHUNK), tail_rows = (int)(left % CHUNK);
         configure(NW, chunks, tail_rows);
-        pass(jobs, full == 0 ? codes : none, w_bf16, NW, full, chunks, tail_rows);
+        pass(jobs, full == 0 ? codes : none, w_bf16, NW, full, chunks, tail_rows, ring);
     }
     _tile_release();
 }
