@@ -56,152 +56,228 @@ INLINE __m512 dpbf16(__m512 acc, __m512i w, __m512i a) {
 #define DPBF16(acc, w, a) _mm512_dpbf16_ps((acc), (__m512bh)(w), (__m512bh)(a))
 #endif
 
-/* sum[i] = sum over pairs [p0, p1) of token i, weights converted from FP8 codes on the fly.
- * A block may start or end in the middle of a 64-byte group (block_k = 2 mod 4).
- * Four accumulators per token (one per pair slot of a step) up to 3 tokens; at 4 tokens two
- * each (8 chains still cover the latency, 16 would not fit beside the tables and weights). */
-INLINE void dot_fp8_stream(const uint8_t *codes, const uint16_t *a, int64_t a_stride, const int M,
-                           int64_t p0, int64_t p1, const ktfp8_e4m3_bf16_lut *lut, __m512 *sum) {
-    const int Q = M <= 3 ? 3 : 1; /* slot q uses accumulator q & Q */
-    __m512 acc[DECODE_M][4];
+/* Independent accumulators per token in the decode paths: 4 up to 2 tokens (the vdpbf16ps latency
+ * needs them), 2 from 3 tokens (6 or 8 chains per weight tile still cover it, and with two tiles
+ * 4 tokens x 2 tiles x 4 would not fit in 32 zmm beside the tables and the weights).  The prefill
+ * passes always use 2: the count depends on the path, never on the height of a token block, so the
+ * two-tile passes (MR / 2 tokens) sum each token exactly as the one-tile passes (MR tokens). */
+#define DECODE_CHAINS(M) ((M) <= 2 ? 4 : 2)
+#define PREFILL_CHAINS 2
+
+/* sum[w][i] = sum over pairs [p0, p1) of token i against weight tile w < NW (1, or 2 for
+ * tile_matmul2: both code streams in one loop, each broadcast activation pair feeding both),
+ * weights converted from FP8 codes on the fly.  Pair p goes to accumulator (p - p0') mod U of its
+ * tile and token, whatever NW is, so a tile's sums are bit-identical with NW = 1 and 2.
+ * A block may start or end in the middle of a 64-byte group (block_k = 2 mod 4). */
+INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a, int64_t a_stride, const int M,
+                           const int U, int64_t p0, int64_t p1, const ktfp8_e4m3_bf16_lut *lut,
+                           __m512 sum[][MR]) {
+    const int Q = U - 1; /* slot q of a step uses accumulator q & Q */
+    const uint8_t *codes[2] = {(const uint8_t *)w[0], (const uint8_t *)w[NW - 1]};
+    __m512 acc[2][DECODE_M][4];
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 4
-    for (int i = 0; i < M; i++)
-        for (int q = 0; q < 4; q++) acc[i][q] = _mm512_setzero_ps();
+        for (int i = 0; i < M; i++)
+            for (int q = 0; q < 4; q++) acc[t][i][q] = _mm512_setzero_ps();
     int64_t p = p0;
-    __m512i w0, w1, w2, w3;
+    __m512i w0[2], w1[2];
     if (p & 1) { /* second pair of a group */
-        ktfp8_e4m3x64_to_bf16(lut, codes + 32 * (p - 1), &w0, &w1);
-#pragma GCC unroll 4
-        for (int i = 0; i < M; i++) acc[i][1] = DPBF16(acc[i][1], w1, bcast_pair(a + i * a_stride, p));
-        p++;
-    }
-    /* two groups = four pairs = two cache lines per step */
-    for (; p + 4 <= p1; p += 4) {
-        _mm_prefetch((const char *)codes + 32 * p + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)codes + 32 * p + 64 + PREFETCH_BYTES, _MM_HINT_T0);
-        ktfp8_e4m3x64_to_bf16(lut, codes + 32 * p, &w0, &w1);
-        ktfp8_e4m3x64_to_bf16(lut, codes + 32 * p + 64, &w2, &w3);
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p - 1), &w0[t], &w1[t]);
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            const uint16_t *row = a + i * a_stride;
-            acc[i][0] = DPBF16(acc[i][0], w0, bcast_pair(row, p));
-            acc[i][1] = DPBF16(acc[i][1], w1, bcast_pair(row, p + 1));
-            acc[i][2 & Q] = DPBF16(acc[i][2 & Q], w2, bcast_pair(row, p + 2));
-            acc[i][3 & Q] = DPBF16(acc[i][3 & Q], w3, bcast_pair(row, p + 3));
+            const __m512i x = bcast_pair(a + i * a_stride, p);
+#pragma GCC unroll 2
+            for (int t = 0; t < NW; t++) acc[t][i][1] = DPBF16(acc[t][i][1], w1[t], x);
+        }
+        p++;
+    }
+    /* two groups = four pairs = two cache lines of each stream per step, a group of every stream
+     * converted at a time (NW x 2 weight vectors live) */
+    for (; p + 4 <= p1; p += 4) {
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) {
+            _mm_prefetch((const char *)codes[t] + 32 * p + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)codes[t] + 32 * p + 64 + PREFETCH_BYTES, _MM_HINT_T0);
+        }
+#pragma GCC unroll 2
+        for (int g = 0; g < 4; g += 2) {
+#pragma GCC unroll 2
+            for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p + g), &w0[t], &w1[t]);
+#pragma GCC unroll 4
+            for (int i = 0; i < M; i++) {
+                const __m512i x0 = bcast_pair(a + i * a_stride, p + g), x1 = bcast_pair(a + i * a_stride, p + g + 1);
+#pragma GCC unroll 2
+                for (int t = 0; t < NW; t++) {
+                    acc[t][i][g & Q] = DPBF16(acc[t][i][g & Q], w0[t], x0);
+                    acc[t][i][(g + 1) & Q] = DPBF16(acc[t][i][(g + 1) & Q], w1[t], x1);
+                }
+            }
         }
     }
     for (; p < p1; p += 2) { /* 1 to 3 pairs left, p at the start of a group */
-        ktfp8_e4m3x64_to_bf16(lut, codes + 32 * p, &w0, &w1);
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * p, &w0[t], &w1[t]);
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            acc[i][0] = DPBF16(acc[i][0], w0, bcast_pair(a + i * a_stride, p));
-            if (p + 1 < p1) acc[i][1] = DPBF16(acc[i][1], w1, bcast_pair(a + i * a_stride, p + 1));
+            const __m512i x0 = bcast_pair(a + i * a_stride, p);
+#pragma GCC unroll 2
+            for (int t = 0; t < NW; t++) acc[t][i][0] = DPBF16(acc[t][i][0], w0[t], x0);
+            if (p + 1 < p1) {
+                const __m512i x1 = bcast_pair(a + i * a_stride, p + 1);
+#pragma GCC unroll 2
+                for (int t = 0; t < NW; t++) acc[t][i][1] = DPBF16(acc[t][i][1], w1[t], x1);
+            }
         }
     }
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 4
-    for (int i = 0; i < M; i++) {
-        __m512 t = _mm512_add_ps(acc[i][0], acc[i][1]);
-        if (Q == 3) t = _mm512_add_ps(t, _mm512_add_ps(acc[i][2], acc[i][3]));
-        sum[i] = t;
-    }
+        for (int i = 0; i < M; i++) {
+            __m512 s = _mm512_add_ps(acc[t][i][0], acc[t][i][1]);
+            if (U > 2) s = _mm512_add_ps(s, _mm512_add_ps(acc[t][i][2], acc[t][i][3]));
+            sum[t][i] = s;
+        }
 }
 
-/* Same over bf16 weights [pairs][16][2] already in memory (BF16 weights, or the prefill scratch).
- * U independent accumulators per token: 4 for few tokens (latency), 2 for a full MR block
- * (registers: MR * 2 accumulators + MR block-wise results must fit in 32 zmm). */
-INLINE void dot_bf16(const uint16_t *w, const uint16_t *a, int64_t a_stride, const int M, int64_t p0,
-                     int64_t p1, __m512 *sum) {
+/* Same over bf16 weights [pairs][16][2] already in memory (BF16 weights, or the prefill scratch),
+ * U accumulators per token and tile, each loaded weight vector fed M broadcasts. */
+INLINE void dot_bf16(const void *const *w, const int NW, const uint16_t *a, int64_t a_stride, const int M,
+                     const int U, int64_t p0, int64_t p1, __m512 sum[][MR]) {
     enum { UMAX = 4 };
-    const int U = M <= DECODE_M ? 4 : 2;
-    __m512 acc[MR][UMAX];
+    const uint16_t *wt[2] = {(const uint16_t *)w[0], (const uint16_t *)w[NW - 1]};
+    __m512 acc[2][MR][UMAX];
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 8
-    for (int i = 0; i < M; i++)
-        for (int q = 0; q < UMAX; q++) acc[i][q] = _mm512_setzero_ps();
+        for (int i = 0; i < M; i++)
+            for (int q = 0; q < UMAX; q++) acc[t][i][q] = _mm512_setzero_ps();
+    __m512i wq[2];
     int64_t p = p0;
     for (; p + U <= p1; p += U) {
 #pragma GCC unroll 4
         for (int q = 0; q < U; q++) {
-            const __m512i wq = _mm512_loadu_si512((const void *)(w + 32 * (p + q)));
+#pragma GCC unroll 2
+            for (int t = 0; t < NW; t++) wq[t] = _mm512_loadu_si512((const void *)(wt[t] + 32 * (p + q)));
 #pragma GCC unroll 8
-            for (int i = 0; i < M; i++)
-                acc[i][q] = DPBF16(acc[i][q], wq, bcast_pair(a + i * a_stride, p + q));
+            for (int i = 0; i < M; i++) {
+                const __m512i x = bcast_pair(a + i * a_stride, p + q);
+#pragma GCC unroll 2
+                for (int t = 0; t < NW; t++) acc[t][i][q] = DPBF16(acc[t][i][q], wq[t], x);
+            }
         }
     }
     for (; p < p1; p++) {
-        const __m512i wq = _mm512_loadu_si512((const void *)(w + 32 * p));
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) wq[t] = _mm512_loadu_si512((const void *)(wt[t] + 32 * p));
 #pragma GCC unroll 8
-        for (int i = 0; i < M; i++) acc[i][0] = DPBF16(acc[i][0], wq, bcast_pair(a + i * a_stride, p));
+        for (int i = 0; i < M; i++) {
+            const __m512i x = bcast_pair(a + i * a_stride, p);
+#pragma GCC unroll 2
+            for (int t = 0; t < NW; t++) acc[t][i][0] = DPBF16(acc[t][i][0], wq[t], x);
+        }
     }
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 8
-    for (int i = 0; i < M; i++) {
-        __m512 s = _mm512_add_ps(acc[i][0], acc[i][1]);
-        if (U > 2) s = _mm512_add_ps(s, _mm512_add_ps(acc[i][2], acc[i][3]));
-        sum[i] = s;
-    }
+        for (int i = 0; i < M; i++) {
+            __m512 s = _mm512_add_ps(acc[t][i][0], acc[t][i][1]);
+            if (U > 2) s = _mm512_add_ps(s, _mm512_add_ps(acc[t][i][2], acc[t][i][3]));
+            sum[t][i] = s;
+        }
 }
 
-/* M tokens starting at row a: the K reduction block by block, scaled, stored to c.
- * w points at FP8 codes when fp8_stream, else at bf16 pairs. */
-INLINE void tile_rows(const ktfp8_tile_job *j, const void *w, int fp8_stream, const uint16_t *a, float *c,
-                      const int M, const ktfp8_e4m3_bf16_lut *lut) {
+/* Tokens i0 .. i0 + M - 1 of NW jobs sharing their activations: the K reduction block by block,
+ * scaled, stored to each job's c.  w[t]: FP8 codes when fp8_stream, else bf16 pairs. */
+INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, const int NW, int fp8_stream,
+                      int64_t i0, const int M, const int U, const ktfp8_e4m3_bf16_lut *lut) {
+    const ktfp8_tile_job *j = jobs[0];
+    const uint16_t *a = (const uint16_t *)j->a + i0 * j->a_stride;
     const int64_t pairs = j->k / 2;
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t nkb = blockwise ? j->n_kblocks : 1, block_pairs = blockwise ? j->block_k / 2 : pairs;
-    __m512 res[MR], sum[MR];
+    __m512 res[2][MR], sum[2][MR];
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 8
-    for (int i = 0; i < M; i++) res[i] = _mm512_setzero_ps();
+        for (int i = 0; i < M; i++) res[t][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nkb; b++) {
         const int64_t p0 = b * block_pairs, p1 = b == nkb - 1 ? pairs : p0 + block_pairs;
         if (fp8_stream)
-            dot_fp8_stream((const uint8_t *)w, a, j->a_stride, M, p0, p1, lut, sum);
+            dot_fp8_stream(w, NW, a, j->a_stride, M, U, p0, p1, lut, sum);
         else
-            dot_bf16((const uint16_t *)w, a, j->a_stride, M, p0, p1, sum);
-        if (j->format == KTFP8_FMT_BF16) {
+            dot_bf16(w, NW, a, j->a_stride, M, U, p0, p1, sum);
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) {
+            if (j->format == KTFP8_FMT_BF16) {
 #pragma GCC unroll 8
-            for (int i = 0; i < M; i++) res[i] = sum[i];
-        } else {
-            const __m512 s = _mm512_loadu_ps(j->scale + b * NB);
+                for (int i = 0; i < M; i++) res[t][i] = sum[t][i];
+            } else {
+                const __m512 s = _mm512_loadu_ps(jobs[t]->scale + b * NB);
 #pragma GCC unroll 8
-            for (int i = 0; i < M; i++) res[i] = _mm512_fmadd_ps(sum[i], s, res[i]);
+                for (int i = 0; i < M; i++) res[t][i] = _mm512_fmadd_ps(sum[t][i], s, res[t][i]);
+            }
         }
     }
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 8
-    for (int i = 0; i < M; i++) _mm512_storeu_ps(c + i * j->c_stride, res[i]);
+        for (int i = 0; i < M; i++) _mm512_storeu_ps(jobs[t]->c + (i0 + i) * jobs[t]->c_stride, res[t][i]);
 }
 
-static void tile_matmul(const ktfp8_tile_job *j) {
-    const uint16_t *a = (const uint16_t *)j->a;
+/* NW jobs (1, or the 2 of tile_matmul2) over the same activations, m tokens. */
+INLINE void run_jobs(const ktfp8_tile_job *const *jobs, const int NW) {
+    const ktfp8_tile_job *j = jobs[0];
     ktfp8_e4m3_bf16_lut lut;
     ktfp8_e4m3_bf16_lut_load(&lut);
     if (j->m <= 0) return;
+    const void *w[2] = {jobs[0]->w, jobs[NW - 1]->w};
     if (j->m <= DECODE_M) {
         const int fp8_stream = j->format != KTFP8_FMT_BF16;
-#define DECODE(M_) tile_rows(j, j->w, fp8_stream, a, j->c, M_, &lut)
+#define DECODE(M_) tile_rows(jobs, w, NW, fp8_stream, 0, M_, DECODE_CHAINS(M_), &lut)
         KTFP8_FOR_M4(j->m, DECODE)
 #undef DECODE
         return;
     }
-    const void *w = j->w;
-    if (j->format != KTFP8_FMT_BF16) { /* convert once, reuse for all m tokens */
-        ktfp8_e4m3_tile_to_bf16((const uint8_t *)j->w, j->k, (uint16_t *)j->scratch);
-        w = j->scratch;
-    }
-    for (int64_t i0 = 0; i0 < j->m; i0 += MR) {
-        const int64_t rows = j->m - i0 < MR ? j->m - i0 : MR;
-        const uint16_t *ai = a + i0 * j->a_stride;
-        float *ci = j->c + i0 * j->c_stride;
-#define PREFILL(M_) tile_rows(j, w, 0, ai, ci, M_, &lut)
-        KTFP8_FOR_M8(rows, PREFILL)
+    if (j->format != KTFP8_FMT_BF16) /* convert once, reuse for all m tokens */
+        for (int t = 0; t < NW; t++) {
+            uint16_t *dst = (uint16_t *)j->scratch + (size_t)t * j->k * NB;
+            ktfp8_e4m3_tile_to_bf16((const uint8_t *)jobs[t]->w, j->k, dst);
+            w[t] = dst;
+        }
+    /* two tiles: half the tokens per pass, so that both tiles' accumulators fit in registers */
+    const int mr = MR / NW;
+    for (int64_t i0 = 0; i0 < j->m; i0 += mr) {
+        const int64_t rows = j->m - i0 < mr ? j->m - i0 : mr;
+#define PREFILL(M_) tile_rows(jobs, w, NW, 0, i0, M_, PREFILL_CHAINS, &lut)
+        if (NW == 1)
+            KTFP8_FOR_M8(rows, PREFILL)
+        else
+            KTFP8_FOR_M4(rows, PREFILL)
 #undef PREFILL
     }
 }
 
-/* bf16 [k/2][16][2] copy of one FP8 tile, for the prefill path. */
-static size_t tile_scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(uint16_t); }
+static void tile_matmul(const ktfp8_tile_job *j) {
+    const ktfp8_tile_job *jobs[1] = {j};
+    run_jobs(jobs, 1);
+}
+
+/* Gate and up (or two down tiles): one pass over the activations feeds both weight tiles; each
+ * tile's results are bit-identical to its own tile_matmul. */
+static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
+    const ktfp8_tile_job *jobs[2] = {j0, j1};
+    run_jobs(jobs, 2);
+}
+
+/* bf16 [k/2][16][2] copies of the FP8 tiles of a tile_matmul2 call, for the prefill path. */
+static size_t tile_scratch_bytes(int64_t k) { return 2 * (size_t)k * NB * sizeof(uint16_t); }
 
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .shuffle64 = 1},
     .act_dtype = KTFP8_BF16,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
+    .tile_matmul2 = tile_matmul2,
 };
