@@ -8,9 +8,27 @@
  * 64 codes into the two bf16 zmm of pairs 2g and 2g+1 in natural order.
  *
  * Decode (m <= DECODE_M): memory-bound, so the codes stream once and are converted in registers;
- * four independent accumulators per token hide the vdpbf16ps latency.  Prefill (m > DECODE_M):
+ * several independent accumulators per token hide the vdpbf16ps latency.  Prefill (m > DECODE_M):
  * the tile is converted once into scratch (bf16 [k/2][16][2]) and reused by every token, MR tokens
  * per pass so that each loaded weight vector feeds MR vdpbf16ps.
+ *
+ * Two tiles at once (tile_matmul2: gate and up, or two down tiles): decode streams both tiles'
+ * codes in one K loop, each broadcast activation pair feeding both weight vectors; prefill converts
+ * both tiles and runs MR / 2 tokens per pass against both.  Same code as one tile (NW = 1 or 2, a
+ * constant after inlining) and the same sums bit for bit (tests/test_tile_pair.py).
+ * Why: llvm-mca-16 -mcpu=sapphirerapids on the compiled decode loops, core cycles per 64 codes
+ * of each tile, one stream -> two streams:
+ *     m = 1: 4.02 -> 4.01    m = 2: 5.57 -> 5.26    m = 3: 7.06 -> 6.26    m = 4: 8.77 -> 7.67
+ * and on the prefill loop, cycles per vdpbf16ps: 0.72 (MR = 8 tokens x 1 tile) -> 0.63 (4 tokens x
+ * 2 tiles; the two FMA ports' floor is 0.5).  At m = 1 the loop is bound by port 5 (2 vpermi2b + 2 vpunpck*bw per
+ * 64 codes, p5 only), from m = 2 by ports 0 and 5 together (vdpbf16ps, and a broadcast load that
+ * LLVM 16's model, Skylake-server's for this CPU, gives an ALU uop too: that is what sharing the
+ * broadcast saves).  4 cycles per 64 codes is 16 bytes per cycle, ~4x a core's share of the
+ * Xeon's bus: the loop does not wait on its ports but on memory (the Xeon profile: 4.5 codes per
+ * cycle at m = 1 from L3), which llvm-mca does not model; what two streams add there is a second
+ * prefetched stream in flight per core.  To be measured on hardware.
+ * At m = 4 with two streams GCC spills a few accumulators (2 tiles x 4 tokens x 2 + 4 tables +
+ * weights, over 32 zmm); the figure above includes the spills.
  *
  * Scales: per-channel once after the whole K reduction; block-wise per K block (block b covers
  * pairs [b * block_k / 2, (b + 1) * block_k / 2), the last one runs on to k); BF16 weights none. */
@@ -56,18 +74,22 @@ INLINE __m512 dpbf16(__m512 acc, __m512i w, __m512i a) {
 #define DPBF16(acc, w, a) _mm512_dpbf16_ps((acc), (__m512bh)(w), (__m512bh)(a))
 #endif
 
-/* Independent accumulators per token in the decode paths: 4 up to 2 tokens (the vdpbf16ps latency
- * needs them), 2 from 3 tokens (6 or 8 chains per weight tile still cover it, and with two tiles
- * 4 tokens x 2 tiles x 4 would not fit in 32 zmm beside the tables and the weights).  The prefill
- * passes always use 2: the count depends on the path, never on the height of a token block, so the
- * two-tile passes (MR / 2 tokens) sum each token exactly as the one-tile passes (MR tokens). */
-#define DECODE_CHAINS(M) ((M) <= 2 ? 4 : 2)
+/* Independent accumulators per token in the decode paths: 4 up to DECODE_WIDE_M tokens (the
+ * vdpbf16ps latency needs them), 2 above (6 or 8 chains per weight tile still cover it, and with
+ * two tiles 4 tokens x 2 tiles x 4 would not fit in 32 zmm beside the tables and the weights).
+ * The prefill passes always use 2: the count depends on the path, never on the height of a token
+ * block, so the two-tile passes (MR / 2 tokens) sum each token exactly as the one-tile passes (MR).
+ * The kernel harness's token counts (tests/kernel_tester.py) do not straddle DECODE_WIDE_M: m = 1
+ * and m = DECODE_M run the 4- and the 2-accumulator loops against the oracle; m = 2, 3 differ from
+ * them only in the token count. */
+#define DECODE_WIDE_M 2
+#define DECODE_CHAINS(M) ((M) <= DECODE_WIDE_M ? 4 : 2)
 #define PREFILL_CHAINS 2
 
 /* sum[w][i] = sum over pairs [p0, p1) of token i against weight tile w < NW (1, or 2 for
  * tile_matmul2: both code streams in one loop, each broadcast activation pair feeding both),
- * weights converted from FP8 codes on the fly.  Pair p goes to accumulator (p - p0') mod U of its
- * tile and token, whatever NW is, so a tile's sums are bit-identical with NW = 1 and 2.
+ * weights converted from FP8 codes on the fly.  Which accumulator of its tile and token a pair
+ * goes to depends on p, p0 and U only, never on NW: a tile's sums are bit-identical with NW = 1, 2.
  * A block may start or end in the middle of a 64-byte group (block_k = 2 mod 4). */
 INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a, int64_t a_stride, const int M,
                            const int U, int64_t p0, int64_t p1, const ktfp8_e4m3_bf16_lut *lut,
