@@ -13,18 +13,22 @@ import numpy as np
 import pytest
 
 from ktfp8 import backends
+from ktfp8.moe import _FORMAT_CODES
 from kernel_tester import KERNELS, token_counts
 
-_testing = pytest.importorskip("ktfp8._native._testing", reason="the test module is not built (KTFP8_ENABLE_EMULATED=OFF)")
+_testing = pytest.importorskip("ktfp8._native._testing",
+                               reason="the test module is not built (KTFP8_ENABLE_EMULATED=OFF)")
 
 # variants whose kernel has a tile_matmul2 (amx's hands m < AMX_MIN_M to avx512_bf16's)
 PAIRED = [v for v in ("avx512_bf16_emulated", "amx_emulated") if v in backends.usable_variants()]
 NB = 16
 K = 192  # six 32-K AMX slabs; 96 pairs
 
-# name: (format code, block_k).  34 = 2 mod 4: K blocks start in the middle of a 64-byte code
+# name: (weight format, block_k).  34 = 2 mod 4: K blocks start in the middle of a 64-byte code
 # group; 64: whole AMX slabs (the tile path takes it); 48: splits the slabs (avx512_bf16 takes it)
-FORMATS = {"per_channel": (0, 0), "block34": (1, 34), "block64": (1, 64), "block48": (1, 48), "bf16": (2, 0)}
+FORMATS = {"per_channel": ("fp8_per_channel", 0), "block34": ("fp8_block", 34), "block64": ("fp8_block", 64),
+           "block48": ("fp8_block", 48), "bf16": ("bf16", 0)}
+BF16 = _FORMAT_CODES["bf16"]
 
 
 def token_counts_of_both():
@@ -36,7 +40,7 @@ def token_counts_of_both():
 
 
 def random_tile(rng, fmt):
-    if fmt == 2:
+    if fmt == BF16:
         bits = (rng.standard_normal(K * NB).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
         return bits.view(np.uint8)
     codes = rng.integers(0, 256, K * NB, dtype=np.uint8)
@@ -47,7 +51,8 @@ def random_tile(rng, fmt):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("variant", PAIRED)
 def test_paired_tiles_give_the_bits_of_single_tiles(variant, fmt):
-    code, block_k = FORMATS[fmt]
+    name, block_k = FORMATS[fmt]
+    code = _FORMAT_CODES[name]
     n_kblocks = -(-K // block_k) if block_k else 1
     rng = np.random.default_rng(code * 100 + block_k)
     w = [random_tile(rng, code) for _ in range(2)]
@@ -73,7 +78,8 @@ def test_tile_pair_refuses_jobs_its_buffers_do_not_fit():
     s = np.ones(NB, np.float32)
     a = np.zeros(2 * K, np.uint8)
     c = np.zeros(NB, np.float32)
+    per_channel = _FORMAT_CODES["fp8_per_channel"]
     with pytest.raises(ValueError, match="do not fit"):  # m = 2 rows of output, c holds one
-        _testing.tile_pair("avx512_bf16_emulated", True, 0, K, 0, 1, w, w, s, s, a, K, 2, c, c)
+        _testing.tile_pair("avx512_bf16_emulated", True, per_channel, K, 0, 1, w, w, s, s, a, K, 2, c, c)
     with pytest.raises(ValueError, match="do not fit"):
-        _testing.tile_pair("no_such_variant", True, 0, K, 0, 1, w, w, s, s, a, K, 1, c, c)
+        _testing.tile_pair("no_such_variant", True, per_channel, K, 0, 1, w, w, s, s, a, K, 1, c, c)

@@ -1,8 +1,8 @@
 # cython: language_level=3
 """Test-only native code, kept out of the package's import (as NumPy keeps _umath_tests): the
-*_emulated variants, a hook into the AMX tile emulation and one into a variant's micro-kernel.  Built with the test suite's build
-(KTFP8_ENABLE_EMULATED not OFF); ktfp8.backends loads it only when an emulated variant is named or
-listed."""
+*_emulated variants, a hook into the AMX tile emulation and one into an emulated variant's
+micro-kernel.  Built with the test suite's build (KTFP8_ENABLE_EMULATED not OFF); ktfp8.backends
+loads it only when an emulated variant is named or listed."""
 
 from libc.stdint cimport int64_t, uint8_t
 from cpython.pycapsule cimport PyCapsule_New
