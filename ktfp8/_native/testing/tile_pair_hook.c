@@ -10,7 +10,7 @@
 
 const ktfp8_variant_entry *ktfp8_emulated_variants(int *count);
 
-enum { GUARD = 64, GUARD_BYTE = 0xA5 };
+enum { GUARD = 64, GUARD_BYTE = 0xA5 }; /* bytes, at least, checked behind the scratch */
 
 /* The emulated variant called `name`, or NULL. */
 static const ktfp8_moe_kernel *kernel_named(const char *name) {
@@ -42,8 +42,10 @@ int ktfp8_testing_tile_pair(const char *variant, int paired, int format, int64_t
     for (int t = 0; t < 2; t++)
         if (w_bytes[t] < need_w || scale_bytes[t] < need_s || c_bytes[t] < sizeof(float) * nb * (size_t)m) return -1;
 
+    /* as much again behind the declared scratch, filled with GUARD_BYTE: a kernel that needs up to
+     * twice what it declares (one tile declared, two converted) is reported, not a heap overrun */
     const size_t scratch_bytes = kern->tile_scratch_bytes ? kern->tile_scratch_bytes(k) : 0;
-    const size_t alloc = (scratch_bytes + GUARD + 63) / 64 * 64;
+    const size_t alloc = (2 * scratch_bytes + GUARD + 63) / 64 * 64;
     unsigned char *scratch = aligned_alloc(64, alloc);
     if (!scratch) return -3;
     memset(scratch + scratch_bytes, GUARD_BYTE, alloc - scratch_bytes);
