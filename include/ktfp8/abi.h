@@ -86,6 +86,20 @@ typedef struct ktfp8_tile_job {
     void *scratch;        /* per-thread, at least tile_scratch_bytes(k) bytes, 64-byte aligned */
 } ktfp8_tile_job;
 
+/* The driver's per-element steps around the micro-kernel (moe_epilogue.h), compiled in each variant's
+ * unit so they run at that unit's SIMD width rather than the driver's baseline SSE2: with AMX doing the
+ * products, they would otherwise be a large part of a prefill call. */
+typedef struct ktfp8_epilogue_ops {
+    /* Phase 1: h row i, columns [0, cols) = silu(g[i]) * u[i] in the activation dtype act, for the m
+     * rows of g and u ([m][nb] FP32; g is overwritten); h rows h_stride elements apart. */
+    void (*silu_mul_store)(float *g, const float *u, int64_t m, int64_t nb, int64_t cols, void *h,
+                           int64_t h_stride, int act);
+    /* Phase 2: acc[token[i]][0, cols) += weight[i] * z[i][0, cols) for i < m; rows acc_stride
+     * (acc) and z_stride (z) floats apart.  Pairs of one token accumulate in i order. */
+    void (*scatter_add)(float *acc, int64_t acc_stride, const int64_t *token, const float *weight,
+                        const float *z, int64_t z_stride, int64_t m, int64_t cols);
+} ktfp8_epilogue_ops;
+
 /* The MoE half of a variant: its weight layout and its one micro-kernel. */
 typedef struct ktfp8_moe_kernel {
     ktfp8_layout layout;
@@ -96,6 +110,7 @@ typedef struct ktfp8_moe_kernel {
      * gate and up tiles of one expert), computed together so each activation tile read feeds both
      * weight tiles.  scratch is first's; it must hold tile_scratch_bytes(k). */
     void (*tile_matmul2)(const ktfp8_tile_job *first, const ktfp8_tile_job *second);
+    const ktfp8_epilogue_ops *epilogue;      /* KTFP8_EPILOGUE_OPS in the variant's unit */
 } ktfp8_moe_kernel;
 
 /* A variant as dispatch.c hands it out: a codec and a MoE kernel compiled for one ISA level. */

@@ -1,12 +1,18 @@
 /* The elementwise steps of the MoE driver, written as plain loops over arrays that GCC vectorises
- * with whatever SIMD the driver is compiled for (baseline SSE2 today: 4 lanes), with no libm call
- * and no branch per element.  On the AMX Xeon the scalar versions (expf per element, a dtype
- * switch per store) took 11 % of a T = 512 call.
+ * with whatever SIMD the including unit is compiled for, with no libm call and no branch per
+ * element.  On the AMX Xeon the scalar versions (expf per element, a dtype switch per store) took
+ * 11 % of a T = 512 call.
  *
  *   ktfp8_silu_mul(g, u, n)        g[i] = silu(g[i]) * u[i]                      (FP32, in place)
  *   ktfp8_store_row(dst, act, src, n)   src FP32 -> dst in the activation dtype (BF16: nearest even)
  *   ktfp8_load_row(dst, src, dtype, n)  F32 / BF16 / F16 -> FP32
  *   ktfp8_axpy(y, w, z, n)          y[i] += w * z[i]
+ *   KTFP8_EPILOGUE_OPS(name)        a ktfp8_epilogue_ops table (abi.h) of the per-item steps built
+ *                                   from these, compiled with the unit's flags: each ISA unit defines
+ *                                   one for its kernel, so the driver (baseline SSE2, 4 lanes) hands
+ *                                   the hot loops to the kernel's SIMD width (AVX2 8 lanes + FMA,
+ *                                   AVX-512 16).  The driver itself uses them for its cold steps.
+ *                                   FMA contraction may differ by unit: the bounds below hold for all.
  *
  * silu(g) = g / (1 + exp(-g)), evaluated as g * s with s = 1 / (1 + e) for g >= 0 and
  * s = e / (1 + e) for g < 0, e = exp(-|g|) <= 1 (no overflow).  exp on [-86, 0]: Cody-Waite
@@ -101,5 +107,23 @@ static inline void ktfp8_load_row(float *restrict dst, const void *restrict src,
 static inline void ktfp8_axpy(float *restrict y, float w, const float *restrict z, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += w * z[i];
 }
+
+static inline void ktfp8_epilogue_silu_mul_store(float *g, const float *u, int64_t m, int64_t nb, int64_t cols,
+                                          void *h, int64_t h_stride, int act) {
+    const size_t esz = act == KTFP8_BF16 ? 2 : 4;
+    ktfp8_silu_mul(g, u, m * nb);
+    for (int64_t i = 0; i < m; i++) ktfp8_store_row((char *)h + esz * (size_t)(i * h_stride), act, g + i * nb, cols);
+}
+
+static inline void ktfp8_epilogue_scatter_add(float *acc, int64_t acc_stride, const int64_t *token, const float *weight,
+                                       const float *z, int64_t z_stride, int64_t m, int64_t cols) {
+    for (int64_t i = 0; i < m; i++) ktfp8_axpy(acc + token[i] * acc_stride, weight[i], z + i * z_stride, cols);
+}
+
+#define KTFP8_EPILOGUE_OPS(name)                                 \
+    static const ktfp8_epilogue_ops name = {                     \
+        .silu_mul_store = ktfp8_epilogue_silu_mul_store,         \
+        .scatter_add = ktfp8_epilogue_scatter_add,               \
+    }
 
 #endif

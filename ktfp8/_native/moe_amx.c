@@ -41,6 +41,7 @@
 #include <string.h>
 
 #include "ktfp8/abi.h"
+#include "ktfp8/moe_epilogue.h"
 #include "ktfp8/amx_tilecfg.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/variant.h"
@@ -259,10 +260,13 @@ static size_t tile_scratch_bytes(int64_t k) {
     return own > small ? own : small;
 }
 
+KTFP8_EPILOGUE_OPS(epilogue);
+
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .shuffle64 = 1},
     .act_dtype = KTFP8_BF16,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
     .tile_matmul2 = tile_matmul2,
+    .epilogue = &epilogue,
 };

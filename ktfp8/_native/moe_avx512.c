@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "ktfp8/abi.h"
+#include "ktfp8/moe_epilogue.h"
 #include "ktfp8/e4m3_f16.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/token_count.h"
@@ -172,9 +173,12 @@ static void tile_matmul(const ktfp8_tile_job *j) {
 /* fp32 [k][16] copy of one tile, for the prefill path. */
 static size_t tile_scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(float); }
 
+KTFP8_EPILOGUE_OPS(epilogue);
+
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .layout = {.rows_per_tile = NB, .k_pack = 1, .scale_mul = 256.0f, .shuffle64 = 0},
     .act_dtype = KTFP8_F32,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
+    .epilogue = &epilogue,
 };

@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "ktfp8/abi.h"
+#include "ktfp8/moe_epilogue.h"
 #include "ktfp8/e4m3_bf16_vbmi.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/token_count.h"
@@ -296,10 +297,13 @@ static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
 /* bf16 [k/2][16][2] copies of the FP8 tiles of a tile_matmul2 call, for the prefill path. */
 static size_t tile_scratch_bytes(int64_t k) { return 2 * (size_t)k * NB * sizeof(uint16_t); }
 
+KTFP8_EPILOGUE_OPS(epilogue);
+
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .shuffle64 = 1},
     .act_dtype = KTFP8_BF16,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
     .tile_matmul2 = tile_matmul2,
+    .epilogue = &epilogue,
 };

@@ -5,11 +5,13 @@
  *   0. items (pair): gather each pair's token row, in the activation dtype, zero padded to K;
  *   1. items (expert, intermediate tile): gate and up tiles over all of the expert's tokens, then
  *      h = silu(g) * u in FP32, rounded once to the activation dtype for the down projection;
- *   2. items (hidden tile): for every active expert in id order, z = h @ down_tile^T, and
- *      y[token] += weight * z, accumulated in FP32 in a contiguous [T][NB] block of the thread
- *      (y's own rows are H floats apart: one page per token) and written to y once.  Each item
- *      owns its columns of y, so no atomics are needed and the result does not depend on the
- *      thread count or the schedule.
+ *   2. items (hidden tile, or two adjacent ones when the kernel has tile_matmul2): for every
+ *      active expert in id order, z = h @ down_tile^T, and y[token] += weight * z, accumulated in
+ *      FP32 in a contiguous [T][DW * NB] block of the thread (y's own rows are H floats apart: one
+ *      page per token) and written to y once.  Two tiles per item give the kernel two weight
+ *      streams over the same h rows (AMX: 2 A x 2 B -> 4 C tiles, as for gate and up) and make
+ *      each expert's read one contiguous 2-tile run.  Each item owns its columns of y, so no
+ *      atomics are needed and the result does not depend on the thread count or the schedule.
  * Buffers come from per-thread arenas (arena.h): no allocation and no zeroing in the hot path;
  * only the K padding of the gathered rows and of h is written with zeros, as the kernels read it. */
 #include "ktfp8/arena.h"
@@ -148,24 +150,24 @@ static void gather_row(const ktfp8_moe_call *c, const call_buffers *b, int64_t p
 }
 
 /* Phase 2 prologue / epilogue: the columns [n0, n0 + cols) of y that one item owns, to and from
- * its FP32 accumulator acc[T][NB]. */
-static void y_columns_load(const ktfp8_moe_call *c, int64_t n0, int64_t cols, float *acc, int nb) {
+ * its FP32 accumulator acc[T][acc_stride]. */
+static void y_columns_load(const ktfp8_moe_call *c, int64_t n0, int64_t cols, float *acc, int64_t acc_stride) {
     const int64_t H = c->shape->hidden;
     for (int64_t t = 0; t < c->tokens; t++) {
         if (!c->accumulate)
-            memset(acc + t * nb, 0, sizeof(float) * (size_t)cols);
+            memset(acc + t * acc_stride, 0, sizeof(float) * (size_t)cols);
         else if (c->x_dtype == KTFP8_F32)
-            memcpy(acc + t * nb, (const float *)c->y + t * H + n0, sizeof(float) * (size_t)cols);
+            memcpy(acc + t * acc_stride, (const float *)c->y + t * H + n0, sizeof(float) * (size_t)cols);
         else /* BF16 y: widened into the FP32 accumulator */
-            ktfp8_load_row(acc + t * nb, (const uint16_t *)c->y + t * H + n0, c->x_dtype, cols);
+            ktfp8_load_row(acc + t * acc_stride, (const uint16_t *)c->y + t * H + n0, c->x_dtype, cols);
     }
 }
 
-static void y_columns_store(const ktfp8_moe_call *c, int64_t n0, int64_t cols, const float *acc, int nb) {
+static void y_columns_store(const ktfp8_moe_call *c, int64_t n0, int64_t cols, const float *acc, int64_t acc_stride) {
     const int64_t H = c->shape->hidden;
     const size_t ysz = c->x_dtype == KTFP8_F32 ? 4 : 2;
     for (int64_t t = 0; t < c->tokens; t++)
-        ktfp8_store_row((char *)c->y + ysz * (size_t)(t * H + n0), c->x_dtype, acc + t * nb, cols);
+        ktfp8_store_row((char *)c->y + ysz * (size_t)(t * H + n0), c->x_dtype, acc + t * acc_stride, cols);
 }
 
 int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
@@ -186,14 +188,16 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     if (rc) return rc;
 
     const size_t scratch_bytes = kern->tile_scratch_bytes ? kern->tile_scratch_bytes(Hp > Ip ? Hp : Ip) : 0;
+    const int dw = kern->tile_matmul2 ? 2 : 1; /* down tiles per phase-2 item */
+    const int64_t dcols = dw * nb;              /* y columns per phase-2 item: row stride of yacc and zbuf */
     const size_t gu_bytes = ALIGN64(sizeof(float) * (size_t)(b.max_m * nb));
-    const size_t yacc_bytes = ALIGN64(sizeof(float) * (size_t)(c->tokens * nb));
+    const size_t yacc_bytes = ALIGN64(sizeof(float) * (size_t)(c->tokens * dcols));
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const unsigned csr = ktfp8_fpenv_ieee();
-        /* this thread's gate / up (also down) results [max_m][NB], its y accumulator [T][NB] and
-         * the kernel's scratch */
+        /* this thread's gate / up results [max_m][NB] (together the down results [max_m][DW * NB]),
+         * its y accumulator [T][DW * NB] and the kernel's scratch */
         char *tbuf = ktfp8_arena_get(KTFP8_ARENA_TILE, 2 * gu_bytes + yacc_bytes + ALIGN64(scratch_bytes));
         float *gbuf = (float *)tbuf, *ubuf = (float *)(tbuf + gu_bytes), *yacc = (float *)(tbuf + 2 * gu_bytes);
         void *scratch = scratch_bytes && tbuf ? tbuf + 2 * gu_bytes + yacc_bytes : NULL;
@@ -219,28 +223,35 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                 kern->tile_matmul(&gate);
                 kern->tile_matmul(&up);
             }
-            ktfp8_silu_mul(gbuf, ubuf, m * nb);
             const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
-            for (int64_t i = 0; i < m; i++)
-                ktfp8_store_row((char *)b.h + esz * (size_t)((p0 + i) * b.h_stride + n0), act, gbuf + i * nb, rows);
+            kern->epilogue->silu_mul_store(gbuf, ubuf, m, nb, rows, (char *)b.h + esz * (size_t)(p0 * b.h_stride + n0),
+                                           b.h_stride, act);
         }
 
-        /* phase 2: y[token, tile] += weight * (h @ down_tile^T), experts in id order */
-        const int64_t tiles2 = proj[KTFP8_DOWN].n_tiles;
+        /* phase 2: y[token, columns] += weight * (h @ down_tiles^T), experts in id order */
+        const int64_t tiles2 = proj[KTFP8_DOWN].n_tiles, items2 = (tiles2 + dw - 1) / dw;
+        float *zbuf = gbuf; /* [max_m][dcols]: gbuf and ubuf are adjacent */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t tile = 0; tile < tiles2; tile++) {
+        for (int64_t it = 0; it < items2; it++) {
             if (!ok) continue;
-            const int64_t n0 = tile * nb, cols = H - n0 < nb ? H - n0 : nb;
-            y_columns_load(c, n0, cols, yacc, nb);
+            const int64_t tile = it * dw, n0 = tile * nb, cols = H - n0 < dcols ? H - n0 : dcols;
+            const int pair = dw == 2 && tile + 1 < tiles2;
+            y_columns_load(c, n0, cols, yacc, dcols);
             for (int64_t a = 0; a < b.n_active; a++) {
                 const int64_t e = b.active[a], p0 = b.offset[e], m = b.offset[e + 1] - p0;
                 const void *hrows = (const char *)b.h + esz * (size_t)(p0 * b.h_stride);
-                const ktfp8_tile_job down = tile_job(kern, s, &proj[KTFP8_DOWN], e, tile, hrows, b.h_stride, act, m, gbuf, scratch);
-                kern->tile_matmul(&down);
-                for (int64_t i = 0; i < m; i++)
-                    ktfp8_axpy(yacc + b.pair_token[p0 + i] * nb, b.pair_weight[p0 + i], gbuf + i * nb, cols);
+                ktfp8_tile_job down = tile_job(kern, s, &proj[KTFP8_DOWN], e, tile, hrows, b.h_stride, act, m, zbuf, scratch);
+                down.c_stride = dcols;
+                if (pair) {
+                    ktfp8_tile_job next = tile_job(kern, s, &proj[KTFP8_DOWN], e, tile + 1, hrows, b.h_stride, act, m, zbuf + nb, scratch);
+                    next.c_stride = dcols;
+                    kern->tile_matmul2(&down, &next);
+                } else {
+                    kern->tile_matmul(&down);
+                }
+                kern->epilogue->scatter_add(yacc, dcols, b.pair_token + p0, b.pair_weight + p0, zbuf, dcols, m, cols);
             }
-            y_columns_store(c, n0, cols, yacc, nb);
+            y_columns_store(c, n0, cols, yacc, dcols);
         }
         ktfp8_arena_trim(KTFP8_ARENA_TILE);
         ktfp8_fpenv_restore(csr);

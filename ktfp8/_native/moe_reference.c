@@ -1,6 +1,7 @@
 /* Portable MoE micro-kernel, written for clarity: the oracle every fast variant is tested against.
  * Layout: one output row per tile, K unpacked (plain Hugging Face rows, padded to KTFP8_K_ALIGN). */
 #include "ktfp8/abi.h"
+#include "ktfp8/moe_epilogue.h"
 #include "ktfp8/fp8.h"
 
 static float weight_at(const ktfp8_tile_job *j, int64_t k) {
@@ -31,9 +32,12 @@ static void tile_matmul(const ktfp8_tile_job *j) {
     }
 }
 
+KTFP8_EPILOGUE_OPS(epilogue);
+
 const ktfp8_moe_kernel ktfp8_moe_reference = {
     .layout = {.rows_per_tile = 1, .k_pack = 1, .scale_mul = 1.0f, .shuffle64 = 0},
     .act_dtype = KTFP8_F32,
     .tile_scratch_bytes = NULL,
     .tile_matmul = tile_matmul,
+    .epilogue = &epilogue,
 };
