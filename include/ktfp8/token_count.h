@@ -5,6 +5,7 @@
  * Every MoE kernel names its token-count thresholds the same way (the kernel test harness reads
  * them from the sources, tests/kernel_tester.py):
  *   DECODE_M   m <= DECODE_M: weights converted in registers as they stream (KTFP8_FOR_M4/M6)
+ *   DECODE_WIDE_M  m <= DECODE_WIDE_M: more accumulators per token in that loop (avx512_bf16)
  *   MR         prefill register block: tokens per pass over the converted tile (KTFP8_FOR_M6/M8)
  *   AMX_MIN_M  m >= AMX_MIN_M: the AMX tile path (moe_amx.c only)
  *   PREFETCH_BYTES  software prefetch distance of the weight stream */

@@ -256,8 +256,7 @@ static void tile_matmul(const ktfp8_tile_job *j) {
 /* Gate and up (any two jobs over the same activations): each A tile feeds both B tiles. */
 static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
     if (!amx_takes(j0)) {
-        SMALL_M_KERNEL.tile_matmul(j0);
-        SMALL_M_KERNEL.tile_matmul(j1);
+        SMALL_M_KERNEL.tile_matmul2(j0, j1);
         return;
     }
     const ktfp8_tile_job *jobs[2] = {j0, j1};

@@ -8,9 +8,27 @@
  * 64 codes into the two bf16 zmm of pairs 2g and 2g+1 in natural order.
  *
  * Decode (m <= DECODE_M): memory-bound, so the codes stream once and are converted in registers;
- * four independent accumulators per token hide the vdpbf16ps latency.  Prefill (m > DECODE_M):
+ * several independent accumulators per token hide the vdpbf16ps latency.  Prefill (m > DECODE_M):
  * the tile is converted once into scratch (bf16 [k/2][16][2]) and reused by every token, MR tokens
  * per pass so that each loaded weight vector feeds MR vdpbf16ps.
+ *
+ * Two tiles at once (tile_matmul2: gate and up, or two down tiles): decode streams both tiles'
+ * codes in one K loop, each broadcast activation pair feeding both weight vectors; prefill converts
+ * both tiles and runs MR / 2 tokens per pass against both.  Same code as one tile (NW = 1 or 2, a
+ * constant after inlining) and the same sums bit for bit (tests/test_tile_pair.py).
+ * Why: llvm-mca-16 -mcpu=sapphirerapids on the compiled decode loops, core cycles per 64 codes
+ * of each tile, one stream -> two streams:
+ *     m = 1: 4.02 -> 4.01    m = 2: 5.57 -> 5.26    m = 3: 7.06 -> 6.26    m = 4: 8.77 -> 7.67
+ * and on the prefill loop, cycles per vdpbf16ps: 0.72 (MR = 8 tokens x 1 tile) -> 0.63 (4 tokens x
+ * 2 tiles; the two FMA ports' floor is 0.5).  At m = 1 the loop is bound by port 5 (2 vpermi2b + 2 vpunpck*bw per
+ * 64 codes, p5 only), from m = 2 by ports 0 and 5 together (vdpbf16ps, and a broadcast load that
+ * LLVM 16's model, Skylake-server's for this CPU, gives an ALU uop too: that is what sharing the
+ * broadcast saves).  4 cycles per 64 codes is 16 bytes per cycle, ~4x a core's share of the
+ * Xeon's bus: the loop does not wait on its ports but on memory (the Xeon profile: 4.5 codes per
+ * cycle at m = 1 from L3), which llvm-mca does not model; what two streams add there is a second
+ * prefetched stream in flight per core.  To be measured on hardware.
+ * At m = 4 with two streams GCC spills a few accumulators (2 tiles x 4 tokens x 2 + 4 tables +
+ * weights, over 32 zmm); the figure above includes the spills.
  *
  * Scales: per-channel once after the whole K reduction; block-wise per K block (block b covers
  * pairs [b * block_k / 2, (b + 1) * block_k / 2), the last one runs on to k); BF16 weights none. */
@@ -57,148 +75,227 @@ INLINE __m512 dpbf16(__m512 acc, __m512i w, __m512i a) {
 #define DPBF16(acc, w, a) _mm512_dpbf16_ps((acc), (__m512bh)(w), (__m512bh)(a))
 #endif
 
-/* sum[i] = sum over pairs [p0, p1) of token i, weights converted from FP8 codes on the fly.
- * A block may start or end in the middle of a 64-byte group (block_k = 2 mod 4).
- * Four accumulators per token (one per pair slot of a step) up to 3 tokens; at 4 tokens two
- * each (8 chains still cover the latency, 16 would not fit beside the tables and weights). */
-INLINE void dot_fp8_stream(const uint8_t *codes, const uint16_t *a, int64_t a_stride, const int M,
-                           int64_t p0, int64_t p1, const ktfp8_e4m3_bf16_lut *lut, __m512 *sum) {
-    const int Q = M <= 3 ? 3 : 1; /* slot q uses accumulator q & Q */
-    __m512 acc[DECODE_M][4];
+/* Independent accumulators per token in the decode paths: 4 up to DECODE_WIDE_M tokens (the
+ * vdpbf16ps latency needs them), 2 above (6 or 8 chains per weight tile still cover it, and with
+ * two tiles 4 tokens x 2 tiles x 4 would not fit in 32 zmm beside the tables and the weights).
+ * The prefill passes always use 2: the count depends on the path, never on the height of a token
+ * block, so the two-tile passes (MR / 2 tokens) sum each token exactly as the one-tile passes (MR).
+ * The kernel harness's token counts (tests/kernel_tester.py) do not straddle DECODE_WIDE_M: m = 1
+ * and m = DECODE_M run the 4- and the 2-accumulator loops against the oracle; m = 2, 3 differ from
+ * them only in the token count. */
+#define DECODE_WIDE_M 2
+#define DECODE_CHAINS(M) ((M) <= DECODE_WIDE_M ? 4 : 2)
+#define PREFILL_CHAINS 2
+
+/* sum[w][i] = sum over pairs [p0, p1) of token i against weight tile w < NW (1, or 2 for
+ * tile_matmul2: both code streams in one loop, each broadcast activation pair feeding both),
+ * weights converted from FP8 codes on the fly.  Which accumulator of its tile and token a pair
+ * goes to depends on p, p0 and U only, never on NW: a tile's sums are bit-identical with NW = 1, 2.
+ * A block may start or end in the middle of a 64-byte group (block_k = 2 mod 4). */
+INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a, int64_t a_stride, const int M,
+                           const int U, int64_t p0, int64_t p1, const ktfp8_e4m3_bf16_lut *lut,
+                           __m512 sum[][MR]) {
+    const int Q = U - 1; /* slot q of a step uses accumulator q & Q */
+    const uint8_t *codes[2] = {(const uint8_t *)w[0], (const uint8_t *)w[NW - 1]};
+    __m512 acc[2][DECODE_M][4];
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 4
-    for (int i = 0; i < M; i++)
-        for (int q = 0; q < 4; q++) acc[i][q] = _mm512_setzero_ps();
+        for (int i = 0; i < M; i++)
+            for (int q = 0; q < 4; q++) acc[t][i][q] = _mm512_setzero_ps();
     int64_t p = p0;
-    __m512i w0, w1, w2, w3;
+    __m512i w0[2], w1[2];
     if (p & 1) { /* second pair of a group */
-        ktfp8_e4m3x64_to_bf16(lut, codes + 32 * (p - 1), &w0, &w1);
-#pragma GCC unroll 4
-        for (int i = 0; i < M; i++) acc[i][1] = DPBF16(acc[i][1], w1, bcast_pair(a + i * a_stride, p));
-        p++;
-    }
-    /* two groups = four pairs = two cache lines per step */
-    for (; p + 4 <= p1; p += 4) {
-        _mm_prefetch((const char *)codes + 32 * p + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)codes + 32 * p + 64 + PREFETCH_BYTES, _MM_HINT_T0);
-        ktfp8_e4m3x64_to_bf16(lut, codes + 32 * p, &w0, &w1);
-        ktfp8_e4m3x64_to_bf16(lut, codes + 32 * p + 64, &w2, &w3);
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p - 1), &w0[t], &w1[t]);
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            const uint16_t *row = a + i * a_stride;
-            acc[i][0] = DPBF16(acc[i][0], w0, bcast_pair(row, p));
-            acc[i][1] = DPBF16(acc[i][1], w1, bcast_pair(row, p + 1));
-            acc[i][2 & Q] = DPBF16(acc[i][2 & Q], w2, bcast_pair(row, p + 2));
-            acc[i][3 & Q] = DPBF16(acc[i][3 & Q], w3, bcast_pair(row, p + 3));
+            const __m512i x = bcast_pair(a + i * a_stride, p);
+#pragma GCC unroll 2
+            for (int t = 0; t < NW; t++) acc[t][i][1] = DPBF16(acc[t][i][1], w1[t], x);
+        }
+        p++;
+    }
+    /* two groups = four pairs = two cache lines of each stream per step, a group of every stream
+     * converted at a time (NW x 2 weight vectors live) */
+    for (; p + 4 <= p1; p += 4) {
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) {
+            _mm_prefetch((const char *)codes[t] + 32 * p + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)codes[t] + 32 * p + 64 + PREFETCH_BYTES, _MM_HINT_T0);
+        }
+#pragma GCC unroll 2
+        for (int g = 0; g < 4; g += 2) {
+#pragma GCC unroll 2
+            for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p + g), &w0[t], &w1[t]);
+#pragma GCC unroll 4
+            for (int i = 0; i < M; i++) {
+                const __m512i x0 = bcast_pair(a + i * a_stride, p + g), x1 = bcast_pair(a + i * a_stride, p + g + 1);
+#pragma GCC unroll 2
+                for (int t = 0; t < NW; t++) {
+                    acc[t][i][g & Q] = DPBF16(acc[t][i][g & Q], w0[t], x0);
+                    acc[t][i][(g + 1) & Q] = DPBF16(acc[t][i][(g + 1) & Q], w1[t], x1);
+                }
+            }
         }
     }
     for (; p < p1; p += 2) { /* 1 to 3 pairs left, p at the start of a group */
-        ktfp8_e4m3x64_to_bf16(lut, codes + 32 * p, &w0, &w1);
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * p, &w0[t], &w1[t]);
 #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            acc[i][0] = DPBF16(acc[i][0], w0, bcast_pair(a + i * a_stride, p));
-            if (p + 1 < p1) acc[i][1] = DPBF16(acc[i][1], w1, bcast_pair(a + i * a_stride, p + 1));
+            const __m512i x0 = bcast_pair(a + i * a_stride, p);
+#pragma GCC unroll 2
+            for (int t = 0; t < NW; t++) acc[t][i][0] = DPBF16(acc[t][i][0], w0[t], x0);
+            if (p + 1 < p1) {
+                const __m512i x1 = bcast_pair(a + i * a_stride, p + 1);
+#pragma GCC unroll 2
+                for (int t = 0; t < NW; t++) acc[t][i][1] = DPBF16(acc[t][i][1], w1[t], x1);
+            }
         }
     }
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 4
-    for (int i = 0; i < M; i++) {
-        __m512 t = _mm512_add_ps(acc[i][0], acc[i][1]);
-        if (Q == 3) t = _mm512_add_ps(t, _mm512_add_ps(acc[i][2], acc[i][3]));
-        sum[i] = t;
-    }
+        for (int i = 0; i < M; i++) {
+            __m512 s = _mm512_add_ps(acc[t][i][0], acc[t][i][1]);
+            if (U > 2) s = _mm512_add_ps(s, _mm512_add_ps(acc[t][i][2], acc[t][i][3]));
+            sum[t][i] = s;
+        }
 }
 
-/* Same over bf16 weights [pairs][16][2] already in memory (BF16 weights, or the prefill scratch).
- * U independent accumulators per token: 4 for few tokens (latency), 2 for a full MR block
- * (registers: MR * 2 accumulators + MR block-wise results must fit in 32 zmm). */
-INLINE void dot_bf16(const uint16_t *w, const uint16_t *a, int64_t a_stride, const int M, int64_t p0,
-                     int64_t p1, __m512 *sum) {
+/* Same over bf16 weights [pairs][16][2] already in memory (BF16 weights, or the prefill scratch),
+ * U accumulators per token and tile, each loaded weight vector fed M broadcasts. */
+INLINE void dot_bf16(const void *const *w, const int NW, const uint16_t *a, int64_t a_stride, const int M,
+                     const int U, int64_t p0, int64_t p1, __m512 sum[][MR]) {
     enum { UMAX = 4 };
-    const int U = M <= DECODE_M ? 4 : 2;
-    __m512 acc[MR][UMAX];
+    const uint16_t *wt[2] = {(const uint16_t *)w[0], (const uint16_t *)w[NW - 1]};
+    __m512 acc[2][MR][UMAX];
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 8
-    for (int i = 0; i < M; i++)
-        for (int q = 0; q < UMAX; q++) acc[i][q] = _mm512_setzero_ps();
+        for (int i = 0; i < M; i++)
+            for (int q = 0; q < UMAX; q++) acc[t][i][q] = _mm512_setzero_ps();
+    __m512i wq[2];
     int64_t p = p0;
     for (; p + U <= p1; p += U) {
 #pragma GCC unroll 4
         for (int q = 0; q < U; q++) {
-            const __m512i wq = _mm512_loadu_si512((const void *)(w + 32 * (p + q)));
+#pragma GCC unroll 2
+            for (int t = 0; t < NW; t++) wq[t] = _mm512_loadu_si512((const void *)(wt[t] + 32 * (p + q)));
 #pragma GCC unroll 8
-            for (int i = 0; i < M; i++)
-                acc[i][q] = DPBF16(acc[i][q], wq, bcast_pair(a + i * a_stride, p + q));
+            for (int i = 0; i < M; i++) {
+                const __m512i x = bcast_pair(a + i * a_stride, p + q);
+#pragma GCC unroll 2
+                for (int t = 0; t < NW; t++) acc[t][i][q] = DPBF16(acc[t][i][q], wq[t], x);
+            }
         }
     }
     for (; p < p1; p++) {
-        const __m512i wq = _mm512_loadu_si512((const void *)(w + 32 * p));
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) wq[t] = _mm512_loadu_si512((const void *)(wt[t] + 32 * p));
 #pragma GCC unroll 8
-        for (int i = 0; i < M; i++) acc[i][0] = DPBF16(acc[i][0], wq, bcast_pair(a + i * a_stride, p));
+        for (int i = 0; i < M; i++) {
+            const __m512i x = bcast_pair(a + i * a_stride, p);
+#pragma GCC unroll 2
+            for (int t = 0; t < NW; t++) acc[t][i][0] = DPBF16(acc[t][i][0], wq[t], x);
+        }
     }
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 8
-    for (int i = 0; i < M; i++) {
-        __m512 s = _mm512_add_ps(acc[i][0], acc[i][1]);
-        if (U > 2) s = _mm512_add_ps(s, _mm512_add_ps(acc[i][2], acc[i][3]));
-        sum[i] = s;
-    }
+        for (int i = 0; i < M; i++) {
+            __m512 s = _mm512_add_ps(acc[t][i][0], acc[t][i][1]);
+            if (U > 2) s = _mm512_add_ps(s, _mm512_add_ps(acc[t][i][2], acc[t][i][3]));
+            sum[t][i] = s;
+        }
 }
 
-/* M tokens starting at row a: the K reduction block by block, scaled, stored to c.
- * w points at FP8 codes when fp8_stream, else at bf16 pairs. */
-INLINE void tile_rows(const ktfp8_tile_job *j, const void *w, int fp8_stream, const uint16_t *a, float *c,
-                      const int M, const ktfp8_e4m3_bf16_lut *lut) {
+/* Tokens i0 .. i0 + M - 1 of NW jobs sharing their activations: the K reduction block by block,
+ * scaled, stored to each job's c.  w[t]: FP8 codes when fp8_stream, else bf16 pairs. */
+INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, const int NW, int fp8_stream,
+                      int64_t i0, const int M, const int U, const ktfp8_e4m3_bf16_lut *lut) {
+    const ktfp8_tile_job *j = jobs[0];
+    const uint16_t *a = (const uint16_t *)j->a + i0 * j->a_stride;
     const int64_t pairs = j->k / 2;
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t nkb = blockwise ? j->n_kblocks : 1, block_pairs = blockwise ? j->block_k / 2 : pairs;
-    __m512 res[MR], sum[MR];
+    __m512 res[2][MR], sum[2][MR];
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 8
-    for (int i = 0; i < M; i++) res[i] = _mm512_setzero_ps();
+        for (int i = 0; i < M; i++) res[t][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nkb; b++) {
         const int64_t p0 = b * block_pairs, p1 = b == nkb - 1 ? pairs : p0 + block_pairs;
         if (fp8_stream)
-            dot_fp8_stream((const uint8_t *)w, a, j->a_stride, M, p0, p1, lut, sum);
+            dot_fp8_stream(w, NW, a, j->a_stride, M, U, p0, p1, lut, sum);
         else
-            dot_bf16((const uint16_t *)w, a, j->a_stride, M, p0, p1, sum);
-        if (j->format == KTFP8_FMT_BF16) {
+            dot_bf16(w, NW, a, j->a_stride, M, U, p0, p1, sum);
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) {
+            if (j->format == KTFP8_FMT_BF16) {
 #pragma GCC unroll 8
-            for (int i = 0; i < M; i++) res[i] = sum[i];
-        } else {
-            const __m512 s = _mm512_loadu_ps(j->scale + b * NB);
+                for (int i = 0; i < M; i++) res[t][i] = sum[t][i];
+            } else {
+                const __m512 s = _mm512_loadu_ps(jobs[t]->scale + b * NB);
 #pragma GCC unroll 8
-            for (int i = 0; i < M; i++) res[i] = _mm512_fmadd_ps(sum[i], s, res[i]);
+                for (int i = 0; i < M; i++) res[t][i] = _mm512_fmadd_ps(sum[t][i], s, res[t][i]);
+            }
         }
     }
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
 #pragma GCC unroll 8
-    for (int i = 0; i < M; i++) _mm512_storeu_ps(c + i * j->c_stride, res[i]);
+        for (int i = 0; i < M; i++) _mm512_storeu_ps(jobs[t]->c + (i0 + i) * jobs[t]->c_stride, res[t][i]);
 }
 
-static void tile_matmul(const ktfp8_tile_job *j) {
-    const uint16_t *a = (const uint16_t *)j->a;
+/* NW jobs (1, or the 2 of tile_matmul2) over the same activations, m tokens. */
+INLINE void run_jobs(const ktfp8_tile_job *const *jobs, const int NW) {
+    const ktfp8_tile_job *j = jobs[0];
     ktfp8_e4m3_bf16_lut lut;
     ktfp8_e4m3_bf16_lut_load(&lut);
     if (j->m <= 0) return;
+    const void *w[2] = {jobs[0]->w, jobs[NW - 1]->w};
     if (j->m <= DECODE_M) {
         const int fp8_stream = j->format != KTFP8_FMT_BF16;
-#define DECODE(M_) tile_rows(j, j->w, fp8_stream, a, j->c, M_, &lut)
+#define DECODE(M_) tile_rows(jobs, w, NW, fp8_stream, 0, M_, DECODE_CHAINS(M_), &lut)
         KTFP8_FOR_M4(j->m, DECODE)
 #undef DECODE
         return;
     }
-    const void *w = j->w;
-    if (j->format != KTFP8_FMT_BF16) { /* convert once, reuse for all m tokens */
-        ktfp8_e4m3_tile_to_bf16((const uint8_t *)j->w, j->k, (uint16_t *)j->scratch);
-        w = j->scratch;
-    }
-    for (int64_t i0 = 0; i0 < j->m; i0 += MR) {
-        const int64_t rows = j->m - i0 < MR ? j->m - i0 : MR;
-        const uint16_t *ai = a + i0 * j->a_stride;
-        float *ci = j->c + i0 * j->c_stride;
-#define PREFILL(M_) tile_rows(j, w, 0, ai, ci, M_, &lut)
-        KTFP8_FOR_M8(rows, PREFILL)
+    if (j->format != KTFP8_FMT_BF16) /* convert once, reuse for all m tokens */
+        for (int t = 0; t < NW; t++) {
+            uint16_t *dst = (uint16_t *)j->scratch + (size_t)t * j->k * NB;
+            ktfp8_e4m3_tile_to_bf16((const uint8_t *)jobs[t]->w, j->k, dst);
+            w[t] = dst;
+        }
+    /* two tiles: half the tokens per pass, so that both tiles' accumulators fit in registers */
+    const int mr = MR / NW;
+    for (int64_t i0 = 0; i0 < j->m; i0 += mr) {
+        const int64_t rows = j->m - i0 < mr ? j->m - i0 : mr;
+#define PREFILL(M_) tile_rows(jobs, w, NW, 0, i0, M_, PREFILL_CHAINS, &lut)
+        if (NW == 1)
+            KTFP8_FOR_M8(rows, PREFILL)
+        else
+            KTFP8_FOR_M4(rows, PREFILL)
 #undef PREFILL
     }
 }
 
-/* bf16 [k/2][16][2] copy of one FP8 tile, for the prefill path. */
-static size_t tile_scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(uint16_t); }
+static void tile_matmul(const ktfp8_tile_job *j) {
+    const ktfp8_tile_job *jobs[1] = {j};
+    run_jobs(jobs, 1);
+}
+
+/* Gate and up (or two down tiles): one pass over the activations feeds both weight tiles; each
+ * tile's results are bit-identical to its own tile_matmul. */
+static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
+    const ktfp8_tile_job *jobs[2] = {j0, j1};
+    run_jobs(jobs, 2);
+}
+
+/* bf16 [k/2][16][2] copies of the FP8 tiles of a tile_matmul2 call, for the prefill path. */
+static size_t tile_scratch_bytes(int64_t k) { return 2 * (size_t)k * NB * sizeof(uint16_t); }
 
 KTFP8_EPILOGUE_OPS(epilogue);
 
@@ -207,5 +304,6 @@ const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .act_dtype = KTFP8_BF16,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
+    .tile_matmul2 = tile_matmul2,
     .epilogue = &epilogue,
 };

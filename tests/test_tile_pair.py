@@ -1,0 +1,85 @@
+"""tile_matmul2 == tile_matmul + tile_matmul, bit for bit, on every kernel that pairs tiles.
+
+The driver hands a kernel two weight tiles over the same activations (gate and up; adjacent down
+tiles) through tile_matmul2 when the kernel has one.  The outputs must not depend on that: each
+tile's sums in the same order as its own tile_matmul, so a forward gives the same bits whichever
+way the driver groups its tiles.  Comparing MoE outputs cannot show it once the driver pairs
+everywhere, so this calls one job pair directly (ktfp8._native._testing.tile_pair) on the emulated
+variants, at every token count where the kernels change path, in every weight format.  The
+weights need no packing for this: any bytes are a tile (codes without the NaN codes, bf16 values
+without NaN), so the outputs are finite, differ between the two tiles, and overwrite the NaN
+they start as."""
+import numpy as np
+import pytest
+
+from ktfp8 import backends
+from ktfp8.moe import _FORMAT_CODES
+from kernel_tester import KERNELS, token_counts
+
+_testing = pytest.importorskip("ktfp8._native._testing",
+                               reason="the test module is not built (KTFP8_ENABLE_EMULATED=OFF)")
+
+# variants whose kernel has a tile_matmul2 (amx's hands m < AMX_MIN_M to avx512_bf16's)
+PAIRED = [v for v in ("avx512_bf16_emulated", "amx_emulated") if v in backends.usable_variants()]
+NB = 16
+K = 192  # six 32-K AMX slabs; 96 pairs
+
+# name: (weight format, block_k).  34 = 2 mod 4: K blocks start in the middle of a 64-byte code
+# group; 64: whole AMX slabs (the tile path takes it); 48: splits the slabs (avx512_bf16 takes it)
+FORMATS = {"per_channel": ("fp8_per_channel", 0), "block34": ("fp8_block", 34), "block64": ("fp8_block", 64),
+           "block48": ("fp8_block", 48), "bf16": ("bf16", 0)}
+BF16 = _FORMAT_CODES["bf16"]
+
+
+def token_counts_of_both():
+    """Every m at which avx512_bf16 or amx changes path or fills a register block, every decode m
+    (each its own register blocking), and m at which the two-tile passes (MR / 2 tokens) fill."""
+    d = KERNELS["avx512_bf16"].defines
+    return sorted(set(token_counts("avx512_bf16")) | set(token_counts("amx")) | set(range(1, d["DECODE_M"] + 1))
+                  | {d["MR"] // 2 + 1, d["MR"] + d["MR"] // 2 + 1})
+
+
+def random_tile(rng, fmt):
+    if fmt == BF16:
+        bits = (rng.standard_normal(K * NB).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return bits.view(np.uint8)
+    codes = rng.integers(0, 256, K * NB, dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # NaN codes -> 1.0
+    return codes
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("variant", PAIRED)
+def test_paired_tiles_give_the_bits_of_single_tiles(variant, fmt):
+    name, block_k = FORMATS[fmt]
+    code = _FORMAT_CODES[name]
+    n_kblocks = -(-K // block_k) if block_k else 1
+    rng = np.random.default_rng(code * 100 + block_k)
+    w = [random_tile(rng, code) for _ in range(2)]
+    s = [rng.uniform(0.5, 2.0, NB * n_kblocks).astype(np.float32) for _ in range(2)]
+    a_stride = K + 32  # rows not back to back, as the driver's gathered rows
+    for m in token_counts_of_both():
+        a = (rng.standard_normal(m * a_stride).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        out = {}
+        for paired in (True, False):
+            c = [np.full(m * NB, np.nan, np.float32) for _ in range(2)]
+            _testing.tile_pair(variant, paired, code, K, block_k, n_kblocks, w[0], w[1], s[0], s[1],
+                               a.view(np.uint8), a_stride, m, c[0], c[1])
+            assert all(np.isfinite(ci).all() for ci in c), (m, paired)
+            out[paired] = c
+        assert not np.array_equal(out[True][0], out[True][1]), m
+        for t in range(2):
+            np.testing.assert_array_equal(out[True][t].view(np.uint32), out[False][t].view(np.uint32),
+                                          err_msg=f"{variant} {fmt} m={m} tile {t}")
+
+
+def test_tile_pair_refuses_jobs_its_buffers_do_not_fit():
+    w = np.zeros(K * NB, np.uint8)
+    s = np.ones(NB, np.float32)
+    a = np.zeros(2 * K, np.uint8)
+    c = np.zeros(NB, np.float32)
+    per_channel = _FORMAT_CODES["fp8_per_channel"]
+    with pytest.raises(ValueError, match="do not fit"):  # m = 2 rows of output, c holds one
+        _testing.tile_pair("avx512_bf16_emulated", True, per_channel, K, 0, 1, w, w, s, s, a, K, 2, c, c)
+    with pytest.raises(ValueError, match="do not fit"):
+        _testing.tile_pair("no_such_variant", True, per_channel, K, 0, 1, w, w, s, s, a, K, 1, c, c)
