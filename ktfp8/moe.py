@@ -79,7 +79,7 @@ class MoE:
         self.copy_to_cpu = bool(copy_to_cpu)
         variant = backends.variant(backend)
         self.backend = variant.name
-        self.threads = backends.default_threads(threads if threads is not None else config.threads)
+        threads = backends.default_threads(threads if threads is not None else config.threads)
         self.expert_range = experts.expert_range
         self._act_dtype = variant.act_dtype
         fmt = experts.format
@@ -90,7 +90,17 @@ class MoE:
         proj = [np.ascontiguousarray(p).view(bits) for p in (experts.gate, experts.up, experts.down)]
         scales = [None if s is None else np.ascontiguousarray(s, dtype=np.float32)
                   for s in (experts.gate_scale, experts.up_scale, experts.down_scale)]
-        self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, self.threads)
+        self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, threads)
+
+    @property
+    def threads(self):
+        """OpenMP threads of each call.  Assignable: the next call runs with the new count (validated
+        like threads=; None re-reads the environment)."""
+        return self._kernel.threads
+
+    @threads.setter
+    def threads(self, threads):
+        self._kernel.threads = backends.default_threads(threads)
 
     @property
     def nbytes(self):

@@ -129,6 +129,7 @@ def os_threads():
 
 cfg_threads = json.loads(sys.argv[1])
 explicit = json.loads(sys.argv[2])
+reassigned = json.loads(sys.argv[3])
 cfg = ktfp8.MoeConfig(expert_num=8, num_experts_per_tok=2, hidden_size=64, intermediate_size=64,
                       threads=cfg_threads)
 experts, _ = make_experts("fp8_per_channel", 8, 64, 64, seed=1)
@@ -136,17 +137,20 @@ x = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
 ids, w = random_routing(16, 8, 2, seed=0)
 before = os_threads()
 moe = ktfp8.MoE(cfg, experts, backend="reference", threads=explicit)
+if reassigned is not None:
+    moe.threads = reassigned
 y = moe(x, ids, w)
 # libgomp keeps its pool alive after a parallel region: n threads = the caller + n - 1 workers
 print(json.dumps({"threads": moe.threads, "pool": os_threads() - before + 1, "y": y.tobytes().hex()}))
 """
 
 
-def _probe(env, cfg_threads=None, explicit=None):
+def _probe(env, cfg_threads=None, explicit=None, reassigned=None):
     full = {k: v for k, v in os.environ.items() if k not in ("KTFP8_NUM_THREADS", "OMP_NUM_THREADS")}
     full.update(env)
     full["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
-    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(cfg_threads), json.dumps(explicit)],
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(cfg_threads), json.dumps(explicit),
+                           json.dumps(reassigned)],
                           env=full, cwd=REPO, capture_output=True, text=True, timeout=120)
     return proc
 
@@ -167,6 +171,28 @@ def test_thread_count_precedence(env, cfg_threads, explicit, want):
     got = json.loads(proc.stdout)
     assert got["threads"] == want
     assert got["pool"] == want, f"OpenMP ran {got['pool']} threads, MoE.threads is {want}"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+@pytest.mark.parametrize("built, reassigned", [(1, 2), (1, 3)])
+def test_assigned_thread_count_is_the_one_that_runs(built, reassigned):
+    """moe.threads = n after construction: the next call runs n OpenMP threads (the benchmark
+    re-threads one MoE per thread count).  Built on 1 thread, so packing starts no pool: the pool
+    counted is the call's (libgomp keeps a larger pool alive, so n < built is not observable)."""
+    proc = _probe({}, None, built, reassigned)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["threads"] == reassigned
+    assert got["pool"] == reassigned, f"OpenMP ran {got['pool']} threads after moe.threads = {reassigned}"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "2"])
+def test_assigning_a_bad_thread_count_raises_and_keeps_the_old_one(bad):
+    experts, _ = make_experts("fp8_per_channel", E, H, I, seed=5)
+    moe = MoE(_config(), experts, threads=2)
+    with pytest.raises(ValueError, match="threads must be a positive int or None"):
+        moe.threads = bad
+    assert moe.threads == 2
 
 
 def test_thread_count_does_not_change_results():

@@ -43,7 +43,7 @@ cdef class PackedMoE:
     cdef ktfp8_moe_shape s
     cdef readonly object packed   # uint8, 64-byte aligned
     cdef const void *packed_data
-    cdef readonly int threads
+    cdef public int threads       # of each forward; MoE.threads validates assignments
 
     def __cinit__(self, Variant variant, tuple shape, gate, up, down, gate_scale, up_scale, down_scale,
                   int threads):
