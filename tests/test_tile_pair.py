@@ -22,7 +22,9 @@ _testing = pytest.importorskip("ktfp8._native._testing",
 # variants whose kernel has a tile_matmul2 (amx's hands m < AMX_MIN_M to avx512_bf16's)
 PAIRED = [v for v in ("avx512_bf16_emulated", "amx_emulated") if v in backends.usable_variants()]
 NB = 16
-K = 192  # six 32-K AMX slabs; 96 pairs
+# 192: six 32-K AMX slabs, 96 pairs; 32: one slab (the smallest padded K: a ring of slabs must not
+# outgrow the scratch of a whole tile)
+KS = (192, 32)
 
 # name: (weight format, block_k).  34 = 2 mod 4: K blocks start in the middle of a 64-byte code
 # group; 64: whole AMX slabs (the tile path takes it); 48: splits the slabs (avx512_bf16 takes it)
@@ -39,7 +41,7 @@ def token_counts_of_both():
                   | {d["MR"] // 2 + 1, d["MR"] + d["MR"] // 2 + 1})
 
 
-def random_tile(rng, fmt):
+def random_tile(rng, fmt, K):
     if fmt == BF16:
         bits = (rng.standard_normal(K * NB).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
         return bits.view(np.uint8)
@@ -48,14 +50,15 @@ def random_tile(rng, fmt):
     return codes
 
 
+@pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("variant", PAIRED)
-def test_paired_tiles_give_the_bits_of_single_tiles(variant, fmt):
+def test_paired_tiles_give_the_bits_of_single_tiles(variant, fmt, K):
     name, block_k = FORMATS[fmt]
     code = _FORMAT_CODES[name]
     n_kblocks = -(-K // block_k) if block_k else 1
     rng = np.random.default_rng(code * 100 + block_k)
-    w = [random_tile(rng, code) for _ in range(2)]
+    w = [random_tile(rng, code, K) for _ in range(2)]
     s = [rng.uniform(0.5, 2.0, NB * n_kblocks).astype(np.float32) for _ in range(2)]
     a_stride = K + 32  # rows not back to back, as the driver's gathered rows
     for m in token_counts_of_both():
@@ -74,6 +77,7 @@ def test_paired_tiles_give_the_bits_of_single_tiles(variant, fmt):
 
 
 def test_tile_pair_refuses_jobs_its_buffers_do_not_fit():
+    K = KS[0]
     w = np.zeros(K * NB, np.uint8)
     s = np.ones(NB, np.float32)
     a = np.zeros(2 * K, np.uint8)

@@ -219,7 +219,9 @@ INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
      * converted into scratch during the first pass: the whole tile when later passes reuse it,
      * else a ring of two slabs (see pass) */
     const int ring = j->format != KTFP8_FMT_BF16 && j->m <= step;
-    const size_t tile_bytes = ring ? 2 * SLAB_BYTES : (size_t)j->k * NB * 2;
+    /* per weight tile: the whole converted tile, or the ring, which is one slab when k is (the
+     * scratch holds 2 whole tiles: a 2-slab ring at k = 32 would run past it) */
+    const size_t whole = (size_t)j->k * NB * 2, tile_bytes = ring && whole > 2 * SLAB_BYTES ? 2 * SLAB_BYTES : whole;
     const uint8_t *codes[2] = {NULL, NULL}, *w_bf16[2] = {NULL, NULL};
     for (int w = 0; w < NW; w++) {
         codes[w] = jobs[w]->format == KTFP8_FMT_BF16 ? NULL : (const uint8_t *)jobs[w]->w;
