@@ -3,7 +3,8 @@
 Prints the results table (fractions of the measured roofline), ktfp8's speed-ups, scaling tables and
 the goals, and writes bench-results.json, bench-results.txt and bench-results.png into --out (default:
 this folder).  Every side walks distinct copies of the layer totalling at least 4x the L3 cache, as a
-model's forward walks its layers, so weights come from DRAM."""
+model's forward walks its layers, so weights come from DRAM.  The decode goals come from an interleaved
+step after the table (interleaved.py), not from its rows."""
 import argparse
 import dataclasses
 import datetime
