@@ -252,13 +252,13 @@ def test_goals_are_the_issues_four_on_the_default_backend():
             _row("ktfp8 avx2", "fp8_per_channel", 64, 20.0), _row("torch bf16 F.linear", "bf16", 64, 40.0),
             _row("ktfp8 avx2", "fp8_per_channel", 512, 300.0),
             _row("kt-kernel AVX2BF16_MOE", "bf16", 512, 1000.0), _row("torch bf16 F.linear", "bf16", 512, 600.0)]
-    goals = report.goals(rows, _limits(), "L", "avx2")
+    goals = report.goals(rows, _limits(), "L", "avx2", {"skipped": "T=1 is not in the plan (--tokens)"})
     measured = [(g["goal"], g["measured"], g["reached"]) for g in goals]
-    floor_1 = 8 * EXPERT_BYTES / 20e9 * 1e3  # ms at 20 GB/s
-    assert measured[0][1:] == (pytest.approx(8 * EXPERT_BYTES / 5e-3 / 10e9), False)  # 1 thread: 75 %
-    assert measured[1][1:] == (pytest.approx(floor_1 / 2.0), True)                     # 2 threads: 94 %
-    assert measured[2][1:] == (pytest.approx(1.5), False)   # FP8 vs BF16: 3.0 / 2.0 < 1.8
-    assert measured[3][1:] == (pytest.approx(1.0), True)    # per-channel as fast as block-wise
+    # the decode goals come from the interleaved step alone (test_interleaved_...), never from the rows
+    assert all(m[1:] == (None, None) and g["note"] == "T=1 is not in the plan (--tokens)"
+               for m, g in zip(measured[:4], goals))
+    assert "1 thread(s)" in goals[0]["goal"] and "2 thread(s)" in goals[1]["goal"]
+    assert "BF16" in goals[2]["goal"] and "block-wise" in goals[3]["goal"]
     assert measured[4][1:] == (pytest.approx(20.0 / (64 * EXPERT_BYTES / 20e9 * 1e3)), True)  # 1.32x the floor
     assert measured[5][1:] == (pytest.approx(2.0), False)   # T=64 vs PyTorch: 40 / 20 < 2.5
     assert "no AMX" in goals[6]["goal"] and measured[6][1:] == (
@@ -276,6 +276,61 @@ def test_goals_are_the_issues_four_on_the_default_backend():
     g = [g for g in report.goals(amx_rows, lim, "L", "amx") if g["goal"].startswith("T=512: fraction")][0]
     floor_ms = max(64 * EXPERT_BYTES / 20e9, 2 * 512 * 8 * EXPERT_BYTES / 2000e12 * 1e3) * 1e3
     assert g["measured"] == pytest.approx(floor_ms / 100.0) and g["reached"] is False
+
+
+def test_interleaved_decode_goals_are_medians_of_per_round_ratios_from_the_recorded_numbers():
+    from ktfp8.bench import interleaved
+    backend = ktfp8.available_backends()[0]
+    res = interleaved.measure(TINY, backend, [1, 2], L.FORMATS, probe_bytes=1 << 20, walk_bytes=0,
+                              walk_memory_bytes=1 << 30, rounds=3, calls=2, log=lambda msg: None)
+    assert len(res["rounds"]) == 3 and res["copies"] == {f: 1 for f in L.FORMATS}
+    active = {f: 2 * 3 * 64 * 32 * L.BYTES_PER_WEIGHT[f] for f in L.FORMATS}  # top-2 distinct experts
+    assert res["active_bytes"] == active
+    best = {f: [] for f in L.FORMATS}
+    fraction = {"1": [], "2": []}
+    for record in res["rounds"]:
+        assert set(record) == {"1", "2"}
+        for n, by_n in record.items():
+            assert by_n["read_gbs"] > 0
+            for f in L.FORMATS:
+                assert len(by_n["samples_ms"][f]) == 2
+                assert by_n["ms"][f] == pytest.approx(float(np.median(by_n["samples_ms"][f])))
+            fraction[n].append(active["fp8_per_channel"] / (by_n["ms"]["fp8_per_channel"] * 1e6) / by_n["read_gbs"])
+        for f in L.FORMATS:
+            best[f].append(min(record[n]["ms"][f] for n in record))
+    pc = np.array(best["fp8_per_channel"])
+    fig = res["figures"]
+    assert fig["fp8_vs_bf16"] == pytest.approx(float(np.median(np.array(best["bf16"]) / pc)))
+    assert fig["pc_vs_block"] == pytest.approx(float(np.median(np.array(best["fp8_block"]) / pc)))
+    assert fig["bw_fraction"] == {n: pytest.approx(float(np.median(v))) for n, v in fraction.items()}
+    json.dumps(res)  # stored as is in bench-results.json
+    goals = report.goals([], _limits(), "L", backend, res)
+    assert [g["measured"] for g in goals[:4]] == [fig["bw_fraction"]["1"], fig["bw_fraction"]["2"],
+                                                 fig["fp8_vs_bf16"], fig["pc_vs_block"]]
+    text = report.goals_lines(goals[:4])
+    assert text.count("interleaved: 3 rounds") == 4
+    # a plan without bf16: FP8 against BF16 is not measured, and says why
+    res = interleaved.measure(TINY, backend, [1], ("fp8_per_channel", "fp8_block"), probe_bytes=1 << 20,
+                              walk_bytes=0, walk_memory_bytes=1 << 30, rounds=2, calls=1, log=lambda msg: None)
+    goals = report.goals([], {"1": _limits()["1"]}, "L", backend, res)
+    assert goals[1]["measured"] is None and "bf16 is not in the plan" in goals[1]["note"]
+    assert goals[2]["measured"] == res["figures"]["pc_vs_block"] is not None
+    assert "not measured decode T=1: FP8 per-channel faster than BF16" in report.goals_lines(goals)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(tokens=[4]), "T=1 is not in the plan"),
+    (dict(formats=("bf16",)), "fp8_per_channel is not in the plan"),
+    (dict(backends=["reference"]), "is not in the plan (--backends)"),
+    (dict(layers=[TINY]), "is not in the plan (--layer)"),
+])
+def test_interleaved_step_is_skipped_with_the_reason_when_the_plan_leaves_it_out(change, reason):
+    from ktfp8.bench import interleaved
+    from ktfp8.bench.run import Plan
+    plan = Plan(**{**dict(layers=[L.BENCH_LAYER], tokens=[1], threads=[1], backends=["avx2"]), **change})
+    result = interleaved.run(plan, L.BENCH_LAYER, "avx2", log=lambda msg: None)
+    assert reason in result["skipped"]
+    assert all(g["note"] == result["skipped"] for g in report.goals([], _limits(), "L", "avx2", result)[:4])
 
 
 def test_speedups_pick_the_best_thread_count_of_each_side():

@@ -2,6 +2,8 @@
 with its fraction of the roofline), ktfp8's speed-up over every peer, time-per-token scaling over T
 and threads, and the goals."""
 
+import statistics
+
 from .. import roofline
 
 PC = "fp8_per_channel"
@@ -125,19 +127,18 @@ def machine_floor_ms(row, limits):
     return memory_s * 1e3, compute_s * 1e3
 
 
-def goals(rows, limits, layer, default):
+def goals(rows, limits, layer, default, interleaved=None):
     """The goals of issue 11 on the benchmark layer for the default backend `default`, FP8
-    per-channel, each side at its best thread count unless a goal names the thread count."""
+    per-channel, each side at its best thread count unless a goal names the thread count.  The
+    decode goals come from `interleaved` (interleaved.run's result), not from the rows."""
     mine = f"ktfp8 {default}"
     layer_rows = [r for r in rows if r["layer"] == layer]
     best = best_threads(layer_rows)
     has_amx = any(lim.get("amx_gflops") for lim in limits.values())
     out = []
 
-    def find(side, T, fmt=PC, threads=None):
-        found = [r for r in (layer_rows if threads else best)
-                 if r["side"] == side and r["tokens"] == T and r["format"] == fmt
-                 and (threads is None or r["threads"] == threads)]
+    def find(side, T, fmt=PC):
+        found = [r for r in best if r["side"] == side and r["tokens"] == T and r["format"] == fmt]
         return min(found, key=lambda r: r["ms"]) if found else None
 
     def peer(T, prefix, fmt):
@@ -146,8 +147,7 @@ def goals(rows, limits, layer, default):
         return min(found, key=lambda r: r["ms"]) if found else None
 
     def add(goal, kind, target, measured, note):
-        reached = None if measured is None else measured <= target if kind == "at_most" else measured >= target
-        out.append(dict(goal=goal, kind=kind, target=target, measured=measured, reached=reached, note=note))
+        out.append(_goal(goal, kind, target, measured, note))
 
     def faster(goal, target, ours, theirs, missing):
         if ours is None or theirs is None:
@@ -157,16 +157,8 @@ def goals(rows, limits, layer, default):
             f"{ours['side']} [{ours['format']}] {ours['ms']:.2f} ms ({ours['threads']} thr) vs {theirs['side']} "
             f"[{theirs['format']}] {theirs['ms']:.2f} ms ({theirs['threads']} thr)")
 
-    # 1. decode at the bus, on 1 thread and on all
-    for n in sorted(int(k) for k in limits):
-        r = find(mine, 1, threads=n)
-        add(f"decode T=1, {n} thread(s): {mine} FP8 per-channel, fraction of the measured read bandwidth",
-            "fraction", 0.85, r["bw_fraction"] if r else None,
-            f"{r['gbs']:.1f} of {limits[str(n)]['read_gbs']:.1f} GB/s" if r else "not timed")
-    faster("decode T=1: FP8 per-channel faster than BF16 weights (default backend)", 1.8,
-           find(mine, 1), find(mine, 1, "bf16"), f"no {mine} [bf16] row")
-    faster("decode T=1: per-channel not slower than block-wise (default backend)", 1.0,
-           find(mine, 1), find(mine, 1, "fp8_block"), f"no {mine} [fp8_block] row")
+    # 1. decode at the bus, on 1 thread and on all, and the format ratios: interleaved (see interleaved.py)
+    out += decode_goals(interleaved, limits, mine)
     # 2. every expert active: near the memory floor
     r = find(mine, 64)
     floor = machine_floor_ms(r, limits)[0] if r else None
@@ -208,6 +200,49 @@ def goals(rows, limits, layer, default):
         "not timed" if not worst else f"only {mine} was timed" if backends_timed == 1 else
         f"T={worst[1]}: {worst[2]['side']} {worst[2]['ms']:.2f} ms" if worst[0] > 1 else
         f"{mine} fastest at every T of {backends_timed} backends")
+    return out
+
+
+def _goal(goal, kind, target, measured, note):
+    reached = None if measured is None else measured <= target if kind == "at_most" else measured >= target
+    return dict(goal=goal, kind=kind, target=target, measured=measured, reached=reached, note=note)
+
+
+def decode_goals(interleaved, limits, mine):
+    """Goal 1 from the interleaved decode step (interleaved.run's result, None when it did not run):
+    per thread count of `limits`, FP8 per-channel's fraction of the read bandwidth; then FP8
+    per-channel against BF16 weights and against block-wise FP8."""
+    skipped = "the interleaved decode step did not run" if interleaved is None else interleaved.get("skipped")
+    if skipped:
+        fig, how = {}, ""
+    else:
+        fig, rounds = interleaved["figures"], interleaved["rounds"]
+        how = (f"interleaved: {len(rounds)} rounds alternating read probe / {' / '.join(interleaved['formats'])} "
+               f"({interleaved['calls']} calls each), median of per-round ratios")
+
+    def median_over_rounds(field, fmt=None, n=None):
+        """A field's median over rounds: read_gbs at n threads, or fmt's ms at n (None: its best n)."""
+        def one(rec):
+            if fmt is None:
+                return rec[n][field]
+            return min(by_n[field][fmt] for k, by_n in rec.items() if n is None or k == n)
+        return statistics.median(one(rec) for rec in rounds)
+
+    out = []
+    for n in sorted(limits, key=int):
+        measured = fig.get("bw_fraction", {}).get(n)
+        note = skipped or f"{n} thread(s) not in the interleaved step" if measured is None else (
+            f"{how}; {PC} {median_over_rounds('ms', PC, n):.2f} ms, probe "
+            f"{median_over_rounds('read_gbs', n=n):.1f} GB/s (medians over rounds)")
+        out.append(_goal(f"decode T=1, {n} thread(s): {mine} FP8 per-channel, fraction of the measured read "
+                         f"bandwidth", "fraction", 0.85, measured, note))
+    for name, key, fmt, target in (("FP8 per-channel faster than BF16 weights", "fp8_vs_bf16", "bf16", 1.8),
+                                   ("per-channel not slower than block-wise", "pc_vs_block", "fp8_block", 1.0)):
+        measured = fig.get(key)
+        note = skipped or f"{fmt} is not in the plan (--formats)" if measured is None else (
+            f"{how}; {PC} {median_over_rounds('ms', PC):.2f} ms vs {fmt} {median_over_rounds('ms', fmt):.2f} ms "
+            f"(medians over rounds, best thread count)")
+        out.append(_goal(f"decode T=1: {name} (default backend)", "speedup", target, measured, note))
     return out
 
 
