@@ -377,6 +377,8 @@ CASES = [
     Case("MoE", "OMP_NUM_THREADS=-4 in the environment",
          _with_env("OMP_NUM_THREADS", "-4", lambda c: ktfp8.MoE(c.cfg, c.experts)), ValueError,
          "OMP_NUM_THREADS='-4' must be a positive integer"),
+    Case("MoE.threads (assignment)", "moe.threads = 0", lambda c: setattr(c.moe, "threads", 0), ValueError,
+         "threads must be a positive int or None, got 0"),
     # ---------------------------------------------------------------- MoE call / forward
     Case("MoE.__call__", "x float64", lambda c: c.call(x=c.x.astype(np.float64)), TypeError,
          "x must have dtype float32 or bfloat16, got float64"),
