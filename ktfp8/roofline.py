@@ -60,11 +60,20 @@ def _aligned(nbytes, alignment=64):
     return raw[start:start + nbytes]
 
 
-def read_bandwidth(threads=None, nbytes=1 << 30, repeats=5):
-    """Median GB/s of `repeats` passes over an nbytes buffer (default 1 GiB >> any L3)."""
-    threads = backends.default_threads(threads)
+def probe_buffer(nbytes, threads=None):
+    """A buffer for read_bandwidth: nbytes (down to the probe's 128-byte step), 64-byte aligned, every
+    page touched by `threads` threads (first touch places the pages, as the probe then reads them)."""
     buf = _aligned(nbytes - nbytes % 128)
-    _ext.probe_read(buf, threads)  # touch every page before timing
+    _ext.probe_read(buf, backends.default_threads(threads))
+    return buf
+
+
+def read_bandwidth(threads=None, nbytes=1 << 30, repeats=5, buf=None):
+    """Median GB/s of `repeats` passes over an nbytes buffer (default 1 GiB >> any L3), or over `buf`
+    (a probe_buffer) when given: a caller that probes again and again allocates it once."""
+    threads = backends.default_threads(threads)
+    if buf is None:
+        buf = probe_buffer(nbytes, threads)
     rates = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -426,3 +426,14 @@ def test_too_slow_extrapolates_linearly_from_the_last_measurement():
     assert too_slow((16, 0.1), 64, 30) is None        # about 0.4 s
     reason = too_slow((4, 0.5), 512, 30)              # about 64 s
     assert reason and "about 64 s" in reason and "T=4" in reason
+
+
+def test_read_probe_reuses_a_given_buffer(monkeypatch):
+    """read_bandwidth(buf=...) reads that buffer (a probe repeated every round allocates it once)."""
+    buf = roofline.probe_buffer(1 << 20 | 100, threads=1)
+    assert buf.nbytes == 1 << 20 and buf.ctypes.data % 64 == 0  # down to the probe's 128-byte step
+    seen = []
+    real = roofline._ext.probe_read
+    monkeypatch.setattr(roofline._ext, "probe_read", lambda b, n: seen.append(b.ctypes.data) or real(b, n))
+    assert roofline.read_bandwidth(1, repeats=2, buf=buf) > 0
+    assert seen == [buf.ctypes.data] * 2

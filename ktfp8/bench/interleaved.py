@@ -65,6 +65,7 @@ def measure(layer, backend, threads, formats, probe_bytes, walk_bytes, walk_memo
         per_call = calls + 1  # time_calls' warm-up call, then the timed ones
         draws = {fmt: L.routing_rounds(layer, 1, rounds * len(threads) * per_call, seed=1, copies=len(w.copies))
                  for fmt, w in walks.items()}
+        probe_buf = roofline.probe_buffer(probe_bytes, max(threads))  # one buffer for every round
         out = []
         for r in range(rounds):
             record = {}
@@ -72,7 +73,7 @@ def measure(layer, backend, threads, formats, probe_bytes, walk_bytes, walk_memo
                 for w in walks.values():
                     w.threads = n
                 start = (r * len(threads) + i) * per_call
-                probe = roofline.read_bandwidth(n, probe_bytes, repeats=PROBE_REPEATS)
+                probe = roofline.read_bandwidth(n, repeats=PROBE_REPEATS, buf=probe_buf)
                 samples = {fmt: [s * 1e3 for s in time_calls(w, x, draws[fmt][start:start + per_call], math.inf)]
                            for fmt, w in walks.items()}
                 record[str(n)] = dict(read_gbs=probe, ms={f: statistics.median(s) for f, s in samples.items()},
