@@ -95,13 +95,15 @@ def measure(layer, backend, threads, formats, probe_bytes, walk_bytes, walk_memo
     return result
 
 
+def best_ms(record, fmt):
+    """One round's median ms of fmt at its fastest thread count."""
+    return min(by_n["ms"][fmt] for by_n in record.values())
+
+
 def figures(result):
     """The goal figures: medians over rounds of each round's ratio.  FP8 per-channel against another
     format compares each format at its fastest thread count in that round; the fraction of the read
     bandwidth is per thread count, against that round's probe.  A format not measured gives None."""
-    def best_ms(record, fmt):
-        return min(by_n["ms"][fmt] for by_n in record.values())
-
     def faster_than(other):
         if other not in result["formats"]:
             return None

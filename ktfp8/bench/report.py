@@ -5,6 +5,7 @@ and threads, and the goals."""
 import statistics
 
 from .. import roofline
+from .interleaved import best_ms
 
 PC = "fp8_per_channel"
 
@@ -220,27 +221,28 @@ def decode_goals(interleaved, limits, mine):
         how = (f"interleaved: {len(rounds)} rounds alternating read probe / {' / '.join(interleaved['formats'])} "
                f"({interleaved['calls']} calls each), median of per-round ratios")
 
-    def median_over_rounds(field, fmt=None, n=None):
-        """A field's median over rounds: read_gbs at n threads, or fmt's ms at n (None: its best n)."""
+    def median_over_rounds(fmt=None, n=None):
+        """Median over rounds of fmt's ms at n threads (None: at its fastest), or, without fmt, of the
+        read probe's GB/s at n."""
         def one(rec):
             if fmt is None:
-                return rec[n][field]
-            return min(by_n[field][fmt] for k, by_n in rec.items() if n is None or k == n)
+                return rec[n]["read_gbs"]
+            return rec[n]["ms"][fmt] if n else best_ms(rec, fmt)
         return statistics.median(one(rec) for rec in rounds)
 
     out = []
     for n in sorted(limits, key=int):
         measured = fig.get("bw_fraction", {}).get(n)
         note = skipped or f"{n} thread(s) not in the interleaved step" if measured is None else (
-            f"{how}; {PC} {median_over_rounds('ms', PC, n):.2f} ms, probe "
-            f"{median_over_rounds('read_gbs', n=n):.1f} GB/s (medians over rounds)")
+            f"{how}; {PC} {median_over_rounds(PC, n):.2f} ms, probe "
+            f"{median_over_rounds(n=n):.1f} GB/s (medians over rounds)")
         out.append(_goal(f"decode T=1, {n} thread(s): {mine} FP8 per-channel, fraction of the measured read "
                          f"bandwidth", "fraction", 0.85, measured, note))
     for name, key, fmt, target in (("FP8 per-channel faster than BF16 weights", "fp8_vs_bf16", "bf16", 1.8),
                                    ("per-channel not slower than block-wise", "pc_vs_block", "fp8_block", 1.0)):
         measured = fig.get(key)
         note = skipped or f"{fmt} is not in the plan (--formats)" if measured is None else (
-            f"{how}; {PC} {median_over_rounds('ms', PC):.2f} ms vs {fmt} {median_over_rounds('ms', fmt):.2f} ms "
+            f"{how}; {PC} {median_over_rounds(PC):.2f} ms vs {fmt} {median_over_rounds(fmt):.2f} ms "
             f"(medians over rounds, best thread count)")
         out.append(_goal(f"decode T=1: {name} (default backend)", "speedup", target, measured, note))
     return out
