@@ -8,8 +8,10 @@ in BF16; the count is in the case id).  Formats: FP8 per-channel, FP8 block-wise
 usable ktfp8 backend, kt-kernel, PyTorch (BF16 loop, torch._scaled_mm FP8), NumPy FP32 - each skipped
 with its reason where it cannot run.  T in {1, 4, 16} (decode) and {64, 512, 2048} (prefill); 1 thread
 and all.  Each side walks distinct copies of the layer (4x L3 in all) with fresh routing per round, so
-the active weights come from DRAM (ktfp8.bench.layers.routing_rounds).
+the active weights come from DRAM (ktfp8.bench.layers.routing_rounds).  The decode goals come from
+test_decode_goals_interleaved, as in `python -m ktfp8.bench`.
 The summary at the end prints the same tables as `python -m ktfp8.bench`."""
+import dataclasses
 import gc
 import os
 import statistics
@@ -17,6 +19,8 @@ import statistics
 import pytest
 
 import ktfp8
+from ktfp8 import backends
+from ktfp8.bench import interleaved
 from ktfp8.bench import layers as L
 from ktfp8.bench.run import (PEERS, REFERENCE_MAX_TOKENS, OracleCheck, Plan, _ktfp8_factory, build_walk,
                              result_row, too_slow)
@@ -107,3 +111,19 @@ def test_moe(benchmark, limits_by_threads, moe_rows, layer_name, fmt, label, thr
                      _Current.errors[_Current.side_key])
     benchmark.extra_info.update({k: v for k, v in row.items() if k not in ("layer",)})
     moe_rows.append(row)
+
+
+def test_decode_goals_interleaved(benchmark, interleaved_results, request):
+    """Goal 1's ratios -- FP8 per-channel against BF16 weights, against block-wise FP8 and against the
+    read bandwidth -- from rounds that alternate a read probe with T=1 calls of each format on the
+    benchmark layer (ktfp8.bench.interleaved): test_moe's rows are timed minutes apart.  Its benchmark
+    time is the whole step's; the figures are in extra_info and in the summary's goal lines."""
+    if "bench" not in request.config.getoption("bench_layers").split(","):
+        pytest.skip("the benchmark layer is not in --bench-layers")
+    default = backends.resolve_backend(None)
+    plan = dataclasses.replace(_PLAN, layers=[L.BENCH_LAYER], tokens=[1], threads=THREADS, backends=[default])
+    result = benchmark.pedantic(interleaved.run, args=(plan, L.BENCH_LAYER, default), rounds=1, iterations=1)
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    interleaved_results["result"] = result
+    benchmark.extra_info["figures"] = result["figures"]

@@ -10,6 +10,7 @@ from ktfp8.bench import report
 _CODEC = {}   # (dtype, impl) -> (median seconds, input bytes)
 _MOE = []     # rows as ktfp8.bench.run.Runner makes them
 _LIMITS = {}  # threads -> Roofline
+_INTERLEAVED = {}  # "result": ktfp8.bench.interleaved's result, when bench_moe.py's decode step ran
 
 
 def pytest_addoption(parser):
@@ -36,6 +37,11 @@ def moe_rows():
     return _MOE
 
 
+@pytest.fixture(scope="session")
+def interleaved_results():
+    return _INTERLEAVED
+
+
 def _codec_summary(tr):
     tr.section("FP8 codec: per-channel quantize, this run")
     for (dtype, impl), (median, nbytes) in sorted(_CODEC.items()):
@@ -56,7 +62,8 @@ def _moe_summary(tr):
     names = {r["layer"] for r in _MOE}
     from ktfp8.bench.layers import BENCH_LAYER
     if BENCH_LAYER.name in names:
-        for line in report.goals_lines(report.goals(_MOE, limits, BENCH_LAYER.name, default)).splitlines():
+        for line in report.goals_lines(report.goals(_MOE, limits, BENCH_LAYER.name, default,
+                                                           _INTERLEAVED.get("result"))).splitlines():
             tr.write_line(line)
 
 

@@ -288,10 +288,12 @@ def test_interleaved_decode_goals_are_medians_of_per_round_ratios_from_the_recor
     assert res["active_bytes"] == active
     best = {f: [] for f in L.FORMATS}
     fraction = {"1": [], "2": []}
-    for record in res["rounds"]:
+    for r, record in enumerate(res["rounds"]):
         assert set(record) == {"1", "2"}
         for n, by_n in record.items():
             assert by_n["read_gbs"] > 0
+            # the formats' order rotates, so no format always runs right after the probe
+            assert by_n["order"] == list(L.FORMATS[r:]) + list(L.FORMATS[:r])
             for f in L.FORMATS:
                 assert len(by_n["samples_ms"][f]) == 2
                 assert by_n["ms"][f] == pytest.approx(float(np.median(by_n["samples_ms"][f])))

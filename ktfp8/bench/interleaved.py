@@ -5,7 +5,9 @@ A VM's memory bandwidth can drift by a quarter over minutes (other tenants on th
 results table times each format minutes apart, so a ratio of two table rows measures the drift as
 much as the kernels.  Here the three formats' walks are alive together and each round runs, for every
 thread count, a read-bandwidth probe and then a short batch of T=1 calls of each format in turn; a
-goal figure is the median over rounds of that round's ratio."""
+goal figure is the median over rounds of that round's ratio.  The formats' order rotates from round to
+round: on the Zen 3 VM the format that ran first after the probe was 1-2 % slower (per-channel against
+block-wise 0.995x with per-channel first, 1.016x with block-wise first)."""
 import gc
 import math
 import statistics
@@ -74,9 +76,10 @@ def measure(layer, backend, threads, formats, probe_bytes, walk_bytes, walk_memo
                     w.threads = n
                 start = (r * len(threads) + i) * per_call
                 probe = roofline.read_bandwidth(n, repeats=PROBE_REPEATS, buf=probe_buf)
-                samples = {fmt: [s * 1e3 for s in time_calls(w, x, draws[fmt][start:start + per_call], math.inf)]
-                           for fmt, w in walks.items()}
-                record[str(n)] = dict(read_gbs=probe, ms={f: statistics.median(s) for f, s in samples.items()},
+                order = list(formats[r % len(formats):]) + list(formats[:r % len(formats)])
+                samples = {fmt: [s * 1e3 for s in time_calls(walks[fmt], x, draws[fmt][start:start + per_call], math.inf)]
+                           for fmt in order}
+                record[str(n)] = dict(read_gbs=probe, order=order, ms={f: statistics.median(s) for f, s in samples.items()},
                                       samples_ms=samples)
             out.append(record)
         result = dict(layer=layer.name, backend=backend, tokens=1, calls=calls, probe_bytes=probe_bytes,
