@@ -27,7 +27,7 @@
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
 #define DECODE_M 4  /* tokens up to which weights are converted in registers on the fly */
 #define MR 8        /* prefill register block: tokens per pass over the converted tile */
-#define PREFETCH_BYTES 2048 /* software prefetch of the FP8 code stream (see moe_avx512bf16.c) */
+#define PREFETCH_BYTES 4096 /* software prefetch of the FP8 code stream (see e4m3_bf16_vbmi.h) */
 
 #define INLINE static inline __attribute__((always_inline))
 

@@ -44,12 +44,8 @@
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
 #define DECODE_M 4  /* tokens up to which codes are converted in registers on the fly */
 #define MR 8        /* prefill register block: tokens per pass over the converted tile */
-/* Software prefetch distance of the FP8 code stream.  Measured on the AMX Xeon with a stand-alone
- * FP8 GEMV (2 threads, from DRAM): no prefetch 11.3 GB/s, 1 KiB ahead 13.8, 2 KiB 16.8, 4 KiB 18.4
- * (read bandwidth 23.4): the hardware prefetchers alone leave the bus half idle.  2 KiB rather
- * than 4: a down-projection tile is only 12 KiB (K = 768), and what runs past a tile's end is
- * wasted. */
-#define PREFETCH_BYTES 2048
+/* Software prefetch distance of the FP8 code stream (e4m3_bf16_vbmi.h says why 4 KiB). */
+#define PREFETCH_BYTES KTFP8_VBMI_PREFETCH_BYTES
 
 #define INLINE static inline __attribute__((always_inline))
 
