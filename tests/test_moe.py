@@ -71,6 +71,23 @@ def test_thread_count_does_not_change_results(backend):
     np.testing.assert_array_equal(y1, y2)
 
 
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_runs_of_tiles_do_not_change_results(backend, fmt):
+    """Wide enough that the driver hands out runs of several tiles (items / (8 x threads)), which
+    start at other tiles for every thread count: the outputs stay identical bit for bit."""
+    e, h, i = 8, 512, 512
+    experts, _ = make_experts(fmt, e, h, i, seed=13)
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((24, h)).astype(np.float32)
+    ids, w = random_routing(24, e, K, seed=13)
+    moe = MoE(config(fmt, experts=e, hidden=h, inter=i), experts, backend=backend, threads=1)
+    want = moe(x, ids, w)
+    for n in (2, 3, 5):
+        moe.threads = n
+        np.testing.assert_array_equal(moe(x, ids, w), want, err_msg=f"{n} threads")
+
+
 def test_concurrent_calls_match_serial_calls():
     experts, _ = make_experts("fp8_per_channel", E, H, I, seed=12)
     moe = MoE(config("fp8_per_channel"), experts)
