@@ -30,10 +30,12 @@
  * So one register block (MR = 6) streams; two blocks would read the codes twice for no gain. */
 #define DECODE_M 6
 #define MR 6        /* prefill register block: 6 tokens x 2 ymm = 12 accumulators of the 16 ymm */
-/* Software prefetch distance of the FP8 code stream: best of 256 B .. 8 KiB on Zen 3 here; the AMX
- * Xeon's FP8 GEMV probe gave the same (2-4 KiB).  BF16 weights (twice the bytes per FMA) measured
- * faster without it. */
-#define PREFETCH_BYTES 2048
+/* Software prefetch distance of the FP8 code stream.  Zen 3, benchmark layer, distances alternated
+ * in one process, time against 2 KiB: T = 1 on 2 threads 4 KiB 0.94x / 0.96x (two runs), 8 KiB
+ * 0.98x, 1 KiB 1.05x; 1 thread 4 KiB 0.98x; T = 64 4 KiB 0.97x.  (2 KiB and 4 KiB measured alike while
+ * the driver handed out single tiles, whose ends ran into other threads' tiles; see
+ * KTFP8_VBMI_PREFETCH_BYTES.)  BF16 weights (twice the bytes per FMA) measured faster without it. */
+#define PREFETCH_BYTES 4096
 
 #define INLINE static inline __attribute__((always_inline))
 
