@@ -125,12 +125,15 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     return 0;
 }
 
+/* Index of expert e's tile `tile` among projection p's packed tiles. */
+static size_t tile_at(const ktfp8_packed_proj *p, int64_t e, int64_t tile) { return (size_t)(e * p->n_tiles + tile); }
+
 /* The micro-kernel job for tile `tile` of expert e's projection p over m activation rows, a_stride
  * elements apart, starting at a; FP32 results into c[m][NB]. */
 static ktfp8_tile_job tile_job(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, const ktfp8_packed_proj *p,
                                int64_t e, int64_t tile, const void *a, int64_t a_stride, int act, int64_t m,
                                float *c, void *scratch) {
-    const size_t at = (size_t)(e * p->n_tiles + tile);
+    const size_t at = tile_at(p, e, tile);
     ktfp8_tile_job job = {0};
     job.w = p->w + at * p->tile_w_bytes;
     job.scale = p->scale + at * p->tile_scale_floats;
@@ -148,12 +151,13 @@ static ktfp8_tile_job tile_job(const ktfp8_moe_kernel *kern, const ktfp8_moe_sha
     return job;
 }
 
-/* Asks for the first HEAD_LINES lines of job j's weights and all of its scale lines. */
-static void prefetch_job(const ktfp8_tile_job *j, int nb) {
-    for (int line = 0; line < HEAD_LINES; line++) __builtin_prefetch((const char *)j->w + 64 * line, 0, 3);
-    if (!j->scale) return;
-    const size_t scale_bytes = sizeof(float) * (size_t)nb * (j->format == KTFP8_FMT_FP8_BLOCK ? j->n_kblocks : 1);
-    for (size_t at = 0; at < scale_bytes; at += 64) __builtin_prefetch((const char *)j->scale + at, 0, 3);
+/* Asks for the first HEAD_LINES lines of expert e's tile `tile` of projection p, and all of its scales. */
+static void prefetch_tile(const ktfp8_packed_proj *p, int64_t e, int64_t tile) {
+    const size_t at = tile_at(p, e, tile);
+    const char *w = (const char *)p->w + at * p->tile_w_bytes;
+    for (int line = 0; line < HEAD_LINES; line++) __builtin_prefetch(w + 64 * line, 0, 3);
+    const float *scale = p->scale + at * p->tile_scale_floats;
+    for (size_t f = 0; f < p->tile_scale_floats; f += 16) __builtin_prefetch(scale + f, 0, 3); /* 16 floats a line */
 }
 
 static int64_t run_length(int64_t items, int threads) {
@@ -246,8 +250,8 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
             const void *a = (const char *)b.xa + esz * (size_t)(p0 * b.x_stride);
             const ktfp8_tile_job gate = tile_job(kern, s, &proj[KTFP8_GATE], e, tile, a, b.x_stride, act, m, gbuf, scratch);
             const ktfp8_tile_job up = tile_job(kern, s, &proj[KTFP8_UP], e, tile, a, b.x_stride, act, m, ubuf, scratch);
-            prefetch_job(&gate, nb);
-            prefetch_job(&up, nb);
+            prefetch_tile(&proj[KTFP8_GATE], e, tile);
+            prefetch_tile(&proj[KTFP8_UP], e, tile);
             if (kern->tile_matmul2) {
                 kern->tile_matmul2(&gate, &up);
             } else {
@@ -275,11 +279,9 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                 for (int d = 0; d <= pair; d++) {
                     jobs[d] = tile_job(kern, s, &proj[KTFP8_DOWN], e, tile + d, hrows, b.h_stride, act, m, zbuf + d * nb, scratch);
                     jobs[d].c_stride = dcols;
-                    if (a == 0) prefetch_job(&jobs[d], nb);
-                    if (a + 1 < b.n_active) { /* the next expert's tile: a short read, far from this one */
-                        const ktfp8_tile_job ahead = tile_job(kern, s, &proj[KTFP8_DOWN], b.active[a + 1], tile + d, NULL, 0, act, 0, NULL, NULL);
-                        prefetch_job(&ahead, nb);
-                    }
+                    if (a == 0) prefetch_tile(&proj[KTFP8_DOWN], e, tile + d);
+                    if (a + 1 < b.n_active) /* the next expert's tile: a short read, far from this one */
+                        prefetch_tile(&proj[KTFP8_DOWN], b.active[a + 1], tile + d);
                 }
                 if (pair)
                     kern->tile_matmul2(&jobs[0], &jobs[1]);
