@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from ktfp8 import backends
-from kernel_tester import (BF16, KERNELS, SHAPES, WEIGHT_FORMATS, Case, check, check_inputs, defines_in_source,
-                           kernel, layer, routing, token_counts, variants)
+from kernel_tester import (BF16, KERNELS, SHAPES, WEIGHT_FORMATS, Case, assert_matches, check, check_inputs,
+                           defines_in_source, expected, inputs, kernel, layer, oracle_budget, routing, run,
+                           token_counts, variants)
 from moe_oracle import dequantize
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -110,6 +111,34 @@ def test_nan_stays_where_it_belongs(variant, fmt):
     x[-1, 17] = np.nan
     y = check_inputs(variant, experts, dense, x, ids, w, what=f"NaN {fmt}")
     assert np.isnan(y[:, 7]).any() and np.isfinite(y).any()
+
+
+@pytest.mark.parametrize("scale", [1e-15, 1e-12, 3e4, 1e6, 1e15])
+@pytest.mark.parametrize("fmt", ["per_channel", "block32x34"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_activations_of_any_magnitude(variant, fmt, scale):
+    """x times 1e-15 .. 1e15, so h spans about 1e-31 .. 1e29.  avx2 reads FP8 activations times
+    2^112 (layout.act_exp): from |x| or |h| of 2^14 on, the driver must apply a smaller power and
+    the kernel put the difference back; tiny ones must lose nothing to underflow."""
+    case = Case(fmt=fmt, m=token_counts(variant), seed=21)
+    experts, dense = layer(case)
+    x, ids, w = inputs(case)
+    check_inputs(variant, experts, dense, x * np.float32(scale), ids, w, what=f"x * {scale:g}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_an_infinite_activation_spoils_only_its_token(variant):
+    """One x value is +inf, the others about 1e10 (x * 2^112 would overflow): every other token
+    stays equal to the oracle, so the scaling of act_exp kernels is chosen by the finite values."""
+    case = Case(fmt="per_channel", m=token_counts(variant), seed=22)
+    experts, dense = layer(case)
+    x, ids, w = inputs(case)
+    x *= np.float32(1e10)
+    x[0, 3] = np.inf
+    y = np.asarray(run(variant, experts, x, ids, w), np.float64)
+    want = expected(dense, x, ids, w, kernel(variant).act)
+    assert not np.isfinite(y[0]).all()
+    assert_matches(y[1:], want[1:], oracle_budget(kernel(variant).act, x.dtype), f"{variant} +inf in token 0")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

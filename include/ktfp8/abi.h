@@ -66,8 +66,20 @@ typedef struct ktfp8_layout {
     int32_t rows_per_tile;   /* NB: output rows per tile (16 everywhere today) */
     int32_t k_pack;          /* KP: consecutive K per row in one run (1, or 2 for bf16 pairs) */
     float scale_mul;         /* folded into every packed scale (256 for the fp16 conversion trick) */
-    int32_t shuffle64;       /* 1: FP8 bytes permuted inside each 64-byte group, see moe_pack.c */
+    int32_t code_order;      /* enum ktfp8_code_order: FP8 bytes permuted inside each 64-byte group */
+    /* FP8 formats: the kernel reads its FP32 activations times 2^act_exp (0: as they are).  Where
+     * that could overflow, the driver applies a smaller power of two and gives the job the rest
+     * (ktfp8_tile_job.rescale_exp). */
+    int32_t act_exp;
 } ktfp8_layout;
+
+/* Orders of the FP8 bytes inside each 64-byte group of a packed tile (moe_pack.c says where each
+ * byte goes; the kernel that reads the order says why). */
+enum ktfp8_code_order {
+    KTFP8_CODES_NATURAL = 0, /* as [k / KP][NB][KP] says */
+    KTFP8_CODES_VBMI64 = 1,  /* e4m3_bf16_vbmi.h's vpermi2b + unpack order */
+    KTFP8_CODES_PAIRS32 = 2  /* moe_avx2.c's vpshufb order: each 32 bytes (two K steps) by 128-bit lane */
+};
 
 /* One micro-kernel call: C[m][NB] = (A[m][K] x W_tile^T) * scale, for one NB-row tile. */
 typedef struct ktfp8_tile_job {
@@ -84,6 +96,8 @@ typedef struct ktfp8_tile_job {
     float *c;             /* [m][c_stride] fp32 output */
     int64_t c_stride;     /* elements */
     void *scratch;        /* per-thread, at least tile_scratch_bytes(k) bytes, 64-byte aligned */
+    int32_t rescale_exp;  /* layout.act_exp kernels: results times 2^rescale_exp, the part of 2^act_exp
+                           * the driver did not apply to these activations (0 almost always) */
 } ktfp8_tile_job;
 
 /* The driver's per-element steps around the micro-kernel (moe_epilogue.h), compiled in each variant's

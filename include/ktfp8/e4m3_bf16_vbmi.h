@@ -11,13 +11,13 @@
  *
  *   __m512i lo32, hi32;
  *   ktfp8_e4m3x64_to_bf16(&lut, codes, &lo32, &hi32);
- *       codes: pointer to 64 FP8 bytes (any alignment) stored in shuffle64 order (moe_pack.c,
- *       shuffle64_pos); lo32 receives the bf16 bits of natural codes 0..31, hi32 of natural codes
+ *       codes: pointer to 64 FP8 bytes (any alignment) stored in KTFP8_CODES_VBMI64 order (moe_pack.c,
+ *       code_pos); lo32 receives the bf16 bits of natural codes 0..31, hi32 of natural codes
  *       32..63.  Cost: 1 load, 2 vpermi2b, 1 vpternlogd, 2 vpunpck*bw.  (A pointer, not an __m512i
  *       argument: the emulated build has no AVX-512 calling convention and GCC warns about it.)
  *
  *   ktfp8_e4m3_tile_to_bf16(codes, k, dst);
- *       One packed FP8 tile of the layout {rows_per_tile 16, k_pack 2, shuffle64 1}, i.e. codes
+ *       One packed FP8 tile of the layout {rows_per_tile 16, k_pack 2, KTFP8_CODES_VBMI64}, i.e. codes
  *       [k/2][16][2] permuted inside each 64-byte group, k a multiple of 4, to bf16 bits
  *       dst[k/2][16][2] in natural order: row kk of dst is one AMX B-tile row (16 columns x 2 K).
  *       To convert a K range [k0, k0 + n) (k0, n multiples of 4) pass codes + 16 * k0,
@@ -96,7 +96,7 @@ ktfp8_e4m3x64_to_bf16(const ktfp8_e4m3_bf16_lut *lut, const void *codes64, __m51
     __m512i lo = _mm512_permutex2var_epi8(lut->lo0, codes, lut->lo1);
     hi = _mm512_ternarylogic_epi32(hi, codes, _mm512_set1_epi8((char)0x80), 0xF8);
     /* per 128-bit lane L: unpacklo gives words 8L..8L+7 from bytes 16L..16L+7, unpackhi from bytes
-     * 16L+8..16L+15; the shuffle64 storage order makes these natural codes 8L+j and 32+8L+j. */
+     * 16L+8..16L+15; the KTFP8_CODES_VBMI64 storage order makes these natural codes 8L+j and 32+8L+j. */
     *lo32 = _mm512_unpacklo_epi8(lo, hi);
     *hi32 = _mm512_unpackhi_epi8(lo, hi);
 }

@@ -20,7 +20,8 @@ cdef extern from "ktfp8/abi.h":
         int rows_per_tile
         int k_pack
         float scale_mul
-        int shuffle64
+        int code_order
+        int act_exp
     ctypedef struct ktfp8_moe_kernel:
         ktfp8_layout layout
         int act_dtype

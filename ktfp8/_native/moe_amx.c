@@ -1,7 +1,7 @@
 /* MoE micro-kernel on AMX tiles (AMX-TILE + AMX-BF16, Sapphire Rapids and later) for prefill.
  *
  * One call: C[m][16] = (A[m][k] x W^T) * scale for one 16-row weight tile, A in bf16.  Same
- * packing as the avx512_bf16 kernel ({NB 16, KP 2, shuffle64}): converted to bf16, a weight tile
+ * packing as the avx512_bf16 kernel ({NB 16, KP 2, KTFP8_CODES_VBMI64}): converted to bf16, a weight tile
  * is [k/2][16][2], so each 32-K slab is exactly one AMX B tile (16 K pairs x 16 columns x 2 bf16 =
  * 16 rows of 64 bytes) and needs no further reordering.
  *
@@ -274,7 +274,7 @@ static size_t tile_scratch_bytes(int64_t k) {
 KTFP8_EPILOGUE_OPS(epilogue);
 
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
-    .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .shuffle64 = 1},
+    .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .code_order = KTFP8_CODES_VBMI64},
     .act_dtype = KTFP8_BF16,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,

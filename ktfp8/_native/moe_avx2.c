@@ -1,23 +1,25 @@
-/* MoE micro-kernel for AVX2 + FMA + F16C (Haswell / Zen and later).
+/* MoE micro-kernel for AVX2 + FMA (Haswell / Zen and later).
  *
  * One call: C[m][16] = (A[m][k] x W^T) * scale for one 16-row tile, A in fp32, FP32 FMA.
  * Weights [k][16]: the 16 codes (or bf16 words) of K step s are one tile row, converted to two ymm
  * of 8 fp32 rows each, so one broadcast activation a[s] updates all 16 outputs:
  *   acc[n] += a[s] * w[n][s]                                  (vfmadd231ps, lanes n)
  *
- * FP8 -> fp32 without a table: code -> IEEE half bits -> vcvtph2ps, value / 256 (e4m3_f16.h); the
- * packer folds the 256 into the scales (layout.scale_mul) and gives rows holding a NaN code (which
- * this maps to 480/256) a NaN scale.
- * BF16 weights: their bits << 16 are the fp32 value, no scale.
+ * FP8 -> fp32 by placing the code's bits (pair32 below): value * 2^-120.  The driver hands over the
+ * activations times 2^112 (layout.act_exp) and the packer folds 256 into the scales (scale_mul), so
+ * each product is value * a / 256 exactly as the fp16 route of e4m3_f16.h gives it.  Rows holding a
+ * NaN code (which this maps to 480 * 2^-120) get a NaN scale from the packer.
+ * BF16 weights: their bits << 16 are the fp32 value, no scale, activations as they are.
  *
  * Decode (m <= DECODE_M): the codes stream once and are converted in registers, with software
  * prefetch and enough accumulators per token for the FMA latency.  Prefill: FP8 tiles are
  * converted once into scratch (fp32 [k][16]) and swept for every block of MR tokens; BF16 weights
  * are converted per block (a shift per weight costs less than the scratch round trip).
  * Per-channel scale once after the K reduction; block-wise per K block. */
+#include <math.h>
+
 #include "ktfp8/abi.h"
 #include "ktfp8/moe_epilogue.h"
-#include "ktfp8/e4m3_f16.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/token_count.h"
 #include "ktfp8/variant.h"
@@ -41,14 +43,9 @@
 
 enum wsrc { SRC_FP8, SRC_BF16, SRC_F32 }; /* what w points at */
 
-/* Tile row s (16 weights) as two vectors of 8 rows. */
+/* Tile row s (16 weights) as two vectors of 8 rows: the BF16 and scratch sources. */
 INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 *lo, __m256 *hi) {
-    if (src == SRC_FP8) {
-        const __m128i c = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + s * NB));
-        const __m256i h = ktfp8_e4m3x16_to_f16(c);
-        *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-        *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-    } else if (src == SRC_BF16) {
+    if (src == SRC_BF16) {
         const __m128i *p = (const __m128i *)((const uint16_t *)w + s * NB);
         *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
         *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + 1)), 16));
@@ -59,22 +56,36 @@ INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 *lo, __m
     }
 }
 
-/* FP8 tile rows s and s + 1 (32 codes, one load) as r[0] = row s, r[1] = row s + 1, each two vectors of
- * 8 rows.  The same halves as row16, built in-lane: unpacking with zero puts each code in the high
- * byte of a 16-bit word (code << 8), and >> 1 arithmetic gives the sign-extended code << 7.  On Zen 3
- * the decode loop is bound by the two FP pipes that shift and shuffle (llvm-mca -mcpu=znver3: 14
- * cycles per 64 codes, set by those two), and row16's lane-crossing vpmovsxbw ymm takes 1.5 cycles on
- * both.  Measured there, m = 1, one thread, the two forms alternated in one process:
- * 1.06x the codes per second from L2, 1.02x from DRAM. */
-INLINE void rows32(const uint8_t *codes, int64_t s, __m256 r[2][2]) {
+/* FP8 tile rows s and s + 1 (s even: one 32-byte pair of the KTFP8_CODES_PAIRS32 packing) as
+ * r[v][h] = row s + v, tile rows 8h .. 8h + 7, each weight times 2^-120.
+ *
+ * The code S.EEEE.MMM placed as the float S.0000EEEE.MMM0...0 is its value times 2^-120, exactly:
+ * the biases differ by 120 (127 and 7), and the e4m3 subnormals m * 2^-9 land on the float
+ * subnormals m * 2^-129.  vpshufb puts each code in the top byte of a dword (S in bit 31, EEEE.MMM
+ * in 30..24; the packing makes each result 8 rows of one step in order), >> 4 arithmetic moves
+ * EEEE.MMM to bits 26..20 and copies S into 27..30, and the AND clears the copies.
+ *
+ * Why not the fp16 route (vcvtph2ps) of e4m3_f16.h: on Zen 3 the decode loop is bound by the two FP
+ * pipes that shift and shuffle, and this takes fewer of their slots per code.  Measured there, m = 1,
+ * codes in L2, one thread: 13.4-15.0 codes per ns against 11.1-12.7.  Benchmark layer, weights from
+ * DRAM, the two conversions alternated in one process, time against the fp16 route: T = 1 0.86-0.92x
+ * on 1 thread, 0.91-0.95x on 2; T = 64 0.94-1.00x; T = 512 0.95-1.01x (the driver's scaling passes).
+ * Subnormal weights cost nothing as FMA inputs there (the same rate with none of them); a vmulps by
+ * 2^112 instead of scaled activations did: 5.1-7.0 codes per ns, 10.5 without subnormals.  (Real
+ * weights hold few subnormal codes: a per-channel scale puts the row's largest at 448, 2^15 above
+ * them.) */
+INLINE void pair32(const uint8_t *codes, int64_t s, __m256 r[2][2]) {
     const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + s * NB));
-    const __m256i z = _mm256_setzero_si256(), clear14 = _mm256_set1_epi16((short)0xBFFF);
-    const __m256i lo = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(z, c), 1), clear14); /* rows 0-7 */
-    const __m256i hi = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(z, c), 1), clear14); /* rows 8-15 */
-    r[0][0] = _mm256_cvtph_ps(_mm256_castsi256_si128(lo));
-    r[0][1] = _mm256_cvtph_ps(_mm256_castsi256_si128(hi));
-    r[1][0] = _mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1));
-    r[1][1] = _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1));
+    /* dword q of each lane <- byte 4j + q of that lane, in the top byte (-1: zero) */
+    const __m256i byte0 = _mm256_setr_epi8(-1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3,
+                                           -1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3);
+    const __m256i sign_exp_man = _mm256_set1_epi32((int)0x87F00000);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        const __m256i pick = _mm256_add_epi32(byte0, _mm256_set1_epi32((4 * j) << 24));
+        const __m256i top = _mm256_shuffle_epi8(c, pick);
+        r[j / 2][j % 2] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(top, 4), sign_exp_man));
+    }
 }
 
 /* Token t's row is (t < 3 ? a03 : a36) + (t % 3) * stride: two pointers and one index register give
@@ -94,44 +105,58 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
     for (int u = 0; u < U; u++)
         for (int t = 0; t < M; t++) acc[u][t][0] = acc[u][t][1] = _mm256_setzero_ps();
     int64_t s = s0;
-    for (; s + U <= s1; s += U) {
-        if (src == SRC_FP8 && ((s * NB) & 63) < U * NB) /* once per 64-byte line (4 K steps) */
-            _mm_prefetch((const char *)w + s * NB + PREFETCH_BYTES, _MM_HINT_T0);
-        if (src == SRC_FP8 && U % 2 == 0) { /* two K steps per load: the same sums, cheaper decode */
+    if (src == SRC_FP8) { /* K steps in the packing's pairs: s0 and s1 are even (block_k is) */
+        const int G = U < 2 ? 2 : U; /* K steps per iteration */
+        for (; s + G <= s1; s += G) {
+            if (((s * NB) & 63) < G * NB) /* once per 64-byte line (4 K steps) */
+                _mm_prefetch((const char *)w + s * NB + PREFETCH_BYTES, _MM_HINT_T0);
 #pragma GCC unroll 2
-            for (int u = 0; u < U; u += 2) {
+            for (int g = 0; g < G; g += 2) {
                 __m256 r[2][2];
-                rows32((const uint8_t *)w, s + u, r);
+                pair32((const uint8_t *)w, s + g, r);
 #pragma GCC unroll 2
                 for (int v = 0; v < 2; v++)
 #pragma GCC unroll 6
                     for (int t = 0; t < M; t++) {
-                        const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s + u + v);
-                        acc[u + v][t][0] = _mm256_fmadd_ps(x, r[v][0], acc[u + v][t][0]);
-                        acc[u + v][t][1] = _mm256_fmadd_ps(x, r[v][1], acc[u + v][t][1]);
+                        const int u = (g + v) % U;
+                        const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s + g + v);
+                        acc[u][t][0] = _mm256_fmadd_ps(x, r[v][0], acc[u][t][0]);
+                        acc[u][t][1] = _mm256_fmadd_ps(x, r[v][1], acc[u][t][1]);
                     }
             }
-            continue;
         }
+        for (; s < s1; s += 2) { /* a block that is not a multiple of G steps: its last pair */
+            __m256 r[2][2];
+            pair32((const uint8_t *)w, s, r);
+            for (int v = 0; v < 2; v++)
+                for (int t = 0; t < M; t++) {
+                    const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s + v);
+                    acc[0][t][0] = _mm256_fmadd_ps(x, r[v][0], acc[0][t][0]);
+                    acc[0][t][1] = _mm256_fmadd_ps(x, r[v][1], acc[0][t][1]);
+                }
+        }
+    } else {
+        for (; s + U <= s1; s += U) {
 #pragma GCC unroll 4
-        for (int u = 0; u < U; u++) {
-            __m256 wl, wh;
-            row16(src, w, s + u, &wl, &wh);
+            for (int u = 0; u < U; u++) {
+                __m256 wl, wh;
+                row16(src, w, s + u, &wl, &wh);
 #pragma GCC unroll 6
-            for (int t = 0; t < M; t++) {
-                const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s + u);
-                acc[u][t][0] = _mm256_fmadd_ps(x, wl, acc[u][t][0]);
-                acc[u][t][1] = _mm256_fmadd_ps(x, wh, acc[u][t][1]);
+                for (int t = 0; t < M; t++) {
+                    const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s + u);
+                    acc[u][t][0] = _mm256_fmadd_ps(x, wl, acc[u][t][0]);
+                    acc[u][t][1] = _mm256_fmadd_ps(x, wh, acc[u][t][1]);
+                }
             }
         }
-    }
-    for (; s < s1; s++) { /* block edges that are not a multiple of U */
-        __m256 wl, wh;
-        row16(src, w, s, &wl, &wh);
-        for (int t = 0; t < M; t++) {
-            const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s);
-            acc[0][t][0] = _mm256_fmadd_ps(x, wl, acc[0][t][0]);
-            acc[0][t][1] = _mm256_fmadd_ps(x, wh, acc[0][t][1]);
+        for (; s < s1; s++) { /* block edges that are not a multiple of U */
+            __m256 wl, wh;
+            row16(src, w, s, &wl, &wh);
+            for (int t = 0; t < M; t++) {
+                const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s);
+                acc[0][t][0] = _mm256_fmadd_ps(x, wl, acc[0][t][0]);
+                acc[0][t][1] = _mm256_fmadd_ps(x, wh, acc[0][t][1]);
+            }
         }
     }
     for (int t = 0; t < M; t++) {
@@ -167,6 +192,13 @@ INLINE void tile_rows(const ktfp8_tile_job *j, const enum wsrc src, const void *
             }
         }
     }
+    if (j->rescale_exp) { /* the part of 2^act_exp the driver left out of a: a power of two */
+        const __m256 f = _mm256_set1_ps(ldexpf(1.0f, j->rescale_exp));
+        for (int t = 0; t < M; t++) {
+            res[t][0] = _mm256_mul_ps(res[t][0], f);
+            res[t][1] = _mm256_mul_ps(res[t][1], f);
+        }
+    }
     for (int t = 0; t < M; t++) {
         _mm256_storeu_ps(c + t * j->c_stride, res[t][0]);
         _mm256_storeu_ps(c + t * j->c_stride + 8, res[t][1]);
@@ -186,12 +218,12 @@ INLINE void sweep(const ktfp8_tile_job *j, const enum wsrc src, const void *w) {
     }
 }
 
-/* The FP8 tile in fp32 [k][16] (value / 256, like the streaming path). */
+/* The FP8 tile in fp32 [k][16] (value * 2^-120, like the streaming path). */
 static void tile_to_f32(const uint8_t *codes, int64_t k, float *dst) {
     for (int64_t s = 0; s < k; s += 2) { /* k is a multiple of KTFP8_K_ALIGN */
         __m256 r[2][2];
         if ((s & 3) == 0) _mm_prefetch((const char *)codes + s * NB + PREFETCH_BYTES, _MM_HINT_T0);
-        rows32(codes, s, r);
+        pair32(codes, s, r);
         for (int v = 0; v < 2; v++) {
             _mm256_store_ps(dst + (s + v) * NB, r[v][0]);
             _mm256_store_ps(dst + (s + v) * NB + 8, r[v][1]);
@@ -219,7 +251,7 @@ static size_t tile_scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(flo
 KTFP8_EPILOGUE_OPS(epilogue);
 
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
-    .layout = {.rows_per_tile = NB, .k_pack = 1, .scale_mul = 256.0f, .shuffle64 = 0},
+    .layout = {.rows_per_tile = NB, .k_pack = 1, .scale_mul = 256.0f, .code_order = KTFP8_CODES_PAIRS32, .act_exp = 112},
     .act_dtype = KTFP8_F32,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,

@@ -176,7 +176,7 @@ static size_t tile_scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(flo
 KTFP8_EPILOGUE_OPS(epilogue);
 
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
-    .layout = {.rows_per_tile = NB, .k_pack = 1, .scale_mul = 256.0f, .shuffle64 = 0},
+    .layout = {.rows_per_tile = NB, .k_pack = 1, .scale_mul = 256.0f, .code_order = KTFP8_CODES_NATURAL},
     .act_dtype = KTFP8_F32,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,

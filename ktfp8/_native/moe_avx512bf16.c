@@ -4,7 +4,7 @@
  * with vdpbf16ps.  Weights [k/2][16][2]: one zmm holds K pair p of all 16 rows, so one
  * activation pair (a[2p], a[2p+1]) broadcast as a 32-bit lane multiplies a whole tile row:
  *   acc[n] += a[2p] * w[n][2p] + a[2p+1] * w[n][2p+1]      (vdpbf16ps, lane n)
- * FP8 codes are stored permuted inside 64-byte groups (shuffle64) so that e4m3_bf16_vbmi.h turns
+ * FP8 codes are stored permuted inside 64-byte groups (KTFP8_CODES_VBMI64) so that e4m3_bf16_vbmi.h turns
  * 64 codes into the two bf16 zmm of pairs 2g and 2g+1 in natural order.
  *
  * Decode (m <= DECODE_M): memory-bound, so the codes stream once and are converted in registers;
@@ -296,7 +296,7 @@ static size_t tile_scratch_bytes(int64_t k) { return 2 * (size_t)k * NB * sizeof
 KTFP8_EPILOGUE_OPS(epilogue);
 
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
-    .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .shuffle64 = 1},
+    .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .code_order = KTFP8_CODES_VBMI64},
     .act_dtype = KTFP8_BF16,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,

@@ -12,8 +12,14 @@
  *      streams over the same h rows (AMX: 2 A x 2 B -> 4 C tiles, as for gate and up) and make
  *      each expert's read one contiguous 2-tile run.  Each item owns its columns of y, so no
  *      atomics are needed and the result does not depend on the thread count or the schedule.
+ * Kernels whose FP8 conversion leaves the weights times a power of two (layout.act_exp) get x and h
+ * times its inverse: phase 0 scales the rows as it gathers them, and a pass after phase 1 scales h,
+ * each by 2^act_exp unless the call's largest finite value would then overflow (activation_exp).
  * Buffers come from per-thread arenas (arena.h): no allocation and no zeroing in the hot path;
  * only the K padding of the gathered rows and of h is written with zeros, as the kernels read it. */
+#include <float.h>
+#include <math.h>
+
 #include "ktfp8/arena.h"
 #include "ktfp8/fp8.h"
 #include "ktfp8/fpenv.h"
@@ -132,7 +138,7 @@ static size_t tile_at(const ktfp8_packed_proj *p, int64_t e, int64_t tile) { ret
  * elements apart, starting at a; FP32 results into c[m][NB]. */
 static ktfp8_tile_job tile_job(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, const ktfp8_packed_proj *p,
                                int64_t e, int64_t tile, const void *a, int64_t a_stride, int act, int64_t m,
-                               float *c, void *scratch) {
+                               float *c, void *scratch, int rescale_exp) {
     const size_t at = tile_at(p, e, tile);
     ktfp8_tile_job job = {0};
     job.w = p->w + at * p->tile_w_bytes;
@@ -148,6 +154,7 @@ static ktfp8_tile_job tile_job(const ktfp8_moe_kernel *kern, const ktfp8_moe_sha
     job.c = c;
     job.c_stride = kern->layout.rows_per_tile;
     job.scratch = scratch;
+    job.rescale_exp = rescale_exp;
     return job;
 }
 
@@ -165,19 +172,70 @@ static int64_t run_length(int64_t items, int threads) {
     return run > 1 ? run : 1;
 }
 
-/* Phase 0: pair p's token row of x into its gathered row (activation dtype), zeros to Hp; and the
- * K padding [I, Ip) of its h row, which phase 1 never writes. */
+/* The magnitude of the FP32 number with these bits, as an int32 that orders like magnitudes do; 0
+ * for Inf and NaN, which go through any power-of-two scaling unchanged, so only the finite values
+ * bound it.  (Integers, so that the max loops below vectorize.) */
+static inline int32_t finite_magnitude(uint32_t bits) {
+    const int32_t m = (int32_t)(bits & 0x7FFFFFFFu);
+    return m < 0x7F800000 ? m : 0;
+}
+
+/* The largest finite |value| of n F32 or BF16 values (0 if none). */
+static float finite_amax(const void *v, int dtype, int64_t n) {
+    int32_t amax = 0;
+    if (dtype == KTFP8_F32) {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t bits;
+            memcpy(&bits, (const float *)v + i, sizeof bits);
+            const int32_t m = finite_magnitude(bits);
+            amax = m > amax ? m : amax;
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            const int32_t m = finite_magnitude((uint32_t)((const uint16_t *)v)[i] << 16);
+            amax = m > amax ? m : amax;
+        }
+    }
+    float f;
+    memcpy(&f, &amax, sizeof f);
+    return f;
+}
+
+/* The power of two a call's activations are multiplied by for a kernel that wants 2^act_exp (0:
+ * none), given their largest finite |value|: act_exp, or less where amax * 2^act_exp would reach
+ * 2^126, so that no scaled activation, and no product or K sum of the kernel, overflows where the
+ * unscaled ones do not.  The job's rescale_exp = act_exp - this puts the difference back. */
+static int activation_exp(int act_exp, float amax) {
+    int e;
+    frexpf(amax, &e); /* amax < 2^e */
+    return act_exp == 0 || amax == 0.0f || e <= 126 - act_exp ? act_exp : 126 - e;
+}
+
+/* Multiplies n FP32 values by 2^e (exact: e leaves them finite, see activation_exp). */
+static void scale_row(float *v, int64_t n, int e) {
+    const float f = ldexpf(1.0f, e);
+    for (int64_t i = 0; i < n; i++) v[i] *= f;
+}
+
+/* Token t's row of x (F32 or BF16). */
+static const void *x_row(const ktfp8_moe_call *c, int64_t t) {
+    return (const char *)c->x + (c->x_dtype == KTFP8_F32 ? 4 : 2) * (size_t)(t * c->shape->hidden);
+}
+
+/* Phase 0: pair p's token row of x into its gathered row (activation dtype) times 2^x_exp, zeros to
+ * Hp; and the K padding [I, Ip) of its h row, which phase 1 never writes. */
 static void gather_row(const ktfp8_moe_call *c, const call_buffers *b, int64_t p, int act, size_t esz,
-                       int64_t Hp, int64_t Ip) {
+                       int64_t Hp, int64_t Ip, int x_exp) {
     const int64_t H = c->shape->hidden, I = c->shape->inter;
     char *row = (char *)b->xa + esz * (size_t)(p * b->x_stride);
-    const void *src = (const char *)c->x + (c->x_dtype == KTFP8_F32 ? 4 : 2) * (size_t)(b->pair_token[p] * H);
+    const void *src = x_row(c, b->pair_token[p]);
     if (c->x_dtype == act)
         memcpy(row, src, esz * (size_t)H);
     else if (act == KTFP8_F32)
         ktfp8_load_row((float *)row, src, c->x_dtype, H);
     else /* FP32 x, BF16 activations */
         ktfp8_store_row(row, act, (const float *)src, H);
+    if (x_exp) scale_row((float *)row, H, x_exp); /* act_exp kernels read FP32 */
     memset(row + esz * (size_t)H, 0, esz * (size_t)(Hp - H));
     memset((char *)b->h + esz * (size_t)(p * b->h_stride + I), 0, esz * (size_t)(Ip - I));
 }
@@ -211,6 +269,8 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     const size_t esz = act == KTFP8_BF16 ? 2 : 4;
     const int64_t H = s->hidden, I = s->inter;
     const int threads = c->threads > 0 ? c->threads : 1;
+    /* layout.act_exp applies to FP8 weights and FP32 activations */
+    const int act_exp = s->format != KTFP8_FMT_BF16 && act == KTFP8_F32 ? l->act_exp : 0;
 
     ktfp8_packed_proj proj[3];
     ktfp8_packed_views(s, l, c->packed, proj);
@@ -226,6 +286,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     const size_t gu_bytes = ALIGN64(sizeof(float) * (size_t)(b.max_m * nb));
     const size_t yacc_bytes = ALIGN64(sizeof(float) * (size_t)(c->tokens * dcols));
     int failed = 0;
+    float x_amax = 0.0f, h_amax = 0.0f; /* largest finite |x| and |h|, where act_exp scales them */
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const unsigned csr = ktfp8_fpenv_ieee();
@@ -237,19 +298,29 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
         const int ok = tbuf != NULL;
         failed |= !ok;
 
+        if (act_exp) {
+#pragma omp for schedule(static) reduction(max : x_amax)
+            for (int64_t t = 0; t < c->tokens; t++) {
+                const float row_amax = finite_amax(x_row(c, t), c->x_dtype, H);
+                x_amax = row_amax > x_amax ? row_amax : x_amax;
+            }
+        }
+        const int x_exp = activation_exp(act_exp, x_amax);
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < b.n_pairs; p++) gather_row(c, &b, p, act, esz, Hp, Ip);
+        for (int64_t p = 0; p < b.n_pairs; p++) gather_row(c, &b, p, act, esz, Hp, Ip, x_exp);
 
         /* phase 1: h = silu(x @ gate^T) * (x @ up^T), per (expert, intermediate tile) */
         const int64_t tiles1 = proj[KTFP8_GATE].n_tiles;
-#pragma omp for schedule(dynamic, run_length(b.n_active * tiles1, threads))
+#pragma omp for schedule(dynamic, run_length(b.n_active * tiles1, threads)) reduction(max : h_amax)
         for (int64_t it = 0; it < b.n_active * tiles1; it++) {
             if (!ok) continue;
             const int64_t e = b.active[it / tiles1], tile = it % tiles1;
             const int64_t p0 = b.offset[e], m = b.offset[e + 1] - p0;
             const void *a = (const char *)b.xa + esz * (size_t)(p0 * b.x_stride);
-            const ktfp8_tile_job gate = tile_job(kern, s, &proj[KTFP8_GATE], e, tile, a, b.x_stride, act, m, gbuf, scratch);
-            const ktfp8_tile_job up = tile_job(kern, s, &proj[KTFP8_UP], e, tile, a, b.x_stride, act, m, ubuf, scratch);
+            const ktfp8_tile_job gate =
+                tile_job(kern, s, &proj[KTFP8_GATE], e, tile, a, b.x_stride, act, m, gbuf, scratch, act_exp - x_exp);
+            const ktfp8_tile_job up =
+                tile_job(kern, s, &proj[KTFP8_UP], e, tile, a, b.x_stride, act, m, ubuf, scratch, act_exp - x_exp);
             prefetch_tile(&proj[KTFP8_GATE], e, tile);
             prefetch_tile(&proj[KTFP8_UP], e, tile);
             if (kern->tile_matmul2) {
@@ -259,8 +330,17 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                 kern->tile_matmul(&up);
             }
             const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
-            kern->epilogue->silu_mul_store(gbuf, ubuf, m, nb, rows, (char *)b.h + esz * (size_t)(p0 * b.h_stride + n0),
-                                           b.h_stride, act);
+            char *h = (char *)b.h + esz * (size_t)(p0 * b.h_stride + n0);
+            kern->epilogue->silu_mul_store(gbuf, ubuf, m, nb, rows, h, b.h_stride, act);
+            for (int64_t i = 0; act_exp && i < m; i++) {
+                const float row_amax = finite_amax((const float *)h + i * b.h_stride, KTFP8_F32, rows);
+                h_amax = row_amax > h_amax ? row_amax : h_amax;
+            }
+        }
+        const int h_exp = activation_exp(act_exp, h_amax);
+        if (h_exp) {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < b.n_pairs; p++) scale_row((float *)b.h + p * b.h_stride, I, h_exp);
         }
 
         /* phase 2: y[token, columns] += weight * (h @ down_tiles^T), experts in id order */
@@ -277,7 +357,8 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                 const void *hrows = (const char *)b.h + esz * (size_t)(p0 * b.h_stride);
                 ktfp8_tile_job jobs[2]; /* down tile `tile`, and tile + 1 when paired */
                 for (int d = 0; d <= pair; d++) {
-                    jobs[d] = tile_job(kern, s, &proj[KTFP8_DOWN], e, tile + d, hrows, b.h_stride, act, m, zbuf + d * nb, scratch);
+                    jobs[d] = tile_job(kern, s, &proj[KTFP8_DOWN], e, tile + d, hrows, b.h_stride, act, m, zbuf + d * nb,
+                                       scratch, act_exp - h_exp);
                     jobs[d].c_stride = dcols;
                     if (a == 0) prefetch_tile(&proj[KTFP8_DOWN], e, tile + d);
                     if (a + 1 < b.n_active) /* the next expert's tile: a short read, far from this one */

@@ -65,14 +65,26 @@ void ktfp8_packed_views(const ktfp8_moe_shape *s, const ktfp8_layout *l, const v
     }
 }
 
-/* Position of natural byte i inside a 64-byte group for layouts with shuffle64.  The AVX-512 BF16
- * conversion looks the codes up with vpermi2b, then interleaves the low/high bf16 bytes with
- * unpacklo/unpackhi_epi8, which work per 128-bit lane: output word 8L+j (j < 8) comes from byte
- * 16L+j and word 32+8L+j from byte 16L+8+j.  Storing the codes in that order makes the two
- * resulting registers hold words 0..31 and 32..63 in natural order. */
-static int shuffle64_pos(int i) {
-    int half = i / 32, lane = (i % 32) / 8, j = i % 8;
-    return 16 * lane + 8 * half + j;
+/* Position of natural byte i (of [k / KP][NB][KP] order) inside its 64-byte group, for each
+ * ktfp8_code_order. */
+static int code_pos(int order, int i) {
+    if (order == KTFP8_CODES_VBMI64) {
+        /* The AVX-512 BF16 conversion looks the codes up with vpermi2b, then interleaves the low/high
+         * bf16 bytes with unpacklo/unpackhi_epi8, which work per 128-bit lane: output word 8L+j (j < 8)
+         * comes from byte 16L+j and word 32+8L+j from byte 16L+8+j.  Storing the codes in that order
+         * makes the two resulting registers hold words 0..31 and 32..63 in natural order. */
+        const int half = i / 32, lane = (i % 32) / 8, j = i % 8;
+        return 16 * lane + 8 * half + j;
+    }
+    if (order == KTFP8_CODES_PAIRS32) {
+        /* 32 bytes = K steps s (v = 0) and s + 1 (v = 1) of the 16 rows (NB 16, KP 1).  moe_avx2.c's
+         * vpshufb j picks bytes 4j..4j+3 of each 128-bit lane L into its 4 dwords; for those 8 dwords
+         * to be rows 8h .. 8h + 7 of step v (j = 2v + h), lane L holds rows 8h + 4L .. 8h + 4L + 3. */
+        const int group = i / 32, v = (i % 32) / 16, row = i % 16;
+        const int lane = (row % 8) / 4, h = row / 8, q = row % 4;
+        return 32 * group + 16 * lane + 4 * (2 * v + h) + q;
+    }
+    return i;
 }
 
 static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktfp8_packed_proj *p,
@@ -94,10 +106,10 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
                 else
                     w_out[at] = inside ? ((const uint8_t *)src->w)[from] : 0;
             }
-    if (!bf16 && l->shuffle64) {
+    if (!bf16 && l->code_order != KTFP8_CODES_NATURAL) {
         uint8_t group[64];
         for (size_t g = 0; g < p->tile_w_bytes; g += 64) {
-            for (int i = 0; i < 64; i++) group[shuffle64_pos(i)] = w_out[g + i];
+            for (int i = 0; i < 64; i++) group[code_pos(l->code_order, i)] = w_out[g + i];
             memcpy(w_out + g, group, 64);
         }
     }

@@ -35,7 +35,7 @@ static void tile_matmul(const ktfp8_tile_job *j) {
 KTFP8_EPILOGUE_OPS(epilogue);
 
 const ktfp8_moe_kernel ktfp8_moe_reference = {
-    .layout = {.rows_per_tile = 1, .k_pack = 1, .scale_mul = 1.0f, .shuffle64 = 0},
+    .layout = {.rows_per_tile = 1, .k_pack = 1, .scale_mul = 1.0f, .code_order = KTFP8_CODES_NATURAL},
     .act_dtype = KTFP8_F32,
     .tile_scratch_bytes = NULL,
     .tile_matmul = tile_matmul,
