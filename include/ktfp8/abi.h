@@ -78,7 +78,7 @@ typedef struct ktfp8_layout {
 enum ktfp8_code_order {
     KTFP8_CODES_NATURAL = 0, /* as [k / KP][NB][KP] says */
     KTFP8_CODES_VBMI64 = 1,  /* e4m3_bf16_vbmi.h's vpermi2b + unpack order */
-    KTFP8_CODES_PAIRS32 = 2  /* moe_avx2.c's vpshufb order: each 32 bytes (two K steps) by 128-bit lane */
+    KTFP8_CODES_PAIRS32 = 2  /* moe_avx2.c's: each 32 bytes (two K steps) as 4 codes per dword */
 };
 
 /* One micro-kernel call: C[m][NB] = (A[m][K] x W_tile^T) * scale, for one NB-row tile. */

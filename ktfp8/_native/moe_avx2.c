@@ -61,31 +61,33 @@ INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 *lo, __m
  *
  * The code S.EEEE.MMM placed as the float S.0000EEEE.MMM0...0 is its value times 2^-120, exactly:
  * the biases differ by 120 (127 and 7), and the e4m3 subnormals m * 2^-9 land on the float
- * subnormals m * 2^-129.  vpshufb puts each code in the top byte of a dword (S in bit 31, EEEE.MMM
- * in 30..24; the packing makes each result 8 rows of one step in order), >> 4 arithmetic moves
- * EEEE.MMM to bits 26..20 and copies S into 27..30, and the AND clears the copies.
+ * subnormals m * 2^-129.  One 16-bit shift builds the upper halves of two such floats: a code in the
+ * high byte of a word, >> 4 arithmetic, puts S in bit 15 (and copies it into 14..11) and EEEE.MMM in
+ * 10..4, and the AND with 0x87F0 clears the copies and the 4 bits shifted in from the low byte.  Each
+ * dword holds 4 codes (the packing: byte 3 - v - 2h of dword i is row s + v, tile row 8h + i): the
+ * words' high bytes (3 and 1) are shifted as loaded, the low bytes (2 and 0) after << 8; then a
+ * dword's upper word is its float once the lower one is cleared, and << 16 makes the lower one a
+ * float.  5 shifts per 32 codes, the pipes' only other work being the broadcasts.
  *
  * Why not the fp16 route (vcvtph2ps) of e4m3_f16.h: on Zen 3 the decode loop is bound by the two FP
  * pipes that shift and shuffle, and this takes fewer of their slots per code.  Measured there, m = 1,
- * codes in L2, one thread: 13.4-15.0 codes per ns against 11.1-12.7.  Benchmark layer, weights from
- * DRAM, the two conversions alternated in one process, time against the fp16 route: T = 1 0.86-0.92x
- * on 1 thread, 0.91-0.95x on 2; T = 64 0.94-1.00x; T = 512 0.95-1.01x (the driver's scaling passes).
- * Subnormal weights cost nothing as FMA inputs there (the same rate with none of them); a vmulps by
- * 2^112 instead of scaled activations did: 5.1-7.0 codes per ns, 10.5 without subnormals.  (Real
- * weights hold few subnormal codes: a per-channel scale puts the row's largest at 448, 2^15 above
- * them.) */
+ * codes in L2, one thread, in one run: 18.6-20.7 codes per ns against 11.6-12.6 (and 15.1-17.6 for a
+ * first version with a vpshufb, a 32-bit shift and an AND per 8 codes).  Benchmark layer, weights from
+ * DRAM, that first version and the fp16 route alternated in one process, time against the fp16 route:
+ * T = 1 0.86-0.92x on 1 thread, 0.91-0.95x on 2; T = 64 0.94-1.00x; T = 512 0.95-1.01x (the
+ * driver's scaling passes).  Subnormal weights cost nothing as FMA inputs there (the same rate with
+ * none of them); a vmulps by 2^112 instead of scaled activations did: 5.1-7.0 codes per ns, 10.5
+ * without subnormals.  (Real weights hold few subnormal codes: a per-channel scale puts the row's
+ * largest at 448, 2^15 above them.) */
 INLINE void pair32(const uint8_t *codes, int64_t s, __m256 r[2][2]) {
     const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + s * NB));
-    /* dword q of each lane <- byte 4j + q of that lane, in the top byte (-1: zero) */
-    const __m256i byte0 = _mm256_setr_epi8(-1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3,
-                                           -1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3);
-    const __m256i sign_exp_man = _mm256_set1_epi32((int)0x87F00000);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-        const __m256i pick = _mm256_add_epi32(byte0, _mm256_set1_epi32((4 * j) << 24));
-        const __m256i top = _mm256_shuffle_epi8(c, pick);
-        r[j / 2][j % 2] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(top, 4), sign_exp_man));
-    }
+    const __m256i sign_exp_man = _mm256_set1_epi16((short)0x87F0), upper = _mm256_set1_epi32((int)0xFFFF0000);
+    const __m256i bytes31 = _mm256_and_si256(_mm256_srai_epi16(c, 4), sign_exp_man);
+    const __m256i bytes20 = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(c, 8), 4), sign_exp_man);
+    r[0][0] = _mm256_castsi256_ps(_mm256_and_si256(bytes31, upper));  /* byte 3: row s, tile rows 0-7 */
+    r[0][1] = _mm256_castsi256_ps(_mm256_slli_epi32(bytes31, 16));     /* byte 1: row s, tile rows 8-15 */
+    r[1][0] = _mm256_castsi256_ps(_mm256_and_si256(bytes20, upper));  /* byte 2: row s + 1, tile rows 0-7 */
+    r[1][1] = _mm256_castsi256_ps(_mm256_slli_epi32(bytes20, 16));     /* byte 0: row s + 1, tile rows 8-15 */
 }
 
 /* Token t's row is (t < 3 ? a03 : a36) + (t % 3) * stride: two pointers and one index register give

@@ -77,12 +77,11 @@ static int code_pos(int order, int i) {
         return 16 * lane + 8 * half + j;
     }
     if (order == KTFP8_CODES_PAIRS32) {
-        /* 32 bytes = K steps s (v = 0) and s + 1 (v = 1) of the 16 rows (NB 16, KP 1).  moe_avx2.c's
-         * vpshufb j picks bytes 4j..4j+3 of each 128-bit lane L into its 4 dwords; for those 8 dwords
-         * to be rows 8h .. 8h + 7 of step v (j = 2v + h), lane L holds rows 8h + 4L .. 8h + 4L + 3. */
+        /* 32 bytes = K steps s (v = 0) and s + 1 (v = 1) of the 16 rows (NB 16, KP 1); moe_avx2.c's
+         * pair32 makes 4 vectors of 8 rows from the 4 bytes of each dword: byte 3 - v - 2h of dword
+         * i is step v, row 8h + i. */
         const int group = i / 32, v = (i % 32) / 16, row = i % 16;
-        const int lane = (row % 8) / 4, h = row / 8, q = row % 4;
-        return 32 * group + 16 * lane + 4 * (2 * v + h) + q;
+        return 32 * group + 4 * (row % 8) + 3 - v - 2 * (row / 8);
     }
     return i;
 }
