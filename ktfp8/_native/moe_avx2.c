@@ -73,9 +73,9 @@ INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 *lo, __m
  * pipes that shift and shuffle, and this takes fewer of their slots per code.  Measured there, m = 1,
  * codes in L2, one thread, in one run: 18.6-20.7 codes per ns against 11.6-12.6 (and 15.1-17.6 for a
  * first version with a vpshufb, a 32-bit shift and an AND per 8 codes).  Benchmark layer, weights from
- * DRAM, that first version and the fp16 route alternated in one process, time against the fp16 route:
- * T = 1 0.86-0.92x on 1 thread, 0.91-0.95x on 2; T = 64 0.94-1.00x; T = 512 0.95-1.01x (the
- * driver's scaling passes).  Subnormal weights cost nothing as FMA inputs there (the same rate with
+ * DRAM, the conversions alternated in one process, time against the fp16 route: T = 1 0.88x on 1
+ * thread, 0.95x on 2 (nearer the bus), T = 64 0.97x; the first version, in its own build, T = 512
+ * 0.95-1.01x (the driver's scaling passes cost about 1 % there).  Subnormal weights cost nothing as FMA inputs there (the same rate with
  * none of them); a vmulps by 2^112 instead of scaled activations did: 5.1-7.0 codes per ns, 10.5
  * without subnormals.  (Real weights hold few subnormal codes: a per-channel scale puts the row's
  * largest at 448, 2^15 above them.) */
