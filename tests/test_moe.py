@@ -75,14 +75,17 @@ def test_thread_count_does_not_change_results(backend):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_runs_of_tiles_do_not_change_results(backend, fmt):
     """Wide enough that the driver hands out runs of several tiles (items / (8 x threads)), which
-    start at other tiles for every thread count: the outputs stay identical bit for bit."""
-    e, h, i = 8, 512, 512
-    experts, _ = make_experts(fmt, e, h, i, seed=13)
+    start at other tiles for every thread count, and takes phase 2's runs as groups (experts outer):
+    33 column tiles, the last one 8 columns wide, so groups of 4 on 1 thread and of 2 on 2 end in a
+    short group.  The outputs stay identical bit for bit, and equal to the float64 MoE."""
+    e, h, i = 8, 520, 512
+    experts, dense = make_experts(fmt, e, h, i, seed=13)
     rng = np.random.default_rng(13)
     x = rng.standard_normal((24, h)).astype(np.float32)
     ids, w = random_routing(24, e, K, seed=13)
     moe = MoE(config(fmt, experts=e, hidden=h, inter=i), experts, backend=backend, threads=1)
     want = moe(x, ids, w)
+    assert nmse(want, moe_fp64(x, ids, w, *dense)) <= 2e-5
     for n in (2, 3, 5):
         moe.threads = n
         np.testing.assert_array_equal(moe(x, ids, w), want, err_msg=f"{n} threads")
