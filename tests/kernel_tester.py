@@ -51,10 +51,9 @@ KERNELS = {
     # one path for every m; a few m so that grouping by expert is exercised
     "reference": Kernel("moe_reference.c", F32, {}, lambda d: (2,)),
     # m <= DECODE_M: codes converted in registers (KTFP8_FOR_M6); above, the FP8 tile once into
-    # scratch, MR tokens per pass (KTFP8_FOR_M6 for the last one), or with tile_matmul2 two tiles,
-    # MR2 tokens per pass (KTFP8_FOR_M3)
-    "avx2": Kernel("moe_avx2.c", F32, {"DECODE_M": 6, "MR": 6, "MR2": 3},
-                   lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"], d["DECODE_M"] + d["MR2"])),
+    # scratch, MR tokens per pass (KTFP8_FOR_M6 for the last one)
+    "avx2": Kernel("moe_avx2.c", F32, {"DECODE_M": 6, "MR": 6},
+                   lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
     # m <= DECODE_M: codes converted in registers (KTFP8_FOR_M4); above, the tile once into
     # scratch, MR tokens per pass (KTFP8_FOR_M8 for the last one)
     "avx512": Kernel("moe_avx512.c", F32, {"DECODE_M": 4, "MR": 8},

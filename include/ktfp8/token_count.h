@@ -7,18 +7,11 @@
  *   DECODE_M   m <= DECODE_M: weights converted in registers as they stream (KTFP8_FOR_M4/M6)
  *   DECODE_WIDE_M  m <= DECODE_WIDE_M: more accumulators per token in that loop (avx512_bf16)
  *   MR         prefill register block: tokens per pass over the converted tile (KTFP8_FOR_M6/M8)
- *   MR2        the same over two converted tiles at once, in tile_matmul2 (KTFP8_FOR_M3, avx2)
  *   AMX_MIN_M  m >= AMX_MIN_M: the AMX tile path (moe_amx.c only)
  *   PREFETCH_BYTES  software prefetch distance of the weight stream */
 #ifndef KTFP8_TOKEN_COUNT_H
 #define KTFP8_TOKEN_COUNT_H
 
-#define KTFP8_FOR_M3(m, CALL)    \
-    switch (m) {                 \
-    case 1: CALL(1); break;      \
-    case 2: CALL(2); break;      \
-    default: CALL(3); break;     \
-    }
 #define KTFP8_FOR_M4(m, CALL)    \
     switch (m) {                 \
     case 1: CALL(1); break;      \

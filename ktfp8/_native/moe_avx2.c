@@ -32,12 +32,6 @@
  * So one register block (MR = 6) streams; two blocks would read the codes twice for no gain. */
 #define DECODE_M 6
 #define MR 6        /* prefill register block: 6 tokens x 2 ymm = 12 accumulators of the 16 ymm */
-/* tile_matmul2's prefill register block: 3 tokens x 2 tiles x 2 ymm = 12 accumulators, so that 3
- * broadcasts feed the 12 FMAs of a K step instead of MR's 6.  On Zen 3 the broadcasts take the FP
- * pipes that the FMAs leave (one more shift per K step in MR's loop made T = 512 1.36x slower).
- * Measured there, benchmark layer, weights from DRAM, against two tile_matmul calls, alternated in one
- * process: T = 512 0.94x the time on 2 threads, 0.97x on 1; T = 64 1.00x. */
-#define MR2 3
 /* Software prefetch distance of the FP8 code stream.  Zen 3, benchmark layer, distances alternated
  * in one process, time against 2 KiB: T = 1 on 2 threads 4 KiB 0.94x / 0.96x (two runs), 8 KiB
  * 0.98x, 1 KiB 1.05x; 1 thread 4 KiB 0.98x; T = 64 4 KiB 0.97x.  (2 KiB and 4 KiB measured alike while
@@ -105,11 +99,10 @@ INLINE const float *token_row(const float *a03, const float *a36, int64_t stride
 
 /* sum[t] = sum over K steps [s0, s1) of a_t[s] * row s, for M tokens starting at row a.  U
  * independent accumulator sets per token run over interleaved K steps: U > 1 only where M is too
- * small to hide the FMA latency (2 FMA pipes x 4 cycles wants ~8 chains), and not over the scratch,
- * whose one chain per output is what tile_matmul2's blocks of MR2 tokens sum too: the same bits. */
+ * small to hide the FMA latency (2 FMA pipes x 4 cycles wants ~8 chains). */
 INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stride, const int M,
                 int64_t s0, int64_t s1, __m256 sum[MR][2]) {
-    const int U = src == SRC_F32 || M > 3 ? 1 : M == 1 ? 4 : 2;
+    const int U = M == 1 ? 4 : M <= 3 ? 2 : 1;
     const float *a03 = a, *a36 = a + 3 * stride;
     __m256 acc[4][MR][2];
     for (int u = 0; u < U; u++)
@@ -255,66 +248,8 @@ static void tile_matmul(const ktfp8_tile_job *j) {
     }
 }
 
-/* M <= MR2 tokens from row a over two converted tiles w0 and w1 (their jobs j0 and j1 differ only in
- * w, scale and c): tile_rows' sums and scaling, for both tiles at once. */
-INLINE void tile_rows2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1, const float *w0, const float *w1,
-                       const float *a, int64_t i0, const int M) {
-    const int blockwise = j0->format == KTFP8_FMT_FP8_BLOCK;
-    const int64_t nkb = blockwise ? j0->n_kblocks : 1, block = blockwise ? j0->block_k : j0->k;
-    const float *scale[2] = {j0->scale, j1->scale};
-    float *c[2] = {j0->c + i0 * j0->c_stride, j1->c + i0 * j1->c_stride};
-    __m256 res[MR2][4]; /* [token][tile 0 rows 0-7, 8-15, tile 1 rows 0-7, 8-15] */
-    for (int t = 0; t < M; t++)
-        for (int q = 0; q < 4; q++) res[t][q] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nkb; b++) {
-        const int64_t s1 = b == nkb - 1 ? j0->k : (b + 1) * block;
-        __m256 acc[MR2][4];
-        for (int t = 0; t < M; t++)
-            for (int q = 0; q < 4; q++) acc[t][q] = _mm256_setzero_ps();
-        for (int64_t s = b * block; s < s1; s++) {
-            const __m256 w[4] = {_mm256_load_ps(w0 + s * NB), _mm256_load_ps(w0 + s * NB + 8),
-                                 _mm256_load_ps(w1 + s * NB), _mm256_load_ps(w1 + s * NB + 8)};
-#pragma GCC unroll 3
-            for (int t = 0; t < M; t++) {
-                const __m256 x = _mm256_broadcast_ss(a + (i0 + t) * j0->a_stride + s);
-#pragma GCC unroll 4
-                for (int q = 0; q < 4; q++) acc[t][q] = _mm256_fmadd_ps(x, w[q], acc[t][q]);
-            }
-        }
-        for (int q = 0; q < 4; q++) { /* the scale per block (per-channel: once), as tile_rows */
-            const __m256 sq = _mm256_loadu_ps(scale[q / 2] + b * NB + 8 * (q % 2));
-            for (int t = 0; t < M; t++) res[t][q] = _mm256_fmadd_ps(acc[t][q], sq, res[t][q]);
-        }
-    }
-    const __m256 f = _mm256_set1_ps(ldexpf(1.0f, j0->rescale_exp));
-    for (int t = 0; t < M; t++)
-        for (int q = 0; q < 4; q++)
-            _mm256_storeu_ps(c[q / 2] + t * j0->c_stride + 8 * (q % 2), j0->rescale_exp ? _mm256_mul_ps(res[t][q], f) : res[t][q]);
-}
-
-/* Two tiles over the same tokens (the driver's gate and up tiles, or two adjacent down tiles): FP8
- * prefill converts both and sweeps them together, MR2 tokens at a time; the rest is two tile_matmul
- * calls.  Each output is the same one chain over K as in tile_matmul, so the two give the same bits
- * (checked on 40 MoE shapes, m = 7 .. 40, per-channel and blocks 128 / 64 / 34, when written). */
-static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
-    if (j0->m <= DECODE_M || j0->format == KTFP8_FMT_BF16) {
-        tile_matmul(j0);
-        tile_matmul(j1);
-        return;
-    }
-    float *w0 = (float *)j0->scratch, *w1 = w0 + j0->k * NB;
-    tile_to_f32((const uint8_t *)j0->w, j0->k, w0);
-    tile_to_f32((const uint8_t *)j1->w, j1->k, w1);
-    for (int64_t i0 = 0; i0 < j0->m; i0 += MR2) {
-        const int64_t rows = j0->m - i0 < MR2 ? j0->m - i0 : MR2;
-#define PREFILL2(M_) tile_rows2(j0, j1, w0, w1, (const float *)j0->a, i0, M_)
-        KTFP8_FOR_M3(rows, PREFILL2)
-#undef PREFILL2
-    }
-}
-
-/* fp32 [k][16] copies of two FP8 tiles, for the prefill paths. */
-static size_t tile_scratch_bytes(int64_t k) { return 2 * (size_t)k * NB * sizeof(float); }
+/* fp32 [k][16] copy of one FP8 tile, for the prefill path. */
+static size_t tile_scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(float); }
 
 KTFP8_EPILOGUE_OPS(epilogue);
 
@@ -323,6 +258,5 @@ const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .act_dtype = KTFP8_F32,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
-    .tile_matmul2 = tile_matmul2,
     .epilogue = &epilogue,
 };
