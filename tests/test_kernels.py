@@ -113,17 +113,20 @@ def test_nan_stays_where_it_belongs(variant, fmt):
     assert np.isnan(y[:, 7]).any() and np.isfinite(y).any()
 
 
+@pytest.mark.parametrize("x_dtype", [np.float32, BF16])
 @pytest.mark.parametrize("scale", [1e-15, 1e-12, 3e4, 1e6, 1e15])
 @pytest.mark.parametrize("fmt", ["per_channel", "block32x34"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_activations_of_any_magnitude(variant, fmt, scale):
-    """x times 1e-15 .. 1e15, so h spans about 1e-31 .. 1e29.  avx2 reads FP8 activations times
-    2^112 (layout.act_exp): from |x| or |h| of 2^14 on, the driver must apply a smaller power and
-    the kernel put the difference back; tiny ones must lose nothing to underflow."""
-    case = Case(fmt=fmt, m=token_counts(variant), seed=21)
+def test_activations_of_any_magnitude(variant, fmt, scale, x_dtype):
+    """x times 1e-15 .. 1e15, so h spans about 1e-31 .. 1e29, given as float32 or bfloat16.  avx2
+    reads FP8 activations times 2^112 (layout.act_exp): from |x| or |h| of 2^14 on, the driver must
+    apply a smaller power and the kernel put the difference back; tiny ones must lose nothing to
+    underflow."""
+    case = Case(fmt=fmt, m=token_counts(variant), seed=21, x_dtype=x_dtype)
     experts, dense = layer(case)
     x, ids, w = inputs(case)
-    check_inputs(variant, experts, dense, x * np.float32(scale), ids, w, what=f"x * {scale:g}")
+    x = (x.astype(np.float32) * np.float32(scale)).astype(x_dtype)
+    check_inputs(variant, experts, dense, x, ids, w, what=f"x * {scale:g} {np.dtype(x_dtype).name}")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
