@@ -43,16 +43,16 @@
 
 enum wsrc { SRC_FP8, SRC_BF16, SRC_F32 }; /* what w points at */
 
-/* Tile row s (16 weights) as two vectors of 8 rows: the BF16 and scratch sources. */
-INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 *lo, __m256 *hi) {
+/* Tile row s (16 weights) as r[h] = tile rows 8h .. 8h + 7: the BF16 and scratch sources. */
+INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 r[2]) {
     if (src == SRC_BF16) {
         const __m128i *p = (const __m128i *)((const uint16_t *)w + s * NB);
-        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
-        *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + 1)), 16));
+        r[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
+        r[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + 1)), 16));
     } else {
         const float *p = (const float *)w + s * NB;
-        *lo = _mm256_load_ps(p);
-        *hi = _mm256_load_ps(p + 8);
+        r[0] = _mm256_load_ps(p);
+        r[1] = _mm256_load_ps(p + 8);
     }
 }
 
@@ -75,11 +75,12 @@ INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 *lo, __m
  * first version with a vpshufb, a 32-bit shift and an AND per 8 codes).  Benchmark layer, weights from
  * DRAM, the conversions alternated in one process, time against the fp16 route: T = 1 0.88x on 1
  * thread, 0.95x on 2 (nearer the bus), T = 64 0.97x; the first version, in its own build, T = 512
- * 0.95-1.01x (the driver's scaling passes cost about 1 % there).  Subnormal weights cost nothing as FMA inputs there (the same rate with
- * none of them); a vmulps by 2^112 instead of scaled activations did: 5.1-7.0 codes per ns, 10.5
- * without subnormals.  (Real weights hold few subnormal codes: a per-channel scale puts the row's
- * largest at 448, 2^15 above them; about 1e-4 of a quantized Gaussian.  Whether Intel cores take a
- * microcode assist for a subnormal FMA input has not been measured.) */
+ * 0.95-1.01x (the driver's scaling passes cost about 1 % there).  Subnormal weights cost nothing as
+ * FMA inputs there (the same rate with none of them); a vmulps by 2^112 instead of scaled
+ * activations did: 5.1-7.0 codes per ns, 10.5 without subnormals.  (Real weights hold few subnormal
+ * codes: a per-channel scale puts the row's largest at 448, 2^15 above them; about 1e-4 of a
+ * quantized Gaussian.  Whether Intel cores take a microcode assist for a subnormal FMA input has not
+ * been measured.) */
 INLINE void pair32(const uint8_t *codes, int64_t s, __m256 r[2][2]) {
     const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + s * NB));
     const __m256i sign_exp_man = _mm256_set1_epi16((short)0x87F0), upper = _mm256_set1_epi32((int)0xFFFF0000);
@@ -95,6 +96,17 @@ INLINE void pair32(const uint8_t *codes, int64_t s, __m256 r[2][2]) {
  * base + index * {0, 4, 8} addressing, so no broadcast needs its own lea (t is a constant here). */
 INLINE const float *token_row(const float *a03, const float *a36, int64_t stride, int t) {
     return t < 3 ? a03 + (t % 3) * stride : a36 + (t % 3) * stride;
+}
+
+/* One K step s of one accumulator set: acc[t] += a_t[s] * r for the M tokens. */
+INLINE void fma_step(__m256 acc[MR][2], const __m256 r[2], const float *a03, const float *a36, int64_t stride,
+                     const int M, int64_t s) {
+#pragma GCC unroll 6
+    for (int t = 0; t < M; t++) {
+        const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s);
+        acc[t][0] = _mm256_fmadd_ps(x, r[0], acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(x, r[1], acc[t][1]);
+    }
 }
 
 /* sum[t] = sum over K steps [s0, s1) of a_t[s] * row s, for M tokens starting at row a.  U
@@ -118,48 +130,27 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
                 __m256 r[2][2];
                 pair32((const uint8_t *)w, s + g, r);
 #pragma GCC unroll 2
-                for (int v = 0; v < 2; v++)
-#pragma GCC unroll 6
-                    for (int t = 0; t < M; t++) {
-                        const int u = (g + v) % U;
-                        const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s + g + v);
-                        acc[u][t][0] = _mm256_fmadd_ps(x, r[v][0], acc[u][t][0]);
-                        acc[u][t][1] = _mm256_fmadd_ps(x, r[v][1], acc[u][t][1]);
-                    }
+                for (int v = 0; v < 2; v++) fma_step(acc[(g + v) % U], r[v], a03, a36, stride, M, s + g + v);
             }
         }
         for (; s < s1; s += 2) { /* a block that is not a multiple of G steps: its last pair */
             __m256 r[2][2];
             pair32((const uint8_t *)w, s, r);
-            for (int v = 0; v < 2; v++)
-                for (int t = 0; t < M; t++) {
-                    const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s + v);
-                    acc[0][t][0] = _mm256_fmadd_ps(x, r[v][0], acc[0][t][0]);
-                    acc[0][t][1] = _mm256_fmadd_ps(x, r[v][1], acc[0][t][1]);
-                }
+            for (int v = 0; v < 2; v++) fma_step(acc[0], r[v], a03, a36, stride, M, s + v);
         }
     } else {
         for (; s + U <= s1; s += U) {
 #pragma GCC unroll 4
             for (int u = 0; u < U; u++) {
-                __m256 wl, wh;
-                row16(src, w, s + u, &wl, &wh);
-#pragma GCC unroll 6
-                for (int t = 0; t < M; t++) {
-                    const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s + u);
-                    acc[u][t][0] = _mm256_fmadd_ps(x, wl, acc[u][t][0]);
-                    acc[u][t][1] = _mm256_fmadd_ps(x, wh, acc[u][t][1]);
-                }
+                __m256 r[2];
+                row16(src, w, s + u, r);
+                fma_step(acc[u], r, a03, a36, stride, M, s + u);
             }
         }
         for (; s < s1; s++) { /* block edges that are not a multiple of U */
-            __m256 wl, wh;
-            row16(src, w, s, &wl, &wh);
-            for (int t = 0; t < M; t++) {
-                const __m256 x = _mm256_broadcast_ss(token_row(a03, a36, stride, t) + s);
-                acc[0][t][0] = _mm256_fmadd_ps(x, wl, acc[0][t][0]);
-                acc[0][t][1] = _mm256_fmadd_ps(x, wh, acc[0][t][1]);
-            }
+            __m256 r[2];
+            row16(src, w, s, r);
+            fma_step(acc[0], r, a03, a36, stride, M, s);
         }
     }
     for (int t = 0; t < M; t++) {
@@ -254,7 +245,8 @@ static size_t tile_scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(flo
 KTFP8_EPILOGUE_OPS(epilogue);
 
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
-    .layout = {.rows_per_tile = NB, .k_pack = 1, .scale_mul = 256.0f, .code_order = KTFP8_CODES_PAIRS32, .act_exp = 112},
+    .layout = {.rows_per_tile = NB, .k_pack = 1, .scale_mul = 256.0f, .code_order = KTFP8_CODES_PAIRS32,
+               .act_exp = 112},
     .act_dtype = KTFP8_F32,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
