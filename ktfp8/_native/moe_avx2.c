@@ -12,10 +12,20 @@
  * BF16 weights: their bits << 16 are the fp32 value, no scale, activations as they are.
  *
  * Decode (m <= DECODE_M): the codes stream once and are converted in registers, with software
- * prefetch and enough accumulators per token for the FMA latency.  Prefill: FP8 tiles are
- * converted once into scratch (fp32 [k][16]) and swept for every block of MR tokens; BF16 weights
- * are converted per block (a shift per weight costs less than the scratch round trip).
- * Per-channel scale once after the K reduction; block-wise per K block. */
+ * prefetch and enough accumulators per token for the FMA latency.  Prefill: the first block of MR
+ * tokens streams the codes in the same way and also stores each converted row into scratch (fp32
+ * [k][16]); the later blocks sweep the scratch.  BF16 weights are converted per block (a shift per
+ * weight costs less than the scratch round trip).
+ * Per-channel scale once after the K reduction; block-wise per K block.
+ *
+ * Why the first block converts: a separate conversion pass over the tile (load, convert, store, then
+ * sweep) took a quarter of a T = 64 call on Zen 3 (benchmark layer, 2 threads, alternated in one
+ * process: skipping it, wrong results but the same sweeps, 0.74-0.75x the time; converting codes
+ * already in L1 0.87-0.92x; storing into an L1-sized window 0.81x), and prefetching the next tile's
+ * codes during the sweep did not shorten it (1.01-1.04x).  Inside the first block's FMA loop the
+ * conversion uses pipes the FMAs leave free and the codes arrive while the FMAs run: time against
+ * the separate pass, the same sums bit for bit, T = 64 0.89x / 0.90x (2 threads, two runs) and
+ * 0.91x (1 thread), T = 16 0.99x, T = 512 0.97x. */
 #include <math.h>
 
 #include "ktfp8/abi.h"
@@ -25,13 +35,15 @@
 #include "ktfp8/variant.h"
 
 #define NB 16       /* rows per tile: two ymm of fp32 outputs */
-/* Tokens up to which codes are converted in registers as they stream; above, the tile is
- * converted once into scratch.  Measured here (Zen 3, 1 thread, E = 8 top-8 H = 2048 I = 768, every
+/* Tokens up to which the codes only stream, converted in registers; above, the first block of MR
+ * tokens also keeps the converted tile for the others.  Measured here against a separate conversion
+ * pass into scratch followed by the sweep (Zen 3, 1 thread, E = 8 top-8 H = 2048 I = 768, every
  * token on every expert, the two paths interleaved in one process), streaming / scratch time:
  * m = 2: 0.67, 3: 0.70, 4: 0.77-0.80, 5: 0.94-1.06, 6: 0.86-0.93, 7: 0.87-1.02, 8..12: 0.95-1.04.
  * So one register block (MR = 6) streams; two blocks would read the codes twice for no gain. */
 #define DECODE_M 6
 #define MR 6        /* prefill register block: 6 tokens x 2 ymm = 12 accumulators of the 16 ymm */
+_Static_assert(DECODE_M >= MR, "tile_matmul's prefill branch runs a whole first block of MR tokens");
 /* Software prefetch distance of the FP8 code stream.  Zen 3, benchmark layer, distances alternated
  * in one process, time against 2 KiB: T = 1 on 2 threads 4 KiB 0.94x / 0.96x (two runs), 8 KiB
  * 0.98x, 1 KiB 1.05x; 1 thread 4 KiB 0.98x; T = 64 4 KiB 0.97x.  (2 KiB and 4 KiB measured alike while
@@ -41,7 +53,9 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-enum wsrc { SRC_FP8, SRC_BF16, SRC_F32 }; /* what w points at */
+/* What w points at.  SRC_FP8_KEEP: FP8 codes, whose converted rows are also stored, row s at
+ * keep + 16 s, for the blocks of tokens that follow. */
+enum wsrc { SRC_FP8, SRC_FP8_KEEP, SRC_BF16, SRC_F32 };
 
 /* Tile row s (16 weights) as r[h] = tile rows 8h .. 8h + 7: the BF16 and scratch sources. */
 INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 r[2]) {
@@ -92,6 +106,13 @@ INLINE void pair32(const uint8_t *codes, int64_t s, __m256 r[2][2]) {
     r[1][1] = _mm256_castsi256_ps(_mm256_slli_epi32(bytes20, 16));     /* byte 0: row s + 1, tile rows 8-15 */
 }
 
+/* Converted tile row s into keep[s][16] (SRC_FP8_KEEP; a no-op for the other sources). */
+INLINE void keep_row(const enum wsrc src, float *keep, int64_t s, const __m256 r[2]) {
+    if (src != SRC_FP8_KEEP) return;
+    _mm256_store_ps(keep + s * NB, r[0]);
+    _mm256_store_ps(keep + s * NB + 8, r[1]);
+}
+
 /* Token t's row is (t < 3 ? a03 : a36) + (t % 3) * stride: two pointers and one index register give
  * base + index * {0, 4, 8} addressing, so no broadcast needs its own lea (t is a constant here). */
 INLINE const float *token_row(const float *a03, const float *a36, int64_t stride, int t) {
@@ -111,16 +132,16 @@ INLINE void fma_step(__m256 acc[MR][2], const __m256 r[2], const float *a03, con
 
 /* sum[t] = sum over K steps [s0, s1) of a_t[s] * row s, for M tokens starting at row a.  U
  * independent accumulator sets per token run over interleaved K steps: U > 1 only where M is too
- * small to hide the FMA latency (2 FMA pipes x 4 cycles wants ~8 chains). */
+ * small to hide the FMA latency (2 FMA pipes x 4 cycles wants ~8 chains).  keep: see SRC_FP8_KEEP. */
 INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stride, const int M,
-                int64_t s0, int64_t s1, __m256 sum[MR][2]) {
+                int64_t s0, int64_t s1, __m256 sum[MR][2], float *keep) {
     const int U = M == 1 ? 4 : M <= 3 ? 2 : 1;
     const float *a03 = a, *a36 = a + 3 * stride;
     __m256 acc[4][MR][2];
     for (int u = 0; u < U; u++)
         for (int t = 0; t < M; t++) acc[u][t][0] = acc[u][t][1] = _mm256_setzero_ps();
     int64_t s = s0;
-    if (src == SRC_FP8) { /* K steps in the packing's pairs: s0 and s1 are even (block_k is) */
+    if (src == SRC_FP8 || src == SRC_FP8_KEEP) { /* K steps in the packing's pairs: s0, s1 even (block_k is) */
         const int G = U < 2 ? 2 : U; /* K steps per iteration */
         for (; s + G <= s1; s += G) {
             if (((s * NB) & 63) < G * NB) /* once per 64-byte line (4 K steps) */
@@ -130,13 +151,19 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
                 __m256 r[2][2];
                 pair32((const uint8_t *)w, s + g, r);
 #pragma GCC unroll 2
-                for (int v = 0; v < 2; v++) fma_step(acc[(g + v) % U], r[v], a03, a36, stride, M, s + g + v);
+                for (int v = 0; v < 2; v++) {
+                    keep_row(src, keep, s + g + v, r[v]);
+                    fma_step(acc[(g + v) % U], r[v], a03, a36, stride, M, s + g + v);
+                }
             }
         }
         for (; s < s1; s += 2) { /* a block that is not a multiple of G steps: its last pair */
             __m256 r[2][2];
             pair32((const uint8_t *)w, s, r);
-            for (int v = 0; v < 2; v++) fma_step(acc[0], r[v], a03, a36, stride, M, s + v);
+            for (int v = 0; v < 2; v++) {
+                keep_row(src, keep, s + v, r[v]);
+                fma_step(acc[0], r[v], a03, a36, stride, M, s + v);
+            }
         }
     } else {
         for (; s + U <= s1; s += U) {
@@ -172,7 +199,7 @@ INLINE void tile_rows(const ktfp8_tile_job *j, const enum wsrc src, const void *
     for (int t = 0; t < M; t++) res[t][0] = res[t][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nkb; b++) {
         const int64_t s0 = b * block, s1 = b == nkb - 1 ? j->k : s0 + block;
-        dot(src, w, a, j->a_stride, M, s0, s1, sum);
+        dot(src, w, a, j->a_stride, M, s0, s1, sum, (float *)j->scratch);
         if (j->format == KTFP8_FMT_BF16) {
             for (int t = 0; t < M; t++) {
                 res[t][0] = sum[t][0];
@@ -199,10 +226,10 @@ INLINE void tile_rows(const ktfp8_tile_job *j, const enum wsrc src, const void *
     }
 }
 
-/* All m tokens in blocks of MR over weights w (constant MR-or-fewer M: accumulators in registers). */
-INLINE void sweep(const ktfp8_tile_job *j, const enum wsrc src, const void *w) {
+/* Tokens [from, m) in blocks of MR over weights w (constant MR-or-fewer M: accumulators in registers). */
+INLINE void sweep(const ktfp8_tile_job *j, const enum wsrc src, const void *w, int64_t from) {
     const float *a = (const float *)j->a;
-    for (int64_t i0 = 0; i0 < j->m; i0 += MR) {
+    for (int64_t i0 = from; i0 < j->m; i0 += MR) {
         const int64_t rows = j->m - i0 < MR ? j->m - i0 : MR;
         const float *ai = a + i0 * j->a_stride;
         float *ci = j->c + i0 * j->c_stride;
@@ -212,34 +239,21 @@ INLINE void sweep(const ktfp8_tile_job *j, const enum wsrc src, const void *w) {
     }
 }
 
-/* The FP8 tile in fp32 [k][16] (value * 2^-120, like the streaming path). */
-static void tile_to_f32(const uint8_t *codes, int64_t k, float *dst) {
-    for (int64_t s = 0; s < k; s += 2) { /* k is a multiple of KTFP8_K_ALIGN */
-        __m256 r[2][2];
-        if ((s & 3) == 0) _mm_prefetch((const char *)codes + s * NB + PREFETCH_BYTES, _MM_HINT_T0);
-        pair32(codes, s, r);
-        for (int v = 0; v < 2; v++) {
-            _mm256_store_ps(dst + (s + v) * NB, r[v][0]);
-            _mm256_store_ps(dst + (s + v) * NB + 8, r[v][1]);
-        }
-    }
-}
-
 static void tile_matmul(const ktfp8_tile_job *j) {
     if (j->m <= 0) return;
     if (j->format == KTFP8_FMT_BF16) {
-        sweep(j, SRC_BF16, j->w);
+        sweep(j, SRC_BF16, j->w, 0);
     } else if (j->m <= DECODE_M) {
 #define DECODE(M_) tile_rows(j, SRC_FP8, j->w, (const float *)j->a, j->c, M_)
         KTFP8_FOR_M6(j->m, DECODE)
 #undef DECODE
-    } else { /* convert once, reuse for all m tokens */
-        tile_to_f32((const uint8_t *)j->w, j->k, (float *)j->scratch);
-        sweep(j, SRC_F32, j->scratch);
+    } else { /* m > MR: the first block converts the tile into scratch, the others reuse it */
+        tile_rows(j, SRC_FP8_KEEP, j->w, (const float *)j->a, j->c, MR);
+        sweep(j, SRC_F32, j->scratch, MR);
     }
 }
 
-/* fp32 [k][16] copy of one FP8 tile, for the prefill path. */
+/* fp32 [k][16] copy of one FP8 tile (value * 2^-120, like the streaming path), for the prefill path. */
 static size_t tile_scratch_bytes(int64_t k) { return (size_t)k * NB * sizeof(float); }
 
 KTFP8_EPILOGUE_OPS(epilogue);
