@@ -55,8 +55,9 @@ KERNELS = {
     # (KTFP8_FOR_M6 for the last one)
     "avx2": Kernel("moe_avx2.c", F32, {"DECODE_M": 6, "MR": 6},
                    lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
-    # m <= DECODE_M: codes converted in registers (KTFP8_FOR_M4); above, the tile once into
-    # scratch, MR tokens per pass (KTFP8_FOR_M8 for the last one)
+    # m <= DECODE_M: codes converted in registers (KTFP8_FOR_M4); above, MR tokens per pass, the
+    # first streaming the weights and keeping the converted tile in scratch for the others
+    # (KTFP8_FOR_M5_TO_8 for the first, KTFP8_FOR_M8 for the last)
     "avx512": Kernel("moe_avx512.c", F32, {"DECODE_M": 4, "MR": 8},
                      lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
     "avx512_bf16": Kernel("moe_avx512bf16.c", BF16, {"DECODE_M": 4, "MR": 8},

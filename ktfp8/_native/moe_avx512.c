@@ -11,10 +11,16 @@
  * reference's.  BF16 weights have no scale: their bits << 16 are the fp32 value.
  *
  * Decode (m <= DECODE_M): codes stream once (prefetched PREFETCH_BYTES ahead), converted in
- * registers, four accumulators per token for the FMA latency.  Prefill: the tile is converted once
- * into scratch (fp32 [k][16]) and reused by every token, MR tokens per pass.  Per-channel scale
- * once after the K reduction; block-wise per K block; K ranges are always an even number of steps
- * (k % 32 == 0, block_k even). */
+ * registers, four accumulators per token for the FMA latency.  Prefill: MR tokens per pass; the
+ * first pass streams the weights in the same way and, when more passes follow, stores each converted
+ * row into scratch (fp32 [k][16]), which the later passes reuse.  (The avx2 kernel measured a
+ * separate conversion pass at a quarter of a T = 64 call on Zen 3 and this form 0.89-0.91x the
+ * time.  Here llvm-mca-16 -mcpu=skylake-avx512 on the compiled loops, cycles per two K steps of a
+ * tile with 8 tokens: 4.17 (conversion pass) + 9.61 (pass over the scratch) before, 13.81 for the
+ * first pass now: the same port time, with the codes arriving while the FMAs run.  Not yet timed
+ * on AVX-512 hardware.)
+ * Per-channel scale once after the K reduction; block-wise per K block; K ranges are always an
+ * even number of steps (k % 32 == 0, block_k even). */
 #include <string.h>
 
 #include "ktfp8/abi.h"
@@ -30,11 +36,20 @@
 #define PREFETCH_BYTES 4096 /* software prefetch of the FP8 code stream (see e4m3_bf16_vbmi.h) */
 
 #define INLINE static inline __attribute__((always_inline))
+_Static_assert(DECODE_M == 4 && MR == 8, "the first prefill pass dispatches with KTFP8_FOR_M5_TO_8");
 
 enum wsrc { SRC_FP8, SRC_BF16, SRC_F32 }; /* what w points at */
 
+#ifdef KTFP8_EMULATE_SIMD
+/* SIMDe's vcvtph2ps is a loop over the lanes: inlined into every token count's copy of the loops
+ * it quadruples the emulated build's compile time.  Native builds inline it. */
+#define CONVERT_INLINE static __attribute__((noinline))
+#else
+#define CONVERT_INLINE INLINE
+#endif
+
 /* Codes of K steps s and s+1 (32 bytes) -> two fp32 tile rows holding value / 256. */
-INLINE void fp8_rows2(const uint8_t *codes, __m512 *w0, __m512 *w1) {
+CONVERT_INLINE void fp8_rows2(const uint8_t *codes, __m512 *w0, __m512 *w1) {
     const __m512i h = ktfp8_e4m3x32_to_f16(_mm256_loadu_si256((const __m256i *)codes));
     *w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     *w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
@@ -60,9 +75,11 @@ INLINE void rows2(const enum wsrc src, const void *w, int64_t s, __m512 *w0, __m
 
 /* sum[i] = sum over K steps [s0, s1) (an even count) of a_i[s] * row s, for M tokens.
  * U independent accumulators per token: 4 for few tokens (FMA latency), 2 for a full MR block
- * (registers: MR * 2 accumulators + MR block-wise results must fit in 32 zmm). */
+ * (registers: MR * 2 accumulators + MR block-wise results must fit in 32 zmm).  keep: NULL, or
+ * where the prefill's first pass (M > DECODE_M, so the U = 2 loop) stores the converted rows, row
+ * s at keep + 16 s. */
 INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_stride, const int M,
-                int64_t s0, int64_t s1, __m512 *sum) {
+                int64_t s0, int64_t s1, __m512 *sum, float *keep) {
     enum { UMAX = 4 };
     const int U = M <= DECODE_M ? 4 : 2;
     __m512 acc[MR][UMAX];
@@ -88,7 +105,13 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_st
         }
     }
     for (; s < s1; s += 2) {
+        if (src == SRC_FP8 && (s & 3) == 0) /* the prefill's first pass streams the codes */
+            _mm_prefetch((const char *)w + NB * s + PREFETCH_BYTES, _MM_HINT_T0);
         rows2(src, w, s, &w0, &w1);
+        if (keep) {
+            _mm512_storeu_ps(keep + NB * s, w0);
+            _mm512_storeu_ps(keep + NB * (s + 1), w1);
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
             const float *row = a + i * a_stride + s;
@@ -104,9 +127,9 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_st
     }
 }
 
-/* M tokens starting at row a: the K reduction block by block, scaled, stored to c. */
+/* M tokens starting at row a: the K reduction block by block, scaled, stored to c (keep: see dot). */
 INLINE void tile_rows(const ktfp8_tile_job *j, const enum wsrc src, const void *w, const float *a, float *c,
-                      const int M) {
+                      const int M, float *keep) {
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t nkb = blockwise ? j->n_kblocks : 1, block = blockwise ? j->block_k : j->k;
     __m512 res[MR], sum[MR];
@@ -114,7 +137,7 @@ INLINE void tile_rows(const ktfp8_tile_job *j, const enum wsrc src, const void *
     for (int i = 0; i < M; i++) res[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nkb; b++) {
         const int64_t s0 = b * block, s1 = b == nkb - 1 ? j->k : s0 + block;
-        dot(src, w, a, j->a_stride, M, s0, s1, sum);
+        dot(src, w, a, j->a_stride, M, s0, s1, sum, keep);
         if (j->format == KTFP8_FMT_BF16) {
 #pragma GCC unroll 8
             for (int i = 0; i < M; i++) res[i] = sum[i];
@@ -128,28 +151,14 @@ INLINE void tile_rows(const ktfp8_tile_job *j, const enum wsrc src, const void *
     for (int i = 0; i < M; i++) _mm512_storeu_ps(c + i * j->c_stride, res[i]);
 }
 
-/* The tile in fp32 [k][16] (FP8: value / 256, like the streaming path). */
-static void tile_to_f32(const ktfp8_tile_job *j, float *dst) {
-    __m512 w0, w1;
-    for (int64_t s = 0; s < j->k; s += 2) {
-        if (j->format == KTFP8_FMT_BF16)
-            rows2(SRC_BF16, j->w, s, &w0, &w1);
-        else {
-            if ((s & 3) == 0) _mm_prefetch((const char *)j->w + NB * s + PREFETCH_BYTES, _MM_HINT_T0);
-            rows2(SRC_FP8, j->w, s, &w0, &w1);
-        }
-        _mm512_storeu_ps(dst + NB * s, w0);
-        _mm512_storeu_ps(dst + NB * (s + 1), w1);
-    }
-}
-
 static void tile_matmul(const ktfp8_tile_job *j) {
     const float *a = (const float *)j->a;
+    const enum wsrc src = j->format == KTFP8_FMT_BF16 ? SRC_BF16 : SRC_FP8;
     if (j->m <= 0) return;
     if (j->m <= DECODE_M) {
-#define DECODE_FP8(M_) tile_rows(j, SRC_FP8, j->w, a, j->c, M_)
-#define DECODE_BF16(M_) tile_rows(j, SRC_BF16, j->w, a, j->c, M_)
-        if (j->format == KTFP8_FMT_BF16) {
+#define DECODE_FP8(M_) tile_rows(j, SRC_FP8, j->w, a, j->c, M_, NULL)
+#define DECODE_BF16(M_) tile_rows(j, SRC_BF16, j->w, a, j->c, M_, NULL)
+        if (src == SRC_BF16) {
             KTFP8_FOR_M4(j->m, DECODE_BF16)
         } else {
             KTFP8_FOR_M4(j->m, DECODE_FP8)
@@ -158,15 +167,26 @@ static void tile_matmul(const ktfp8_tile_job *j) {
 #undef DECODE_BF16
         return;
     }
-    float *w = (float *)j->scratch; /* convert once, reuse for all m tokens */
-    tile_to_f32(j, w);
+    /* first pass from the packed weights (keeping them converted when another pass follows), then
+     * from scratch */
+    float *keep = j->m > MR ? (float *)j->scratch : NULL;
     for (int64_t i0 = 0; i0 < j->m; i0 += MR) {
         const int64_t rows = j->m - i0 < MR ? j->m - i0 : MR;
         const float *ai = a + i0 * j->a_stride;
         float *ci = j->c + i0 * j->c_stride;
-#define PREFILL(M_) tile_rows(j, SRC_F32, w, ai, ci, M_)
-        KTFP8_FOR_M8(rows, PREFILL)
-#undef PREFILL
+#define FIRST_FP8(M_) tile_rows(j, SRC_FP8, j->w, ai, ci, M_, keep)
+#define FIRST_BF16(M_) tile_rows(j, SRC_BF16, j->w, ai, ci, M_, keep)
+#define LATER(M_) tile_rows(j, SRC_F32, j->scratch, ai, ci, M_, NULL)
+        if (i0 > 0) {
+            KTFP8_FOR_M8(rows, LATER)
+        } else if (src == SRC_BF16) {
+            KTFP8_FOR_M5_TO_8(rows, FIRST_BF16)
+        } else {
+            KTFP8_FOR_M5_TO_8(rows, FIRST_FP8)
+        }
+#undef FIRST_FP8
+#undef FIRST_BF16
+#undef LATER
     }
 }
 

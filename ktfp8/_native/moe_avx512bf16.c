@@ -9,13 +9,20 @@
  *
  * Decode (m <= DECODE_M): memory-bound, so the codes stream once and are converted in registers;
  * several independent accumulators per token hide the vdpbf16ps latency.  Prefill (m > DECODE_M):
- * the tile is converted once into scratch (bf16 [k/2][16][2]) and reused by every token, MR tokens
- * per pass so that each loaded weight vector feeds MR vdpbf16ps.
+ * MR tokens per pass so that each loaded weight vector feeds MR vdpbf16ps; the first pass streams
+ * the codes as decode does and, when more passes follow, stores the converted tile (bf16
+ * [k/2][16][2]) into scratch for them.  That replaced a conversion pass of its own before the
+ * first product: on Zen 3 the avx2 kernel's was a quarter of a T = 64 call, stalled on DRAM, and
+ * folding it into the first pass took 0.89-0.91x the time.  Here llvm-mca-16
+ * -mcpu=sapphirerapids on the compiled loops gives, per K pair of a tile with 8 tokens, 2.04
+ * (conversion pass) + 5.80 (pass over the scratch) = 7.84 cycles before and 7.02 for the first
+ * pass now, whose codes arrive while its products run.  Not yet timed on AVX-512 hardware.
  *
  * Two tiles at once (tile_matmul2: gate and up, or two down tiles): decode streams both tiles'
- * codes in one K loop, each broadcast activation pair feeding both weight vectors; prefill converts
- * both tiles and runs MR / 2 tokens per pass against both.  Same code as one tile (NW = 1 or 2, a
- * constant after inlining) and the same sums bit for bit (tests/test_tile_pair.py).
+ * codes in one K loop, each broadcast activation pair feeding both weight vectors; prefill runs
+ * MR / 2 tokens per pass against both (the first pass streaming and keeping both).  Same code as
+ * one tile (NW = 1 or 2, a constant after inlining) and the same sums bit for bit
+ * (tests/test_tile_pair.py).
  * Why: llvm-mca-16 -mcpu=sapphirerapids on the compiled decode loops, core cycles per 64 codes
  * of each tile, one stream -> two streams:
  *     m = 1: 4.02 -> 4.01    m = 2: 5.57 -> 5.26    m = 3: 7.06 -> 6.26    m = 4: 8.77 -> 7.67
@@ -82,29 +89,41 @@ INLINE __m512 dpbf16(__m512 acc, __m512i w, __m512i a) {
 #define DECODE_WIDE_M 2
 #define DECODE_CHAINS(M) ((M) <= DECODE_WIDE_M ? 4 : 2)
 #define PREFILL_CHAINS 2
+_Static_assert(DECODE_M == 4 && MR == 8, "run_jobs' first prefill pass dispatches on m > DECODE_M = MR / 2");
+
+/* Pair p of weight tile t into keep[t] (bf16 [pairs][16][2]), when the caller keeps the tiles. */
+INLINE void keep_pair(uint16_t *const *keep, int t, int64_t p, __m512i w) {
+    if (keep) _mm512_storeu_si512((void *)(keep[t] + 32 * p), w);
+}
 
 /* sum[w][i] = sum over pairs [p0, p1) of token i against weight tile w < NW (1, or 2 for
  * tile_matmul2: both code streams in one loop, each broadcast activation pair feeding both),
  * weights converted from FP8 codes on the fly.  Which accumulator of its tile and token a pair
  * goes to depends on p, p0 and U only, never on NW: a tile's sums are bit-identical with NW = 1, 2.
- * A block may start or end in the middle of a 64-byte group (block_k = 2 mod 4). */
+ * With U = 2 they are also dot_bf16's over the same weights in bf16: the same pairs in each chain
+ * (for an odd p0 the two chains trade places, and their final sum commutes).
+ * A block may start or end in the middle of a 64-byte group (block_k = 2 mod 4).
+ * keep: NULL, or where the prefill's first pass stores the converted pairs of each tile. */
 INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a, int64_t a_stride, const int M,
                            const int U, int64_t p0, int64_t p1, const ktfp8_e4m3_bf16_lut *lut,
-                           __m512 sum[][MR]) {
+                           __m512 sum[][MR], uint16_t *const *keep) {
     const int Q = U - 1; /* slot q of a step uses accumulator q & Q */
     const uint8_t *codes[2] = {(const uint8_t *)w[0], (const uint8_t *)w[NW - 1]};
-    __m512 acc[2][DECODE_M][4];
+    __m512 acc[2][MR][4];
 #pragma GCC unroll 2
     for (int t = 0; t < NW; t++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int i = 0; i < M; i++)
             for (int q = 0; q < 4; q++) acc[t][i][q] = _mm512_setzero_ps();
     int64_t p = p0;
     __m512i w0[2], w1[2];
     if (p & 1) { /* second pair of a group */
 #pragma GCC unroll 2
-        for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p - 1), &w0[t], &w1[t]);
-#pragma GCC unroll 4
+        for (int t = 0; t < NW; t++) {
+            ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p - 1), &w0[t], &w1[t]);
+            keep_pair(keep, t, p, w1[t]);
+        }
+#pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
             const __m512i x = bcast_pair(a + i * a_stride, p);
 #pragma GCC unroll 2
@@ -123,8 +142,12 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
 #pragma GCC unroll 2
         for (int g = 0; g < 4; g += 2) {
 #pragma GCC unroll 2
-            for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p + g), &w0[t], &w1[t]);
-#pragma GCC unroll 4
+            for (int t = 0; t < NW; t++) {
+                ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p + g), &w0[t], &w1[t]);
+                keep_pair(keep, t, p + g, w0[t]);
+                keep_pair(keep, t, p + g + 1, w1[t]);
+            }
+#pragma GCC unroll 8
             for (int i = 0; i < M; i++) {
                 const __m512i x0 = bcast_pair(a + i * a_stride, p + g), x1 = bcast_pair(a + i * a_stride, p + g + 1);
 #pragma GCC unroll 2
@@ -137,8 +160,12 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
     }
     for (; p < p1; p += 2) { /* 1 to 3 pairs left, p at the start of a group */
 #pragma GCC unroll 2
-        for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * p, &w0[t], &w1[t]);
-#pragma GCC unroll 4
+        for (int t = 0; t < NW; t++) {
+            ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * p, &w0[t], &w1[t]);
+            keep_pair(keep, t, p, w0[t]);
+            if (p + 1 < p1) keep_pair(keep, t, p + 1, w1[t]);
+        }
+#pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
             const __m512i x0 = bcast_pair(a + i * a_stride, p);
 #pragma GCC unroll 2
@@ -152,7 +179,7 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
     }
 #pragma GCC unroll 2
     for (int t = 0; t < NW; t++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
             __m512 s = _mm512_add_ps(acc[t][i][0], acc[t][i][1]);
             if (U > 2) s = _mm512_add_ps(s, _mm512_add_ps(acc[t][i][2], acc[t][i][3]));
@@ -208,9 +235,10 @@ INLINE void dot_bf16(const void *const *w, const int NW, const uint16_t *a, int6
 }
 
 /* Tokens i0 .. i0 + M - 1 of NW jobs sharing their activations: the K reduction block by block,
- * scaled, stored to each job's c.  w[t]: FP8 codes when fp8_stream, else bf16 pairs. */
+ * scaled, stored to each job's c.  w[t]: FP8 codes when fp8_stream, else bf16 pairs.  keep: see
+ * dot_fp8_stream. */
 INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, const int NW, int fp8_stream,
-                      int64_t i0, const int M, const int U, const ktfp8_e4m3_bf16_lut *lut) {
+                      uint16_t *const *keep, int64_t i0, const int M, const int U, const ktfp8_e4m3_bf16_lut *lut) {
     const ktfp8_tile_job *j = jobs[0];
     const uint16_t *a = (const uint16_t *)j->a + i0 * j->a_stride;
     const int64_t pairs = j->k / 2;
@@ -224,7 +252,7 @@ INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, c
     for (int64_t b = 0; b < nkb; b++) {
         const int64_t p0 = b * block_pairs, p1 = b == nkb - 1 ? pairs : p0 + block_pairs;
         if (fp8_stream)
-            dot_fp8_stream(w, NW, a, j->a_stride, M, U, p0, p1, lut, sum);
+            dot_fp8_stream(w, NW, a, j->a_stride, M, U, p0, p1, lut, sum, keep);
         else
             dot_bf16(w, NW, a, j->a_stride, M, U, p0, p1, sum);
 #pragma GCC unroll 2
@@ -254,27 +282,33 @@ INLINE void run_jobs(const ktfp8_tile_job *const *jobs, const int NW) {
     const void *w[2] = {jobs[0]->w, jobs[NW - 1]->w};
     if (j->m <= DECODE_M) {
         const int fp8_stream = j->format != KTFP8_FMT_BF16;
-#define DECODE(M_) tile_rows(jobs, w, NW, fp8_stream, 0, M_, DECODE_CHAINS(M_), &lut)
+#define DECODE(M_) tile_rows(jobs, w, NW, fp8_stream, NULL, 0, M_, DECODE_CHAINS(M_), &lut)
         KTFP8_FOR_M4(j->m, DECODE)
 #undef DECODE
         return;
     }
-    if (j->format != KTFP8_FMT_BF16) /* convert once, reuse for all m tokens */
-        for (int t = 0; t < NW; t++) {
-            uint16_t *dst = (uint16_t *)j->scratch + (size_t)t * j->k * NB;
-            ktfp8_e4m3_tile_to_bf16((const uint8_t *)jobs[t]->w, j->k, dst);
-            w[t] = dst;
-        }
     /* two tiles: half the tokens per pass, so that both tiles' accumulators fit in registers */
     const int mr = MR / NW;
+    /* FP8: the first pass streams the codes as decode does and, when more passes follow, keeps the
+     * converted tiles in scratch for them (bf16 [k/2][16][2] each) */
+    const int fp8 = j->format != KTFP8_FMT_BF16;
+    uint16_t *tiles[2] = {(uint16_t *)j->scratch, (uint16_t *)j->scratch + (size_t)j->k * NB};
+    uint16_t *const *keep = fp8 && j->m > mr ? tiles : NULL;
+    const void *later[2] = {fp8 ? tiles[0] : w[0], fp8 ? tiles[1] : w[1]};
     for (int64_t i0 = 0; i0 < j->m; i0 += mr) {
         const int64_t rows = j->m - i0 < mr ? j->m - i0 : mr;
-#define PREFILL(M_) tile_rows(jobs, w, NW, 0, i0, M_, PREFILL_CHAINS, &lut)
-        if (NW == 1)
-            KTFP8_FOR_M8(rows, PREFILL)
+#define FIRST(M_) tile_rows(jobs, w, NW, fp8, keep, i0, M_, PREFILL_CHAINS, &lut)
+#define LATER(M_) tile_rows(jobs, later, NW, 0, NULL, i0, M_, PREFILL_CHAINS, &lut)
+        if (i0 == 0 && NW == 1)
+            KTFP8_FOR_M5_TO_8(rows, FIRST)
+        else if (i0 == 0)
+            FIRST(MR / 2); /* m > DECODE_M = MR / 2 */
+        else if (NW == 1)
+            KTFP8_FOR_M8(rows, LATER)
         else
-            KTFP8_FOR_M4(rows, PREFILL)
-#undef PREFILL
+            KTFP8_FOR_M4(rows, LATER)
+#undef FIRST
+#undef LATER
     }
 }
 
