@@ -78,15 +78,7 @@ static inline void ktfp8_e4m3_bf16_lut_load(ktfp8_e4m3_bf16_lut *lut) {
     lut->lo1 = _mm512_load_si512((const void *)(ktfp8_e4m3_bf16_lo_bytes + 64));
 }
 
-#ifdef KTFP8_EMULATE_SIMD
-/* SIMDe's vpermi2b is some forty AVX2 instructions: inlined into every unrolled kernel loop it
- * more than doubles the emulated build's compile time.  Native builds inline it. */
-#define KTFP8_E4M3_BF16_INLINE static __attribute__((noinline, unused))
-#else
-#define KTFP8_E4M3_BF16_INLINE static inline __attribute__((always_inline))
-#endif
-
-KTFP8_E4M3_BF16_INLINE void
+KTFP8_INLINE_UNLESS_EMULATED void
 ktfp8_e4m3x64_to_bf16(const ktfp8_e4m3_bf16_lut *lut, const void *codes64, __m512i *lo32, __m512i *hi32) {
     const __m512i codes = _mm512_loadu_si512(codes64);
     /* vpermi2b reads index bits 0..6 only (bit 6 picks the second table), so the sign bit of each
@@ -114,7 +106,5 @@ static inline void ktfp8_e4m3_tile_to_bf16(const uint8_t *codes, int64_t k, uint
         _mm512_storeu_si512((void *)(dst + 64 * g + 32), b);
     }
 }
-
-#undef KTFP8_E4M3_BF16_INLINE
 
 #endif

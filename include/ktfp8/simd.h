@@ -30,4 +30,14 @@ static inline __m512i ktfp8_emu_mm512_cvtepu16_epi32(__m256i a) {
 #include <immintrin.h>
 #endif
 
+/* For a kernel helper whose SIMDe form is a long instruction sequence (vpermi2b: some forty AVX2
+ * instructions; vcvtph2ps: a loop over the lanes): inlined into every unrolled copy of the loops it
+ * multiplies the emulated build's compile time, so the emulated build calls it; native builds inline
+ * it. */
+#ifdef KTFP8_EMULATE_SIMD
+#define KTFP8_INLINE_UNLESS_EMULATED static __attribute__((noinline, unused))
+#else
+#define KTFP8_INLINE_UNLESS_EMULATED static inline __attribute__((always_inline))
+#endif
+
 #endif

@@ -40,16 +40,8 @@ _Static_assert(DECODE_M == 4 && MR == 8, "the first prefill pass dispatches with
 
 enum wsrc { SRC_FP8, SRC_BF16, SRC_F32 }; /* what w points at */
 
-#ifdef KTFP8_EMULATE_SIMD
-/* SIMDe's vcvtph2ps is a loop over the lanes: inlined into every token count's copy of the loops
- * it quadruples the emulated build's compile time.  Native builds inline it. */
-#define CONVERT_INLINE static __attribute__((noinline))
-#else
-#define CONVERT_INLINE INLINE
-#endif
-
 /* Codes of K steps s and s+1 (32 bytes) -> two fp32 tile rows holding value / 256. */
-CONVERT_INLINE void fp8_rows2(const uint8_t *codes, __m512 *w0, __m512 *w1) {
+KTFP8_INLINE_UNLESS_EMULATED void fp8_rows2(const uint8_t *codes, __m512 *w0, __m512 *w1) {
     const __m512i h = ktfp8_e4m3x32_to_f16(_mm256_loadu_si256((const __m256i *)codes));
     *w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     *w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
