@@ -84,6 +84,8 @@ enum ktfp8_code_order {
 /* One micro-kernel call: C[m][NB] = (A[m][K] x W_tile^T) * scale, for one NB-row tile. */
 typedef struct ktfp8_tile_job {
     const void *w;        /* packed weights of this tile: [k / KP][NB][KP] */
+    const void *w_next;   /* the tile this thread's weight stream continues with, or NULL when not known:
+                           * where the software prefetch runs on to (prefetch_ahead.h) */
     const float *scale;   /* per-channel: [NB]; block-wise: [ceil(k / block_k)][NB] */
     int32_t format;       /* enum ktfp8_wformat */
     int64_t k;            /* padded K, a multiple of KTFP8_K_ALIGN */

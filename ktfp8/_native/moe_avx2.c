@@ -30,6 +30,7 @@
 
 #include "ktfp8/abi.h"
 #include "ktfp8/moe_epilogue.h"
+#include "ktfp8/prefetch_ahead.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/token_count.h"
 #include "ktfp8/variant.h"
@@ -132,9 +133,10 @@ INLINE void fma_step(__m256 acc[MR][2], const __m256 r[2], const float *a03, con
 
 /* sum[t] = sum over K steps [s0, s1) of a_t[s] * row s, for M tokens starting at row a.  U
  * independent accumulator sets per token run over interleaved K steps: U > 1 only where M is too
- * small to hide the FMA latency (2 FMA pipes x 4 cycles wants ~8 chains).  keep: see SRC_FP8_KEEP. */
+ * small to hide the FMA latency (2 FMA pipes x 4 cycles wants ~8 chains).  keep: see SRC_FP8_KEEP.
+ * ahead: the FP8 sources' software prefetch. */
 INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stride, const int M,
-                int64_t s0, int64_t s1, __m256 sum[MR][2], float *keep) {
+                int64_t s0, int64_t s1, __m256 sum[MR][2], float *keep, const ktfp8_prefetch_ahead *ahead) {
     const int U = M == 1 ? 4 : M <= 3 ? 2 : 1;
     const float *a03 = a, *a36 = a + 3 * stride;
     __m256 acc[4][MR][2];
@@ -145,7 +147,7 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
         const int G = U < 2 ? 2 : U; /* K steps per iteration */
         for (; s + G <= s1; s += G) {
             if (((s * NB) & 63) < G * NB) /* once per 64-byte line (4 K steps) */
-                _mm_prefetch((const char *)w + s * NB + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch(ktfp8_prefetch_at(ahead, s * NB), _MM_HINT_T0);
 #pragma GCC unroll 2
             for (int g = 0; g < G; g += 2) {
                 __m256 r[2][2];
@@ -195,11 +197,12 @@ INLINE void tile_rows(const ktfp8_tile_job *j, const enum wsrc src, const void *
                       const int M) {
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t nkb = blockwise ? j->n_kblocks : 1, block = blockwise ? j->block_k : j->k;
+    const ktfp8_prefetch_ahead ahead = ktfp8_prefetch_ahead_of(w, j->w_next, j->k * NB, PREFETCH_BYTES);
     __m256 res[MR][2], sum[MR][2];
     for (int t = 0; t < M; t++) res[t][0] = res[t][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nkb; b++) {
         const int64_t s0 = b * block, s1 = b == nkb - 1 ? j->k : s0 + block;
-        dot(src, w, a, j->a_stride, M, s0, s1, sum, (float *)j->scratch);
+        dot(src, w, a, j->a_stride, M, s0, s1, sum, (float *)j->scratch, &ahead);
         if (j->format == KTFP8_FMT_BF16) {
             for (int t = 0; t < M; t++) {
                 res[t][0] = sum[t][0];

@@ -26,6 +26,7 @@
 #include "ktfp8/abi.h"
 #include "ktfp8/moe_epilogue.h"
 #include "ktfp8/e4m3_f16.h"
+#include "ktfp8/prefetch_ahead.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/token_count.h"
 #include "ktfp8/variant.h"
@@ -69,9 +70,9 @@ INLINE void rows2(const enum wsrc src, const void *w, int64_t s, __m512 *w0, __m
  * U independent accumulators per token: 4 for few tokens (FMA latency), 2 for a full MR block
  * (registers: MR * 2 accumulators + MR block-wise results must fit in 32 zmm).  keep: NULL, or
  * where the prefill's first pass (M > DECODE_M, so the U = 2 loop) stores the converted rows, row
- * s at keep + 16 s. */
+ * s at keep + 16 s.  ahead: the FP8 codes' software prefetch. */
 INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_stride, const int M,
-                int64_t s0, int64_t s1, __m512 *sum, float *keep) {
+                int64_t s0, int64_t s1, __m512 *sum, float *keep, const ktfp8_prefetch_ahead *ahead) {
     enum { UMAX = 4 };
     const int U = M <= DECODE_M ? 4 : 2;
     __m512 acc[MR][UMAX];
@@ -83,7 +84,7 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_st
     if (U == 4) {
         for (; s + 4 <= s1; s += 4) {
             if (src == SRC_FP8) /* 4 K steps = one 64-byte line of codes */
-                _mm_prefetch((const char *)w + NB * s + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch(ktfp8_prefetch_at(ahead, NB * s), _MM_HINT_T0);
             rows2(src, w, s, &w0, &w1);
             rows2(src, w, s + 2, &w2, &w3);
 #pragma GCC unroll 8
@@ -98,7 +99,7 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_st
     }
     for (; s < s1; s += 2) {
         if (src == SRC_FP8 && (s & 3) == 0) /* the prefill's first pass streams the codes */
-            _mm_prefetch((const char *)w + NB * s + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch(ktfp8_prefetch_at(ahead, NB * s), _MM_HINT_T0);
         rows2(src, w, s, &w0, &w1);
         if (keep) {
             _mm512_storeu_ps(keep + NB * s, w0);
@@ -124,12 +125,13 @@ INLINE void tile_rows(const ktfp8_tile_job *j, const enum wsrc src, const void *
                       const int M, float *keep) {
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t nkb = blockwise ? j->n_kblocks : 1, block = blockwise ? j->block_k : j->k;
+    const ktfp8_prefetch_ahead ahead = ktfp8_prefetch_ahead_of(w, j->w_next, j->k * NB, PREFETCH_BYTES);
     __m512 res[MR], sum[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < M; i++) res[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nkb; b++) {
         const int64_t s0 = b * block, s1 = b == nkb - 1 ? j->k : s0 + block;
-        dot(src, w, a, j->a_stride, M, s0, s1, sum, keep);
+        dot(src, w, a, j->a_stride, M, s0, s1, sum, keep, &ahead);
         if (j->format == KTFP8_FMT_BF16) {
 #pragma GCC unroll 8
             for (int i = 0; i < M; i++) res[i] = sum[i];

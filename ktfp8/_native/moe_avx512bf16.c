@@ -44,6 +44,7 @@
 #include "ktfp8/abi.h"
 #include "ktfp8/moe_epilogue.h"
 #include "ktfp8/e4m3_bf16_vbmi.h"
+#include "ktfp8/prefetch_ahead.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/token_count.h"
 #include "ktfp8/variant.h"
@@ -103,10 +104,11 @@ INLINE void keep_pair(uint16_t *const *keep, int t, int64_t p, __m512i w) {
  * With U = 2 they are also dot_bf16's over the same weights in bf16: the same pairs in each chain
  * (for an odd p0 the two chains trade places, and their final sum commutes).
  * A block may start or end in the middle of a 64-byte group (block_k = 2 mod 4).
- * keep: NULL, or where the prefill's first pass stores the converted pairs of each tile. */
+ * keep: NULL, or where the prefill's first pass stores the converted pairs of each tile.
+ * ahead[t]: stream t's software prefetch. */
 INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a, int64_t a_stride, const int M,
                            const int U, int64_t p0, int64_t p1, const ktfp8_e4m3_bf16_lut *lut,
-                           __m512 sum[][MR], uint16_t *const *keep) {
+                           __m512 sum[][MR], uint16_t *const *keep, const ktfp8_prefetch_ahead *ahead) {
     const int Q = U - 1; /* slot q of a step uses accumulator q & Q */
     const uint8_t *codes[2] = {(const uint8_t *)w[0], (const uint8_t *)w[NW - 1]};
     __m512 acc[2][MR][4];
@@ -136,8 +138,8 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
     for (; p + 4 <= p1; p += 4) {
 #pragma GCC unroll 2
         for (int t = 0; t < NW; t++) {
-            _mm_prefetch((const char *)codes[t] + 32 * p + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)codes[t] + 32 * p + 64 + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch(ktfp8_prefetch_at(&ahead[t], 32 * p), _MM_HINT_T0);
+            _mm_prefetch(ktfp8_prefetch_at(&ahead[t], 32 * p + 64), _MM_HINT_T0);
         }
 #pragma GCC unroll 2
         for (int g = 0; g < 4; g += 2) {
@@ -244,6 +246,9 @@ INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, c
     const int64_t pairs = j->k / 2;
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t nkb = blockwise ? j->n_kblocks : 1, block_pairs = blockwise ? j->block_k / 2 : pairs;
+    ktfp8_prefetch_ahead ahead[2];
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++) ahead[t] = ktfp8_prefetch_ahead_of(w[t], jobs[t]->w_next, j->k * NB, PREFETCH_BYTES);
     __m512 res[2][MR], sum[2][MR];
 #pragma GCC unroll 2
     for (int t = 0; t < NW; t++)
@@ -252,7 +257,7 @@ INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, c
     for (int64_t b = 0; b < nkb; b++) {
         const int64_t p0 = b * block_pairs, p1 = b == nkb - 1 ? pairs : p0 + block_pairs;
         if (fp8_stream)
-            dot_fp8_stream(w, NW, a, j->a_stride, M, U, p0, p1, lut, sum, keep);
+            dot_fp8_stream(w, NW, a, j->a_stride, M, U, p0, p1, lut, sum, keep, ahead);
         else
             dot_bf16(w, NW, a, j->a_stride, M, U, p0, p1, sum);
 #pragma GCC unroll 2

@@ -17,6 +17,8 @@
  * Kernels whose FP8 conversion leaves the weights times a power of two (layout.act_exp) get x and h
  * times its inverse: phase 0 scales the rows as it gathers them, and a pass after phase 1 scales h,
  * each by 2^act_exp unless the call's largest finite value would then overflow (activation_exp).
+ * Each job names the tile its thread runs next (w_next), so that the kernel's software prefetch runs
+ * on from one tile into the next as one stream (prefetch_ahead.h).
  * Buffers come from per-thread arenas (arena.h): no allocation and no zeroing in the hot path;
  * only the K padding of the gathered rows and of h is written with zeros, as the kernels read it. */
 #include <float.h>
@@ -145,6 +147,11 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
 /* Index of expert e's tile `tile` among projection p's packed tiles. */
 static size_t tile_at(const ktfp8_packed_proj *p, int64_t e, int64_t tile) { return (size_t)(e * p->n_tiles + tile); }
 
+/* The packed weights of expert e's tile `tile` of projection p. */
+static const void *tile_w(const ktfp8_packed_proj *p, int64_t e, int64_t tile) {
+    return p->w + tile_at(p, e, tile) * p->tile_w_bytes;
+}
+
 /* The micro-kernel job for tile `tile` of expert e's projection p over m activation rows, a_stride
  * elements apart, starting at a; FP32 results into c[m][NB]. */
 static ktfp8_tile_job tile_job(const ktfp8_moe_kernel *kern, const ktfp8_moe_shape *s, const ktfp8_packed_proj *p,
@@ -152,7 +159,7 @@ static ktfp8_tile_job tile_job(const ktfp8_moe_kernel *kern, const ktfp8_moe_sha
                                float *c, void *scratch, int rescale_exp) {
     const size_t at = tile_at(p, e, tile);
     ktfp8_tile_job job = {0};
-    job.w = p->w + at * p->tile_w_bytes;
+    job.w = tile_w(p, e, tile);
     job.scale = p->scale + at * p->tile_scale_floats;
     job.format = s->format;
     job.k = p->k_pad;
@@ -171,10 +178,9 @@ static ktfp8_tile_job tile_job(const ktfp8_moe_kernel *kern, const ktfp8_moe_sha
 
 /* Asks for the first HEAD_LINES lines of expert e's tile `tile` of projection p, and all of its scales. */
 static void prefetch_tile(const ktfp8_packed_proj *p, int64_t e, int64_t tile) {
-    const size_t at = tile_at(p, e, tile);
-    const char *w = (const char *)p->w + at * p->tile_w_bytes;
+    const char *w = tile_w(p, e, tile);
     for (int line = 0; line < HEAD_LINES; line++) __builtin_prefetch(w + 64 * line, 0, 3);
-    const float *scale = p->scale + at * p->tile_scale_floats;
+    const float *scale = p->scale + tile_at(p, e, tile) * p->tile_scale_floats;
     for (size_t f = 0; f < p->tile_scale_floats; f += 16) __builtin_prefetch(scale + f, 0, 3); /* 16 floats a line */
 }
 
@@ -330,32 +336,43 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < b.n_pairs; p++) gather_row(c, &b, p, act, esz, Hp, Ip, x_exp);
 
-        /* phase 1: h = silu(x @ gate^T) * (x @ up^T), per (expert, intermediate tile) */
-        const int64_t tiles1 = proj[KTFP8_GATE].n_tiles;
-#pragma omp for schedule(dynamic, run_length(b.n_active * tiles1, threads)) reduction(max : h_amax)
-        for (int64_t it = 0; it < b.n_active * tiles1; it++) {
-            if (!ok) continue;
-            const int64_t e = b.active[it / tiles1], tile = it % tiles1;
-            const int64_t p0 = b.offset[e], m = b.offset[e + 1] - p0;
-            const void *a = (const char *)b.xa + esz * (size_t)(p0 * b.x_stride);
-            const ktfp8_tile_job gate =
-                tile_job(kern, s, &proj[KTFP8_GATE], e, tile, a, b.x_stride, act, m, gbuf, scratch, act_exp - x_exp);
-            const ktfp8_tile_job up =
-                tile_job(kern, s, &proj[KTFP8_UP], e, tile, a, b.x_stride, act, m, ubuf, scratch, act_exp - x_exp);
-            prefetch_tile(&proj[KTFP8_GATE], e, tile);
-            prefetch_tile(&proj[KTFP8_UP], e, tile);
-            if (kern->tile_matmul2) {
-                kern->tile_matmul2(&gate, &up);
-            } else {
-                kern->tile_matmul(&gate);
-                kern->tile_matmul(&up);
-            }
-            const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
-            char *h = (char *)b.h + esz * (size_t)(p0 * b.h_stride + n0);
-            kern->epilogue->silu_mul_store(gbuf, ubuf, m, nb, rows, h, b.h_stride, act);
-            for (int64_t i = 0; act_exp && i < m; i++) {
-                const float row_amax = finite_amax((const float *)h + i * b.h_stride, KTFP8_F32, rows);
-                h_amax = row_amax > h_amax ? row_amax : h_amax;
+        /* phase 1: h = silu(x @ gate^T) * (x @ up^T), per (expert, intermediate tile), in runs of
+         * run1 items (the dynamic schedule's chunks, spelled out so that an item knows its successor) */
+        const int64_t tiles1 = proj[KTFP8_GATE].n_tiles, items1 = b.n_active * tiles1;
+        const int64_t run1 = run_length(items1, threads), runs1 = (items1 + run1 - 1) / run1;
+#pragma omp for schedule(dynamic, 1) reduction(max : h_amax)
+        for (int64_t r = 0; r < runs1; r++) {
+            const int64_t end = (r + 1) * run1 < items1 ? (r + 1) * run1 : items1;
+            for (int64_t it = r * run1; ok && it < end; it++) {
+                const int64_t e = b.active[it / tiles1], tile = it % tiles1;
+                const int64_t p0 = b.offset[e], m = b.offset[e + 1] - p0;
+                const void *a = (const char *)b.xa + esz * (size_t)(p0 * b.x_stride);
+                const int rescale = act_exp - x_exp;
+                ktfp8_tile_job gate = tile_job(kern, s, &proj[KTFP8_GATE], e, tile, a, b.x_stride, act, m, gbuf,
+                                               scratch, rescale);
+                ktfp8_tile_job up = tile_job(kern, s, &proj[KTFP8_UP], e, tile, a, b.x_stride, act, m, ubuf,
+                                             scratch, rescale);
+                /* the weight streams go on with the run's next item: gate, up, gate, ... one tile at a
+                 * time, or gate and up side by side with tile_matmul2 */
+                const int64_t e_next = it + 1 < end ? b.active[(it + 1) / tiles1] : -1, tile_next = (it + 1) % tiles1;
+                const void *gate_next = e_next >= 0 ? tile_w(&proj[KTFP8_GATE], e_next, tile_next) : NULL;
+                gate.w_next = kern->tile_matmul2 ? gate_next : up.w;
+                up.w_next = kern->tile_matmul2 && e_next >= 0 ? tile_w(&proj[KTFP8_UP], e_next, tile_next) : gate_next;
+                prefetch_tile(&proj[KTFP8_GATE], e, tile);
+                prefetch_tile(&proj[KTFP8_UP], e, tile);
+                if (kern->tile_matmul2) {
+                    kern->tile_matmul2(&gate, &up);
+                } else {
+                    kern->tile_matmul(&gate);
+                    kern->tile_matmul(&up);
+                }
+                const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
+                char *h = (char *)b.h + esz * (size_t)(p0 * b.h_stride + n0);
+                kern->epilogue->silu_mul_store(gbuf, ubuf, m, nb, rows, h, b.h_stride, act);
+                for (int64_t i = 0; act_exp && i < m; i++) {
+                    const float row_amax = finite_amax((const float *)h + i * b.h_stride, KTFP8_F32, rows);
+                    h_amax = row_amax > h_amax ? row_amax : h_amax;
+                }
             }
         }
         const int h_exp = activation_exp(act_exp, h_amax);
@@ -383,6 +400,10 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                         jobs[d] = tile_job(kern, s, &proj[KTFP8_DOWN], e, tile + d, hrows, b.h_stride, act, m,
                                            zbuf + d * nb, scratch, act_exp - h_exp);
                         jobs[d].c_stride = dcols;
+                        /* this stream goes on with the group's next tile, or the next expert's first */
+                        const int64_t next = it + 1 < it1 ? (it + 1) * dw + d : it0 * dw + d;
+                        const int64_t e_next = it + 1 < it1 ? e : a + 1 < b.n_active ? b.active[a + 1] : -1;
+                        jobs[d].w_next = e_next >= 0 && next < tiles2 ? tile_w(&proj[KTFP8_DOWN], e_next, next) : NULL;
                         if (it > it0) continue; /* the group's later tiles follow in the same stream */
                         if (a == 0) prefetch_tile(&proj[KTFP8_DOWN], e, tile + d);
                         if (a + 1 < b.n_active) /* the next expert's first tile: a short read, far from this one */
