@@ -16,12 +16,13 @@
  *       32..63.  Cost: 1 load, 2 vpermi2b, 1 vpternlogd, 2 vpunpck*bw.  (A pointer, not an __m512i
  *       argument: the emulated build has no AVX-512 calling convention and GCC warns about it.)
  *
- *   ktfp8_e4m3_tile_to_bf16(codes, k, dst);
+ *   ktfp8_e4m3_tile_to_bf16(codes, k, dst, ahead, offset);
  *       One packed FP8 tile of the layout {rows_per_tile 16, k_pack 2, KTFP8_CODES_VBMI64}, i.e. codes
  *       [k/2][16][2] permuted inside each 64-byte group, k a multiple of 4, to bf16 bits
  *       dst[k/2][16][2] in natural order: row kk of dst is one AMX B-tile row (16 columns x 2 K).
  *       To convert a K range [k0, k0 + n) (k0, n multiples of 4) pass codes + 16 * k0,
- *       n, dst + 16 * k0.
+ *       n, dst + 16 * k0, offset 16 * k0.  The codes are prefetched from the tile's software
+ *       prefetch `ahead` (prefetch_ahead.h), codes being tile byte `offset`.
  *
  * Values: a code's bf16 is its exact E4M3 value (E4M3 has 3 mantissa bits, BF16 has 7; subnormals
  * 0x01..0x07 = m * 2^-9 are normal in BF16); zero codes give +-0; the NaN codes 0x7F / 0xFF give
@@ -31,15 +32,16 @@
 
 #include <stdint.h>
 
+#include "ktfp8/prefetch_ahead.h"
 #include "ktfp8/simd.h"
 
 /* Software prefetch distance of an FP8 code stream on the AVX-512 units.  Measured on the AMX Xeon
  * with a stand-alone FP8 GEMV through this table (2 threads, from DRAM): no prefetch 11.3 GB/s, 1 KiB
  * ahead 13.8, 2 KiB 16.8, 4 KiB 18.4 (read bandwidth 23.4): the hardware prefetchers alone leave the
  * bus half idle.  It was 2 KiB while each thread took single tiles, since what ran past a tile's end
- * (12 KiB for a K = 768 down tile) was then some other thread's; the driver now hands out runs of
- * adjacent tiles, so past the end is the start of the tile this thread reads next (or the other
- * core's, through the shared L3).  4 KiB in the MoE is not yet timed on AMX hardware. */
+ * (12 KiB for a K = 768 down tile) was then some other thread's; now the prefetch runs on from a
+ * tile's end into the tile this thread reads next (prefetch_ahead.h).  4 KiB in the MoE is not yet
+ * timed on AMX hardware. */
 #define KTFP8_VBMI_PREFETCH_BYTES 4096
 
 typedef struct ktfp8_e4m3_bf16_lut {
@@ -93,14 +95,15 @@ ktfp8_e4m3x64_to_bf16(const ktfp8_e4m3_bf16_lut *lut, const void *codes64, __m51
     *hi32 = _mm512_unpackhi_epi8(lo, hi);
 }
 
-static inline void ktfp8_e4m3_tile_to_bf16(const uint8_t *codes, int64_t k, uint16_t *dst) {
+static inline void ktfp8_e4m3_tile_to_bf16(const uint8_t *codes, int64_t k, uint16_t *dst,
+                                           const ktfp8_prefetch_ahead *ahead, int64_t offset) {
     ktfp8_e4m3_bf16_lut lut;
     ktfp8_e4m3_bf16_lut_load(&lut);
     /* each 64-byte group holds 4 K (2 pairs x 16 rows x 2) and yields two dst rows; the codes come
      * from DRAM, so they are prefetched ahead */
     for (int64_t g = 0; g < k / 4; g++) {
         __m512i a, b;
-        _mm_prefetch((const char *)codes + 64 * g + KTFP8_VBMI_PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch(ktfp8_prefetch_at(ahead, offset + 64 * g), _MM_HINT_T0);
         ktfp8_e4m3x64_to_bf16(&lut, codes + 64 * g, &a, &b);
         _mm512_storeu_si512((void *)(dst + 64 * g), a);
         _mm512_storeu_si512((void *)(dst + 64 * g + 32), b);

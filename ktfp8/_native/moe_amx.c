@@ -143,9 +143,10 @@ static void configure(int nw, int chunks, int tail_rows) {
  * slab s + 1 runs beside the products of slab s.  ring: this is the only pass, so no slab is read
  * twice and the scratch is a ring of two slabs per weight tile (2 KiB, in L1) instead of the whole
  * converted tile (64 KiB at K = 2048, written to L2 and read back); slab s + 1 overwrites slab s - 1,
- * whose tile loads came before in program order. */
+ * whose tile loads came before in program order.  ahead[w]: the software prefetch of codes[w]. */
 INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes, const uint8_t *const *w_bf16,
-                 const int NW, int64_t m0, const int chunks, const int tail_rows, const int ring) {
+                 const ktfp8_prefetch_ahead *ahead, const int NW, int64_t m0, const int chunks, const int tail_rows,
+                 const int ring) {
     const ktfp8_tile_job *j = jobs[0];
     const uint16_t *a = (const uint16_t *)j->a;
     const int64_t a_stride = j->a_stride, a_bytes = a_stride * 2;
@@ -156,7 +157,7 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
     float cbuf[CHUNKS][CHUNK][NB] __attribute__((aligned(64)));
 
     for (int w = 0; w < NW; w++)
-        if (codes[w]) ktfp8_e4m3_tile_to_bf16(codes[w], SLAB, (uint16_t *)w_bf16[w]);
+        if (codes[w]) ktfp8_e4m3_tile_to_bf16(codes[w], SLAB, (uint16_t *)w_bf16[w], &ahead[w], 0);
     compiler_barrier();
     for (int64_t kb = 0; kb < nkb; kb++) {
         const int64_t s0 = kb * block_slabs, s1 = kb == nkb - 1 ? slabs : s0 + block_slabs;
@@ -172,7 +173,8 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
                 compiler_barrier(); /* the tile loads above read the slot converted into next */
                 for (int w = 0; w < NW; w++)
                     if (codes[w])
-                        ktfp8_e4m3_tile_to_bf16(codes[w] + (s + 1) * SLAB * NB, SLAB, (uint16_t *)SLAB_AT(w, s + 1));
+                        ktfp8_e4m3_tile_to_bf16(codes[w] + (s + 1) * SLAB * NB, SLAB, (uint16_t *)SLAB_AT(w, s + 1),
+                                                &ahead[w], (s + 1) * SLAB * NB);
                 compiler_barrier();
             }
 #undef SLAB_AT
@@ -223,20 +225,22 @@ INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
      * scratch holds 2 whole tiles: a 2-slab ring at k = 32 would run past it) */
     const size_t whole = (size_t)j->k * NB * 2, tile_bytes = ring && whole > 2 * SLAB_BYTES ? 2 * SLAB_BYTES : whole;
     const uint8_t *codes[2] = {NULL, NULL}, *w_bf16[2] = {NULL, NULL};
+    ktfp8_prefetch_ahead ahead[2];
     for (int w = 0; w < NW; w++) {
         codes[w] = jobs[w]->format == KTFP8_FMT_BF16 ? NULL : (const uint8_t *)jobs[w]->w;
         w_bf16[w] = codes[w] ? (const uint8_t *)j->scratch + w * tile_bytes : (const uint8_t *)jobs[w]->w;
+        ahead[w] = ktfp8_prefetch_ahead_of(jobs[w]->w, jobs[w]->w_next, j->k * NB, KTFP8_VBMI_PREFETCH_BYTES);
     }
     const uint8_t *none[2] = {NULL, NULL};
     if (full) {
         configure(NW, per_pass, 0);
         for (int64_t m0 = 0; m0 < full; m0 += step)
-            pass(jobs, m0 == 0 ? codes : none, w_bf16, NW, m0, per_pass, 0, ring);
+            pass(jobs, m0 == 0 ? codes : none, w_bf16, ahead, NW, m0, per_pass, 0, ring);
     }
     if (left) { /* the last pass: fewer chunks, maybe a short one */
         const int chunks = (int)((left + CHUNK - 1) / CHUNK), tail_rows = (int)(left % CHUNK);
         configure(NW, chunks, tail_rows);
-        pass(jobs, full == 0 ? codes : none, w_bf16, NW, full, chunks, tail_rows, ring);
+        pass(jobs, full == 0 ? codes : none, w_bf16, ahead, NW, full, chunks, tail_rows, ring);
     }
     _tile_release();
 }

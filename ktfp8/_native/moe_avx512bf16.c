@@ -44,7 +44,6 @@
 #include "ktfp8/abi.h"
 #include "ktfp8/moe_epilogue.h"
 #include "ktfp8/e4m3_bf16_vbmi.h"
-#include "ktfp8/prefetch_ahead.h"
 #include "ktfp8/simd.h"
 #include "ktfp8/token_count.h"
 #include "ktfp8/variant.h"
