@@ -101,12 +101,18 @@ static inline void ktfp8_e4m3_tile_to_bf16(const uint8_t *codes, int64_t k, uint
     ktfp8_e4m3_bf16_lut_load(&lut);
     /* each 64-byte group holds 4 K (2 pairs x 16 rows x 2) and yields two dst rows; the codes come
      * from DRAM, so they are prefetched ahead */
-    for (int64_t g = 0; g < k / 4; g++) {
-        __m512i a, b;
-        _mm_prefetch(ktfp8_prefetch_at(ahead, offset + 64 * g), _MM_HINT_T0);
-        ktfp8_e4m3x64_to_bf16(&lut, codes + 64 * g, &a, &b);
-        _mm512_storeu_si512((void *)(dst + 64 * g), a);
-        _mm512_storeu_si512((void *)(dst + 64 * g + 32), b);
+    for (int64_t g = 0; g < k / 4;) { /* in two runs, one per prefetch base (prefetch_ahead.h) */
+        int64_t until;
+        const uintptr_t ahead_base = ktfp8_prefetch_run(ahead, offset + 64 * g, &until);
+        const int64_t run = (until - (offset + 64 * g) - 1) / 64 + 1; /* groups read before `until` */
+        const int64_t stop = g + run < k / 4 ? g + run : k / 4;
+        for (; g < stop; g++) {
+            __m512i a, b;
+            _mm_prefetch((const char *)(ahead_base + (uintptr_t)(offset + 64 * g)), _MM_HINT_T0);
+            ktfp8_e4m3x64_to_bf16(&lut, codes + 64 * g, &a, &b);
+            _mm512_storeu_si512((void *)(dst + 64 * g), a);
+            _mm512_storeu_si512((void *)(dst + 64 * g + 32), b);
+        }
     }
 }
 

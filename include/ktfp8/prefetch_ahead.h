@@ -8,34 +8,45 @@
  * `distance` bytes of prefetch go to its head.  With none named they go to the tile's own head,
  * lines already read and still cached, so no bandwidth goes to lines this thread will not read.
  * Measured on Zen 3 (avx2, benchmark layer, weights from DRAM, alternated in one process, time
- * against prefetching straight on past the tile's end): T = 1 0.993x / 0.961x on 2 threads (two
- * runs), 0.965x / 0.974x on 1 thread; T = 64 1.005x, T = 512 1.001x.
- * Addresses are computed as integers: a prefetch never faults, but C pointer arithmetic may not
- * leave its object. */
+ * against prefetching straight on past the tile's end): T = 1 0.993x / 0.961x / 0.995x / 0.977x on 2
+ * threads (four runs), 0.965x / 0.974x / 0.990x on 1 thread; T = 64 1.005x, T = 512 1.001x.
+ * The prefetch address changes base once, at the tile byte `cut` where it leaves the tile, so the
+ * kernels run their K loop in two runs with a loop-invariant base each (ktfp8_prefetch_run): a
+ * choice per prefetch cost avx512_bf16's decode loop 8.1 -> 10.3 cycles per iteration in
+ * llvm-mca-16 -mcpu=sapphirerapids (GPR pressure: a spill and two cmov per iteration).
+ * Addresses are integers: a prefetch never faults, but C pointer arithmetic may not leave its
+ * object. */
 #ifndef KTFP8_PREFETCH_AHEAD_H
 #define KTFP8_PREFETCH_AHEAD_H
 
 #include <stdint.h>
 
 typedef struct ktfp8_prefetch_ahead {
-    uintptr_t within; /* + offset: `distance` bytes ahead of tile byte offset, inside the tile */
-    uintptr_t beyond; /* + (offset - cut): the same, continued into the next tile */
-    int64_t cut;      /* the first offset whose prefetch lies beyond the tile */
+    uintptr_t within; /* + offset: what to prefetch while reading tile byte offset < cut */
+    uintptr_t beyond; /* + offset: the same for offset >= cut, in the next tile (wraps as unsigned) */
+    int64_t cut;      /* tile bytes - distance */
 } ktfp8_prefetch_ahead;
 
-/* For the tile of tile_bytes at w, followed by the one at w_next (NULL: not known). */
+/* For the tile of tile_bytes at w, followed by the one at w_next (NULL: not known), prefetching
+ * `distance` bytes ahead. */
 static inline ktfp8_prefetch_ahead ktfp8_prefetch_ahead_of(const void *w, const void *w_next, int64_t tile_bytes,
                                                             int64_t distance) {
     ktfp8_prefetch_ahead p;
-    p.within = (uintptr_t)w + (uintptr_t)distance;
-    p.beyond = (uintptr_t)(w_next ? w_next : w);
     p.cut = tile_bytes - distance;
+    p.within = (uintptr_t)w + (uintptr_t)distance;
+    p.beyond = (uintptr_t)(w_next ? w_next : w) - (uintptr_t)p.cut;
     return p;
 }
 
-/* The address to prefetch while reading tile byte `offset`. */
-static inline const char *ktfp8_prefetch_at(const ktfp8_prefetch_ahead *p, int64_t offset) {
-    return (const char *)(offset < p->cut ? p->within + (uintptr_t)offset : p->beyond + (uintptr_t)(offset - p->cut));
+/* The base that reads from tile byte `offset` on add their byte offset to, to get what to prefetch;
+ * valid for the bytes before *until (the cut, or the end of any K range). */
+static inline uintptr_t ktfp8_prefetch_run(const ktfp8_prefetch_ahead *p, int64_t offset, int64_t *until) {
+    if (offset < p->cut) {
+        *until = p->cut;
+        return p->within;
+    }
+    *until = INT64_MAX;
+    return p->beyond;
 }
 
 #endif

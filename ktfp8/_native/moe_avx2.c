@@ -145,17 +145,22 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
     int64_t s = s0;
     if (src == SRC_FP8 || src == SRC_FP8_KEEP) { /* K steps in the packing's pairs: s0, s1 even (block_k is) */
         const int G = U < 2 ? 2 : U; /* K steps per iteration */
-        for (; s + G <= s1; s += G) {
-            if (((s * NB) & 63) < G * NB) /* once per 64-byte line (4 K steps) */
-                _mm_prefetch(ktfp8_prefetch_at(ahead, s * NB), _MM_HINT_T0);
+        while (s + G <= s1) { /* in two runs, one per prefetch base (prefetch_ahead.h) */
+            int64_t until;
+            const uintptr_t ahead_base = ktfp8_prefetch_run(ahead, s * NB, &until);
+            const int64_t stop = until / NB + G - 1 < s1 ? until / NB + G - 1 : s1; /* s < until / NB */
+            for (; s + G <= stop; s += G) {
+                if (((s * NB) & 63) < G * NB) /* once per 64-byte line (4 K steps) */
+                    _mm_prefetch((const char *)(ahead_base + (uintptr_t)(s * NB)), _MM_HINT_T0);
 #pragma GCC unroll 2
-            for (int g = 0; g < G; g += 2) {
-                __m256 r[2][2];
-                pair32((const uint8_t *)w, s + g, r);
+                for (int g = 0; g < G; g += 2) {
+                    __m256 r[2][2];
+                    pair32((const uint8_t *)w, s + g, r);
 #pragma GCC unroll 2
-                for (int v = 0; v < 2; v++) {
-                    keep_row(src, keep, s + g + v, r[v]);
-                    fma_step(acc[(g + v) % U], r[v], a03, a36, stride, M, s + g + v);
+                    for (int v = 0; v < 2; v++) {
+                        keep_row(src, keep, s + g + v, r[v]);
+                        fma_step(acc[(g + v) % U], r[v], a03, a36, stride, M, s + g + v);
+                    }
                 }
             }
         }

@@ -81,35 +81,41 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_st
         for (int q = 0; q < UMAX; q++) acc[i][q] = _mm512_setzero_ps();
     __m512 w0, w1, w2, w3;
     int64_t s = s0;
-    if (U == 4) {
-        for (; s + 4 <= s1; s += 4) {
-            if (src == SRC_FP8) /* 4 K steps = one 64-byte line of codes */
-                _mm_prefetch(ktfp8_prefetch_at(ahead, NB * s), _MM_HINT_T0);
+    while (s < s1) { /* in two runs, one per prefetch base of the codes (prefetch_ahead.h) */
+        int64_t until;
+        const uintptr_t ahead_base = ktfp8_prefetch_run(ahead, NB * s, &until);
+        const int64_t stop = until / NB < s1 ? until / NB : s1; /* this run's K steps: s < stop */
+        const int64_t stop4 = stop + 3 < s1 ? stop + 3 : s1;    /* its 4-step groups: s + 4 <= stop4 */
+        if (U == 4) {
+            for (; s + 4 <= stop4; s += 4) {
+                if (src == SRC_FP8) /* 4 K steps = one 64-byte line of codes */
+                    _mm_prefetch((const char *)(ahead_base + (uintptr_t)(NB * s)), _MM_HINT_T0);
+                rows2(src, w, s, &w0, &w1);
+                rows2(src, w, s + 2, &w2, &w3);
+#pragma GCC unroll 8
+                for (int i = 0; i < M; i++) {
+                    const float *row = a + i * a_stride + s;
+                    acc[i][0] = _mm512_fmadd_ps(w0, _mm512_set1_ps(row[0]), acc[i][0]);
+                    acc[i][1] = _mm512_fmadd_ps(w1, _mm512_set1_ps(row[1]), acc[i][1]);
+                    acc[i][2] = _mm512_fmadd_ps(w2, _mm512_set1_ps(row[2]), acc[i][2]);
+                    acc[i][3] = _mm512_fmadd_ps(w3, _mm512_set1_ps(row[3]), acc[i][3]);
+                }
+            }
+        }
+        for (; s < stop; s += 2) { /* U = 2, or the steps after U = 4's groups */
+            if (src == SRC_FP8 && (s & 3) == 0) /* the prefill's first pass streams the codes */
+                _mm_prefetch((const char *)(ahead_base + (uintptr_t)(NB * s)), _MM_HINT_T0);
             rows2(src, w, s, &w0, &w1);
-            rows2(src, w, s + 2, &w2, &w3);
+            if (keep) {
+                _mm512_storeu_ps(keep + NB * s, w0);
+                _mm512_storeu_ps(keep + NB * (s + 1), w1);
+            }
 #pragma GCC unroll 8
             for (int i = 0; i < M; i++) {
                 const float *row = a + i * a_stride + s;
                 acc[i][0] = _mm512_fmadd_ps(w0, _mm512_set1_ps(row[0]), acc[i][0]);
                 acc[i][1] = _mm512_fmadd_ps(w1, _mm512_set1_ps(row[1]), acc[i][1]);
-                acc[i][2] = _mm512_fmadd_ps(w2, _mm512_set1_ps(row[2]), acc[i][2]);
-                acc[i][3] = _mm512_fmadd_ps(w3, _mm512_set1_ps(row[3]), acc[i][3]);
             }
-        }
-    }
-    for (; s < s1; s += 2) {
-        if (src == SRC_FP8 && (s & 3) == 0) /* the prefill's first pass streams the codes */
-            _mm_prefetch(ktfp8_prefetch_at(ahead, NB * s), _MM_HINT_T0);
-        rows2(src, w, s, &w0, &w1);
-        if (keep) {
-            _mm512_storeu_ps(keep + NB * s, w0);
-            _mm512_storeu_ps(keep + NB * (s + 1), w1);
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < M; i++) {
-            const float *row = a + i * a_stride + s;
-            acc[i][0] = _mm512_fmadd_ps(w0, _mm512_set1_ps(row[0]), acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(w1, _mm512_set1_ps(row[1]), acc[i][1]);
         }
     }
 #pragma GCC unroll 8

@@ -133,28 +133,37 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
         p++;
     }
     /* two groups = four pairs = two cache lines of each stream per step, a group of every stream
-     * converted at a time (NW x 2 weight vectors live) */
-    for (; p + 4 <= p1; p += 4) {
+     * converted at a time (NW x 2 weight vectors live); in two runs, one per prefetch base (the
+     * tiles have one k, so one cut: prefetch_ahead.h) */
+    while (p + 4 <= p1) {
+        int64_t until;
+        uintptr_t ahead_base[2];
 #pragma GCC unroll 2
-        for (int t = 0; t < NW; t++) {
-            _mm_prefetch(ktfp8_prefetch_at(&ahead[t], 32 * p), _MM_HINT_T0);
-            _mm_prefetch(ktfp8_prefetch_at(&ahead[t], 32 * p + 64), _MM_HINT_T0);
-        }
-#pragma GCC unroll 2
-        for (int g = 0; g < 4; g += 2) {
+        for (int t = 0; t < NW; t++) ahead_base[t] = ktfp8_prefetch_run(&ahead[t], 32 * p, &until);
+        const int64_t stop = until / 32 + 3 < p1 ? until / 32 + 3 : p1; /* p < until / 32 and p + 4 <= p1 */
+        for (; p + 4 <= stop; p += 4) {
 #pragma GCC unroll 2
             for (int t = 0; t < NW; t++) {
-                ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p + g), &w0[t], &w1[t]);
-                keep_pair(keep, t, p + g, w0[t]);
-                keep_pair(keep, t, p + g + 1, w1[t]);
+                _mm_prefetch((const char *)(ahead_base[t] + (uintptr_t)(32 * p)), _MM_HINT_T0);
+                _mm_prefetch((const char *)(ahead_base[t] + (uintptr_t)(32 * p + 64)), _MM_HINT_T0);
             }
-#pragma GCC unroll 8
-            for (int i = 0; i < M; i++) {
-                const __m512i x0 = bcast_pair(a + i * a_stride, p + g), x1 = bcast_pair(a + i * a_stride, p + g + 1);
+#pragma GCC unroll 2
+            for (int g = 0; g < 4; g += 2) {
 #pragma GCC unroll 2
                 for (int t = 0; t < NW; t++) {
-                    acc[t][i][g & Q] = DPBF16(acc[t][i][g & Q], w0[t], x0);
-                    acc[t][i][(g + 1) & Q] = DPBF16(acc[t][i][(g + 1) & Q], w1[t], x1);
+                    ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p + g), &w0[t], &w1[t]);
+                    keep_pair(keep, t, p + g, w0[t]);
+                    keep_pair(keep, t, p + g + 1, w1[t]);
+                }
+#pragma GCC unroll 8
+                for (int i = 0; i < M; i++) {
+                    const __m512i x0 = bcast_pair(a + i * a_stride, p + g);
+                    const __m512i x1 = bcast_pair(a + i * a_stride, p + g + 1);
+#pragma GCC unroll 2
+                    for (int t = 0; t < NW; t++) {
+                        acc[t][i][g & Q] = DPBF16(acc[t][i][g & Q], w0[t], x0);
+                        acc[t][i][(g + 1) & Q] = DPBF16(acc[t][i][(g + 1) & Q], w1[t], x1);
+                    }
                 }
             }
         }
