@@ -35,15 +35,6 @@
 #include "ktfp8/prefetch_ahead.h"
 #include "ktfp8/simd.h"
 
-/* Software prefetch distance of an FP8 code stream on the AVX-512 units.  Measured on the AMX Xeon
- * with a stand-alone FP8 GEMV through this table (2 threads, from DRAM): no prefetch 11.3 GB/s, 1 KiB
- * ahead 13.8, 2 KiB 16.8, 4 KiB 18.4 (read bandwidth 23.4): the hardware prefetchers alone leave the
- * bus half idle.  It was 2 KiB while each thread took single tiles, since what ran past a tile's end
- * (12 KiB for a K = 768 down tile) was then some other thread's; now the prefetch runs on from a
- * tile's end into the tile this thread reads next (prefetch_ahead.h).  4 KiB in the MoE is not yet
- * timed on AMX hardware. */
-#define KTFP8_VBMI_PREFETCH_BYTES 4096
-
 typedef struct ktfp8_e4m3_bf16_lut {
     __m512i hi0, hi1; /* high byte of bf16(code) for codes 0..63 and 64..127 */
     __m512i lo0, lo1; /* low byte, same split */

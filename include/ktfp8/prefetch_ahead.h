@@ -21,6 +21,15 @@
 
 #include <stdint.h>
 
+/* Software prefetch distance of an FP8 code stream on the AVX-512 units (avx512, avx512_bf16, amx;
+ * avx2 has its own, measured on Zen 3).  Measured on the AMX Xeon with a stand-alone FP8 GEMV through
+ * the VBMI table of e4m3_bf16_vbmi.h (2 threads, from DRAM): no prefetch 11.3 GB/s, 1 KiB ahead 13.8,
+ * 2 KiB 16.8, 4 KiB 18.4 (read bandwidth 23.4): the hardware prefetchers alone leave the bus half
+ * idle.  It was 2 KiB while each thread took single tiles, since what ran past a tile's end (12 KiB
+ * for a K = 768 down tile) was then some other thread's; now the prefetch runs on from a tile's end
+ * into the tile this thread reads next.  4 KiB in the MoE is not yet timed on AMX hardware. */
+#define KTFP8_AVX512_PREFETCH_BYTES 4096
+
 typedef struct ktfp8_prefetch_ahead {
     uintptr_t within; /* + offset: what to prefetch while reading tile byte offset < cut */
     uintptr_t beyond; /* + offset: the same for offset >= cut, in the next tile (wraps as unsigned) */

@@ -229,7 +229,7 @@ INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
     for (int w = 0; w < NW; w++) {
         codes[w] = jobs[w]->format == KTFP8_FMT_BF16 ? NULL : (const uint8_t *)jobs[w]->w;
         w_bf16[w] = codes[w] ? (const uint8_t *)j->scratch + w * tile_bytes : (const uint8_t *)jobs[w]->w;
-        ahead[w] = ktfp8_prefetch_ahead_of(jobs[w]->w, jobs[w]->w_next, j->k * NB, KTFP8_VBMI_PREFETCH_BYTES);
+        ahead[w] = ktfp8_prefetch_ahead_of(jobs[w]->w, jobs[w]->w_next, j->k * NB, KTFP8_AVX512_PREFETCH_BYTES);
     }
     const uint8_t *none[2] = {NULL, NULL};
     if (full) {

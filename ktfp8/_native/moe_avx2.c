@@ -49,7 +49,7 @@ _Static_assert(DECODE_M >= MR, "tile_matmul's prefill branch runs a whole first 
  * in one process, time against 2 KiB: T = 1 on 2 threads 4 KiB 0.94x / 0.96x (two runs), 8 KiB
  * 0.98x, 1 KiB 1.05x; 1 thread 4 KiB 0.98x; T = 64 4 KiB 0.97x.  (2 KiB and 4 KiB measured alike while
  * the driver handed out single tiles, whose ends ran into other threads' tiles; see
- * KTFP8_VBMI_PREFETCH_BYTES.)  BF16 weights (twice the bytes per FMA) measured faster without it. */
+ * KTFP8_AVX512_PREFETCH_BYTES.)  BF16 weights (twice the bytes per FMA) measured faster without it. */
 #define PREFETCH_BYTES 4096
 
 #define INLINE static inline __attribute__((always_inline))

@@ -34,7 +34,7 @@
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
 #define DECODE_M 4  /* tokens up to which weights are converted in registers on the fly */
 #define MR 8        /* prefill register block: tokens per pass over the converted tile */
-#define PREFETCH_BYTES 4096 /* software prefetch of the FP8 code stream (see e4m3_bf16_vbmi.h) */
+#define PREFETCH_BYTES KTFP8_AVX512_PREFETCH_BYTES /* of the FP8 code stream */
 
 #define INLINE static inline __attribute__((always_inline))
 _Static_assert(DECODE_M == 4 && MR == 8, "the first prefill pass dispatches with KTFP8_FOR_M5_TO_8");

@@ -51,8 +51,8 @@
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
 #define DECODE_M 4  /* tokens up to which codes are converted in registers on the fly */
 #define MR 8        /* prefill register block: tokens per pass over the converted tile */
-/* Software prefetch distance of the FP8 code stream (e4m3_bf16_vbmi.h says why 4 KiB). */
-#define PREFETCH_BYTES KTFP8_VBMI_PREFETCH_BYTES
+/* Software prefetch distance of the FP8 code stream (prefetch_ahead.h says why 4 KiB). */
+#define PREFETCH_BYTES KTFP8_AVX512_PREFETCH_BYTES
 
 #define INLINE static inline __attribute__((always_inline))
 
