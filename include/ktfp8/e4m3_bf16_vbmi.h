@@ -95,8 +95,7 @@ static inline void ktfp8_e4m3_tile_to_bf16(const uint8_t *codes, int64_t k, uint
     for (int64_t g = 0; g < k / 4;) { /* in two runs, one per prefetch base (prefetch_ahead.h) */
         int64_t until;
         const uintptr_t ahead_base = ktfp8_prefetch_run(ahead, offset + 64 * g, &until);
-        const int64_t run = (until - (offset + 64 * g) - 1) / 64 + 1; /* groups read before `until` */
-        const int64_t stop = g + run < k / 4 ? g + run : k / 4;
+        const int64_t stop = ktfp8_prefetch_bound(until - offset, 64, 1, k / 4);
         for (; g < stop; g++) {
             __m512i a, b;
             _mm_prefetch((const char *)(ahead_base + (uintptr_t)(offset + 64 * g)), _MM_HINT_T0);

@@ -58,4 +58,12 @@ static inline uintptr_t ktfp8_prefetch_run(const ktfp8_prefetch_ahead *p, int64_
     return p->beyond;
 }
 
+/* Where a run ends for a loop `for (; i + group <= bound; i += group)` over units of unit_bytes,
+ * byte 0 of unit i being byte i * unit_bytes of the range `until` counts in: its iterations are those
+ * that start before `until` (ktfp8_prefetch_run) and end by unit `end`. */
+static inline int64_t ktfp8_prefetch_bound(int64_t until, int64_t unit_bytes, int64_t group, int64_t end) {
+    const int64_t first_beyond = (until - 1) / unit_bytes + 1; /* ceil(until / unit_bytes); until > 0 */
+    return first_beyond + group - 1 < end ? first_beyond + group - 1 : end;
+}
+
 #endif

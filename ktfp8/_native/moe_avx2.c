@@ -148,7 +148,7 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
         while (s + G <= s1) { /* in two runs, one per prefetch base (prefetch_ahead.h) */
             int64_t until;
             const uintptr_t ahead_base = ktfp8_prefetch_run(ahead, s * NB, &until);
-            const int64_t stop = until / NB + G - 1 < s1 ? until / NB + G - 1 : s1; /* s < until / NB */
+            const int64_t stop = ktfp8_prefetch_bound(until, NB, G, s1);
             for (; s + G <= stop; s += G) {
                 if (((s * NB) & 63) < G * NB) /* once per 64-byte line (4 K steps) */
                     _mm_prefetch((const char *)(ahead_base + (uintptr_t)(s * NB)), _MM_HINT_T0);

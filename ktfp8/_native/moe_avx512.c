@@ -84,8 +84,8 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_st
     while (s < s1) { /* in two runs, one per prefetch base of the codes (prefetch_ahead.h) */
         int64_t until;
         const uintptr_t ahead_base = ktfp8_prefetch_run(ahead, NB * s, &until);
-        const int64_t stop = until / NB < s1 ? until / NB : s1; /* this run's K steps: s < stop */
-        const int64_t stop4 = stop + 3 < s1 ? stop + 3 : s1;    /* its 4-step groups: s + 4 <= stop4 */
+        const int64_t stop = ktfp8_prefetch_bound(until, NB, 1, s1);  /* this run's K steps: s < stop */
+        const int64_t stop4 = ktfp8_prefetch_bound(until, NB, 4, s1); /* its 4-step groups: s + 4 <= stop4 */
         if (U == 4) {
             for (; s + 4 <= stop4; s += 4) {
                 if (src == SRC_FP8) /* 4 K steps = one 64-byte line of codes */

@@ -140,7 +140,7 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
         uintptr_t ahead_base[2];
 #pragma GCC unroll 2
         for (int t = 0; t < NW; t++) ahead_base[t] = ktfp8_prefetch_run(&ahead[t], 32 * p, &until);
-        const int64_t stop = until / 32 + 3 < p1 ? until / 32 + 3 : p1; /* p < until / 32 and p + 4 <= p1 */
+        const int64_t stop = ktfp8_prefetch_bound(until, 32, 4, p1);
         for (; p + 4 <= stop; p += 4) {
 #pragma GCC unroll 2
             for (int t = 0; t < NW; t++) {
