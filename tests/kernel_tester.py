@@ -50,11 +50,11 @@ class Kernel:
 KERNELS = {
     # one path for every m; a few m so that grouping by expert is exercised
     "reference": Kernel("moe_reference.c", F32, {}, lambda d: (2,)),
-    # m <= DECODE_M: codes converted in registers (KTFP8_FOR_M6); above, the first MR tokens stream
-    # the codes and keep the converted tile in scratch, MR tokens per pass over it after them
+    # m <= DECODE_M: codes converted in registers (KTFP8_FOR_M6); above, the first KEEP_M tokens
+    # stream the codes and keep the converted tile in scratch, MR tokens per pass over it after them
     # (KTFP8_FOR_M6 for the last one)
-    "avx2": Kernel("moe_avx2.c", F32, {"DECODE_M": 6, "MR": 6},
-                   lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
+    "avx2": Kernel("moe_avx2.c", F32, {"DECODE_M": 6, "MR": 6, "KEEP_M": 5},
+                   lambda d: (d["MR"], d["DECODE_M"] + 1, d["KEEP_M"] + d["MR"])),
     # m <= DECODE_M: codes converted in registers (KTFP8_FOR_M4); above, MR tokens per pass, the
     # first streaming the weights and keeping the converted tile in scratch for the others
     # (KTFP8_FOR_M5_TO_8 for the first, KTFP8_FOR_M8 for the last)

@@ -5,17 +5,17 @@
  * of 8 fp32 rows each, so one broadcast activation a[s] updates all 16 outputs:
  *   acc[n] += a[s] * w[n][s]                                  (vfmadd231ps, lanes n)
  *
- * FP8 -> fp32 by placing the code's bits (pair32 below): value * 2^-120.  The driver hands over the
+ * FP8 -> fp32 by placing the code's bits (pair_row below): value * 2^-120.  The driver hands over the
  * activations times 2^112 (layout.act_exp) and the packer folds 256 into the scales (scale_mul), so
  * each product is value * a / 256 exactly as the fp16 route of e4m3_f16.h gives it.  Rows holding a
  * NaN code (which this maps to 480 * 2^-120) get a NaN scale from the packer.
  * BF16 weights: their bits << 16 are the fp32 value, no scale, activations as they are.
  *
  * Decode (m <= DECODE_M): the codes stream once and are converted in registers, with software
- * prefetch and enough accumulators per token for the FMA latency.  Prefill: the first block of MR
- * tokens streams the codes in the same way and also stores each converted row into scratch (fp32
- * [k][16]); the later blocks sweep the scratch.  BF16 weights are converted per block (a shift per
- * weight costs less than the scratch round trip).
+ * prefetch and enough accumulators per token for the FMA latency.  Prefill: the first block of
+ * KEEP_M tokens streams the codes in the same way and also stores each converted row into scratch
+ * (fp32 [k][16]); the later blocks of MR tokens sweep the scratch.  BF16 weights are converted per
+ * block (a shift per weight costs less than the scratch round trip).
  * Per-channel scale once after the K reduction; block-wise per K block.
  *
  * Why the first block converts: a separate conversion pass over the tile (load, convert, store, then
@@ -36,15 +36,25 @@
 #include "ktfp8/variant.h"
 
 #define NB 16       /* rows per tile: two ymm of fp32 outputs */
-/* Tokens up to which the codes only stream, converted in registers; above, the first block of MR
- * tokens also keeps the converted tile for the others.  Measured here against a separate conversion
+/* Tokens up to which the codes only stream, converted in registers; above, the first block (KEEP_M
+ * tokens) also keeps the converted tile for the others.  Measured here against a separate conversion
  * pass into scratch followed by the sweep (Zen 3, 1 thread, E = 8 top-8 H = 2048 I = 768, every
  * token on every expert, the two paths interleaved in one process), streaming / scratch time:
  * m = 2: 0.67, 3: 0.70, 4: 0.77-0.80, 5: 0.94-1.06, 6: 0.86-0.93, 7: 0.87-1.02, 8..12: 0.95-1.04.
  * So one register block (MR = 6) streams; two blocks would read the codes twice for no gain. */
 #define DECODE_M 6
 #define MR 6        /* prefill register block: 6 tokens x 2 ymm = 12 accumulators of the 16 ymm */
-_Static_assert(DECODE_M >= MR, "tile_matmul's prefill branch runs a whole first block of MR tokens");
+/* Tokens of the prefill's first block, the one that converts the codes.  Its loop needs beside the
+ * 2 KEEP_M accumulators the code pair, the mask, a converted row (2 ymm) and a broadcast: with 6
+ * tokens that is 17 of the 16 ymm, and GCC 12 kept two accumulators on the stack, so that every K
+ * step waited on a store-to-load round trip in their FMA chains.  With 5 the loop has no stack
+ * access.  Measured as pair_row says, against the kernel before both changes (a first block of 6
+ * tokens, the up-front conversion), K = 2048 / 768: m = 7 0.92x / 0.95x, 8 0.88x / 0.84x, 10 0.97x /
+ * 0.90x, 12 1.01x / 1.01x, 14 0.90x / 0.87x; with the old conversion a block of 5 gained nothing
+ * (0.94x-1.09x).  The 6-token decode loop (m = 6) still spills, yet beat a first block of 5 and a
+ * sweep of 1 (that took 1.04x-1.09x). */
+#define KEEP_M 5
+_Static_assert(KEEP_M < DECODE_M && DECODE_M <= MR, "prefill (m > DECODE_M) starts with a whole first block");
 /* Software prefetch distance of the FP8 code stream.  Zen 3, benchmark layer, distances alternated
  * in one process, time against 2 KiB: T = 1 on 2 threads 4 KiB 0.94x / 0.96x (two runs), 8 KiB
  * 0.98x, 1 KiB 1.05x; 1 thread 4 KiB 0.98x; T = 64 4 KiB 0.97x.  (2 KiB and 4 KiB measured alike while
@@ -71,18 +81,31 @@ INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 r[2]) {
     }
 }
 
-/* FP8 tile rows s and s + 1 (s even: one 32-byte pair of the KTFP8_CODES_PAIRS32 packing) as
- * r[v][h] = row s + v, tile rows 8h .. 8h + 7, each weight times 2^-120.
+/* The 32 codes of FP8 tile rows s and s + 1 (s even), for pair_row. */
+INLINE __m256i code_pair(const void *codes, int64_t s) {
+    return _mm256_loadu_si256((const __m256i *)((const uint8_t *)codes + s * NB));
+}
+
+/* FP8 tile row s + v of the 32-byte pair c of rows s, s + 1 (s even: the KTFP8_CODES_PAIRS32
+ * packing) as r[h] = tile rows 8h .. 8h + 7, each weight times 2^-120.
  *
  * The code S.EEEE.MMM placed as the float S.0000EEEE.MMM0...0 is its value times 2^-120, exactly:
  * the biases differ by 120 (127 and 7), and the e4m3 subnormals m * 2^-9 land on the float
  * subnormals m * 2^-129.  One 16-bit shift builds the upper halves of two such floats: a code in the
  * high byte of a word, >> 4 arithmetic, puts S in bit 15 (and copies it into 14..11) and EEEE.MMM in
- * 10..4, and the AND with 0x87F0 clears the copies and the 4 bits shifted in from the low byte.  Each
- * dword holds 4 codes (the packing: byte 3 - v - 2h of dword i is row s + v, tile row 8h + i): the
- * words' high bytes (3 and 1) are shifted as loaded, the low bytes (2 and 0) after << 8; then a
- * dword's upper word is its float once the lower one is cleared, and << 16 makes the lower one a
- * float.  5 shifts per 32 codes, the pipes' only other work being the broadcasts.
+ * 10..4.  Each dword holds 4 codes (the packing: byte 3 - v - 2h of dword i is row s + v, tile row
+ * 8h + i): row s is the words' high bytes (3 and 1), shifted as loaded, row s + 1 the low bytes (2
+ * and 0), shifted after << 8.  Then the AND with 0x87F00000 keeps S and EEEE.MMM of the dword's
+ * upper word and clears the rest (the sign copies, the 4 bits shifted in from the low byte, the lower
+ * word): the float of byte 3 (or 2); after << 16 the same AND makes the lower word the float of byte
+ * 1 (or 0).  Per 32 codes 5 shifts and 4 ANDs with one constant.
+ * A row at a time, just before its FMAs, so that two converted vectors and the code pair are live
+ * beside the accumulators.  Converting the pair up front, with a second mask (0xFFFF0000) for the
+ * upper floats, GCC 12 kept accumulators of the 3-, 4- and 5-token loops on the stack, each K step
+ * then waiting on a store-to-load round trip in their FMA chains; now those loops have no stack
+ * access.  Measured on Zen 3 (one thread, tiles streamed from DRAM as the driver hands them out,
+ * both forms alternated in one process, time against the up-front form, K = 2048 / 768): m = 3
+ * 0.84x / 0.85x, m = 4 0.95x / 0.94x, m = 5 0.73x / 0.90x; m = 1 and 6 within 2 %, m = 2 1.02x.
  *
  * Why not the fp16 route (vcvtph2ps) of e4m3_f16.h: on Zen 3 the decode loop is bound by the two FP
  * pipes that shift and shuffle, and this takes fewer of their slots per code.  Measured there, m = 1,
@@ -96,15 +119,11 @@ INLINE void row16(const enum wsrc src, const void *w, int64_t s, __m256 r[2]) {
  * codes: a per-channel scale puts the row's largest at 448, 2^15 above them; about 1e-4 of a
  * quantized Gaussian.  Whether Intel cores take a microcode assist for a subnormal FMA input has not
  * been measured.) */
-INLINE void pair32(const uint8_t *codes, int64_t s, __m256 r[2][2]) {
-    const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + s * NB));
-    const __m256i sign_exp_man = _mm256_set1_epi16((short)0x87F0), upper = _mm256_set1_epi32((int)0xFFFF0000);
-    const __m256i bytes31 = _mm256_and_si256(_mm256_srai_epi16(c, 4), sign_exp_man);
-    const __m256i bytes20 = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(c, 8), 4), sign_exp_man);
-    r[0][0] = _mm256_castsi256_ps(_mm256_and_si256(bytes31, upper));  /* byte 3: row s, tile rows 0-7 */
-    r[0][1] = _mm256_castsi256_ps(_mm256_slli_epi32(bytes31, 16));     /* byte 1: row s, tile rows 8-15 */
-    r[1][0] = _mm256_castsi256_ps(_mm256_and_si256(bytes20, upper));  /* byte 2: row s + 1, tile rows 0-7 */
-    r[1][1] = _mm256_castsi256_ps(_mm256_slli_epi32(bytes20, 16));     /* byte 0: row s + 1, tile rows 8-15 */
+INLINE void pair_row(const __m256i c, const int v, __m256 r[2]) {
+    const __m256i float_bits = _mm256_set1_epi32((int)0x87F00000); /* S and EEEE.MMM of an upper word */
+    const __m256i words = _mm256_srai_epi16(v == 0 ? c : _mm256_slli_epi16(c, 8), 4);
+    r[0] = _mm256_castsi256_ps(_mm256_and_si256(words, float_bits));                        /* byte 3 - v */
+    r[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(words, 16), float_bits)); /* byte 1 - v */
 }
 
 /* Converted tile row s into keep[s][16] (SRC_FP8_KEEP; a no-op for the other sources). */
@@ -155,9 +174,10 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
 #pragma GCC unroll 2
                 for (int g = 0; g < G; g += 2) {
                     __m256 r[2][2];
-                    pair32((const uint8_t *)w, s + g, r);
+                    const __m256i c = code_pair(w, s + g);
 #pragma GCC unroll 2
                     for (int v = 0; v < 2; v++) {
+                        pair_row(c, v, r[v]);
                         keep_row(src, keep, s + g + v, r[v]);
                         fma_step(acc[(g + v) % U], r[v], a03, a36, stride, M, s + g + v);
                     }
@@ -166,8 +186,9 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
         }
         for (; s < s1; s += 2) { /* a block that is not a multiple of G steps: its last pair */
             __m256 r[2][2];
-            pair32((const uint8_t *)w, s, r);
+            const __m256i c = code_pair(w, s);
             for (int v = 0; v < 2; v++) {
+                pair_row(c, v, r[v]);
                 keep_row(src, keep, s + v, r[v]);
                 fma_step(acc[0], r[v], a03, a36, stride, M, s + v);
             }
@@ -255,9 +276,9 @@ static void tile_matmul(const ktfp8_tile_job *j) {
 #define DECODE(M_) tile_rows(j, SRC_FP8, j->w, (const float *)j->a, j->c, M_)
         KTFP8_FOR_M6(j->m, DECODE)
 #undef DECODE
-    } else { /* m > MR: the first block converts the tile into scratch, the others reuse it */
-        tile_rows(j, SRC_FP8_KEEP, j->w, (const float *)j->a, j->c, MR);
-        sweep(j, SRC_F32, j->scratch, MR);
+    } else { /* the first KEEP_M tokens convert the tile into scratch, the others reuse it */
+        tile_rows(j, SRC_FP8_KEEP, j->w, (const float *)j->a, j->c, KEEP_M);
+        sweep(j, SRC_F32, j->scratch, KEEP_M);
     }
 }
 

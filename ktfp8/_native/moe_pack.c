@@ -78,7 +78,7 @@ static int code_pos(int order, int i) {
     }
     if (order == KTFP8_CODES_PAIRS32) {
         /* 32 bytes = K steps s (v = 0) and s + 1 (v = 1) of the 16 rows (NB 16, KP 1); moe_avx2.c's
-         * pair32 makes 4 vectors of 8 rows from the 4 bytes of each dword: byte 3 - v - 2h of dword
+         * pair_row makes 4 vectors of 8 rows from the 4 bytes of each dword: byte 3 - v - 2h of dword
          * i is step v, row 8h + i. */
         const int group = i / 32, v = (i % 32) / 16, row = i % 16;
         return 32 * group + 4 * (row % 8) + 3 - v - 2 * (row / 8);
