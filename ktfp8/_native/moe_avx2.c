@@ -105,7 +105,8 @@ INLINE __m256i code_pair(const void *codes, int64_t s) {
  * then waiting on a store-to-load round trip in their FMA chains; now those loops have no stack
  * access.  Measured on Zen 3 (one thread, tiles streamed from DRAM as the driver hands them out,
  * both forms alternated in one process, time against the up-front form, K = 2048 / 768): m = 3
- * 0.84x / 0.85x, m = 4 0.95x / 0.94x, m = 5 0.73x / 0.90x; m = 1 and 6 within 2 %, m = 2 1.02x.
+ * 0.84x / 0.85x, m = 4 0.95x / 0.94x, m = 5 0.73x / 0.90x; m = 1 1.01x / 0.88x, m = 2 1.02x /
+ * 1.02x, m = 6 1.02x / 0.98x.
  *
  * Why not the fp16 route (vcvtph2ps) of e4m3_f16.h: on Zen 3 the decode loop is bound by the two FP
  * pipes that shift and shuffle, and this takes fewer of their slots per code.  Measured there, m = 1,
