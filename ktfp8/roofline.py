@@ -19,6 +19,8 @@ UNIT_FIELDS = {"amx": "amx_gflops", "dpbf16": "dpbf16_gflops", "fma512": "fma512
 UNIT_NAMES = {"amx": "AMX tdpbf16ps", "dpbf16": "vdpbf16ps", "fma512": "FP32 FMA zmm", "fma": "FP32 FMA"}
 # the unit each backend's large-T path computes on; every other backend uses FP32 FMA on ymm
 BACKEND_UNITS = {"amx": "amx", "avx512_bf16": "dpbf16", "avx512": "fma512"}
+# compute unit -> its peak probe in _ext (each returns 0.0 where this CPU or build cannot run it)
+UNIT_PROBES = {"amx": "probe_tdpbf16", "dpbf16": "probe_dpbf16", "fma512": "probe_fma512", "fma": "probe_fma"}
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,15 @@ def _peak(probe, threads, repeats=5, seconds=0.05):
     return statistics.median(rates)
 
 
+def unit_peak(unit, threads=None, repeats=5):
+    """Median GFLOP/s of `unit`'s peak probe on `threads` threads; 0.0 where it cannot run here."""
+    return _peak(getattr(_ext, UNIT_PROBES[unit]), backends.default_threads(threads), repeats)
+
+
 def measure(threads=None, nbytes=1 << 30):
     threads = backends.default_threads(threads)
     return Roofline(threads=threads, read_gbs=read_bandwidth(threads, nbytes),
-                    fma_gflops=_peak(_ext.probe_fma, threads),
-                    dpbf16_gflops=_peak(_ext.probe_dpbf16, threads) or None,
-                    amx_gflops=_peak(_ext.probe_tdpbf16, threads) or None,
-                    fma512_gflops=_peak(_ext.probe_fma512, threads) or None)
+                    fma_gflops=unit_peak("fma", threads),
+                    dpbf16_gflops=unit_peak("dpbf16", threads) or None,
+                    amx_gflops=unit_peak("amx", threads) or None,
+                    fma512_gflops=unit_peak("fma512", threads) or None)

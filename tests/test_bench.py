@@ -320,6 +320,53 @@ def test_interleaved_decode_goals_are_medians_of_per_round_ratios_from_the_recor
     assert "not measured decode T=1: FP8 per-channel faster than BF16" in report.goals_lines(goals)
 
 
+def test_interleaved_roofline_goals_are_medians_of_per_round_ratios_from_the_recorded_numbers():
+    from ktfp8.bench import interleaved
+    from ktfp8.bench.run import Plan
+    backend = ktfp8.available_backends()[0]
+    res = interleaved.measure(TINY, backend, [1, 2], ("fp8_per_channel",), probe_bytes=1 << 20, walk_bytes=0,
+                              walk_memory_bytes=1 << 30, roof_tokens=(64, 512), rounds=0, roof_rounds=3,
+                              roof_calls={64: 2, 512: 1}, log=lambda msg: None)
+    assert res["rounds"] == [] and set(res["roofline"]) == {"64", "512"}
+    unit = roofline.backend_unit(backend)
+    for t, calls in ((64, 2), (512, 1)):
+        entry = res["roofline"][str(t)]
+        assert entry["unit"] == unit and entry["flops"] == 2 * t * 2 * 3 * 64 * 32  # top-2, 3 projections
+        assert len(entry["rounds"]) == 3 and all(set(rec) == {"1", "2"} for rec in entry["rounds"])
+        over, peak_frac, roof_frac = [], [], []
+        for rec in entry["rounds"]:
+            for by_n in rec.values():
+                assert by_n["read_gbs"] > 0 and by_n["peak_gflops"] > 0 and len(by_n["samples_ms"]) == calls
+                assert by_n["ms"] == pytest.approx(float(np.median(by_n["samples_ms"])))
+            seconds = min(v["ms"] for v in rec.values()) / 1e3
+            memory_s = entry["active_bytes"] / (max(v["read_gbs"] for v in rec.values()) * 1e9)
+            compute_s = entry["flops"] / (max(v["peak_gflops"] for v in rec.values()) * 1e9)
+            over.append(seconds / memory_s)
+            peak_frac.append(compute_s / seconds)
+            roof_frac.append(max(memory_s, compute_s) / seconds)
+        fig = res["figures"]["roofline"][str(t)]
+        assert fig == {"over_memory_floor": pytest.approx(float(np.median(over))),
+                       "peak_fraction": pytest.approx(float(np.median(peak_frac))),
+                       "roofline_fraction": pytest.approx(float(np.median(roof_frac)))}
+    json.dumps(res)  # stored as is in bench-results.json
+    # goals 2 and 3 take these figures, not the rows'
+    rows = [_row(f"ktfp8 {backend}", "fp8_per_channel", 64, 1.0), _row(f"ktfp8 {backend}", "fp8_per_channel", 512, 1.0)]
+    goals = report.goals(rows, _limits(), "L", backend, res)
+    memory, prefill = goals[4], goals[6]
+    assert memory["goal"].startswith("T=64: time over the memory floor")
+    assert memory["measured"] == res["figures"]["roofline"]["64"]["over_memory_floor"]
+    assert "interleaved: 3 rounds" in memory["note"] and "2 T=64 calls" in memory["note"]
+    assert prefill["measured"] == res["figures"]["roofline"]["512"]["peak_fraction"]
+    assert "interleaved: 3 rounds" in prefill["note"]
+    # a plan without T=1 still measures T=64, and the decode goals say why they are not measured
+    plan = Plan(layers=[TINY], tokens=[64], threads=[1], backends=[backend], walk_bytes=0)
+    res = interleaved.run(plan, TINY, backend, log=lambda msg: None)
+    assert set(res["roofline"]) == {"64"} and len(res["roofline"]["64"]["rounds"]) == interleaved.ROOF_ROUNDS
+    goals = report.goals([], {"1": _limits()["1"]}, "L", backend, res)
+    assert [g["note"] for g in goals[:3]] == ["T=1 is not in the plan (--tokens)"] * 3
+    assert goals[3]["measured"] == res["figures"]["roofline"]["64"]["over_memory_floor"]
+
+
 @pytest.mark.parametrize("change, reason", [
     (dict(tokens=[4]), "T=1 is not in the plan"),
     (dict(formats=("bf16",)), "fp8_per_channel is not in the plan"),

@@ -107,6 +107,11 @@ INLINE __m256i code_pair(const void *codes, int64_t s) {
  * both forms alternated in one process, time against the up-front form, K = 2048 / 768): m = 3
  * 0.84x / 0.85x, m = 4 0.95x / 0.94x, m = 5 0.73x / 0.90x; m = 1 1.01x / 0.88x, m = 2 1.02x /
  * 1.02x, m = 6 1.02x / 0.98x.
+ * Loading row s + 1 from one byte before the pair instead (its bytes then sit in the words' high
+ * bytes: 4 shifts per 32 codes instead of 5, and 4 vector stack accesses per iteration of the
+ * 6-token loop instead of 10; the packed buffer needs a readable byte before its first tile) measured
+ * no better, benchmark layer, alternated in one process: T = 64 0.99x-1.02x, T = 1 1.05x-1.11x on 1
+ * thread.
  *
  * Why not the fp16 route (vcvtph2ps) of e4m3_f16.h: on Zen 3 the decode loop is bound by the two FP
  * pipes that shift and shuffle, and this takes fewer of their slots per code.  Measured there, m = 1,

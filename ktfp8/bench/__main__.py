@@ -3,8 +3,9 @@
 Prints the results table (fractions of the measured roofline), ktfp8's speed-ups, scaling tables and
 the goals, and writes bench-results.json, bench-results.txt and bench-results.png into --out (default:
 this folder).  Every side walks distinct copies of the layer totalling at least 4x the L3 cache, as a
-model's forward walks its layers, so weights come from DRAM.  The decode goals come from an interleaved
-step after the table (interleaved.py), not from its rows."""
+model's forward walks its layers, so weights come from DRAM.  The goals that set a measurement against
+another or against a limit (decode at T=1, T=64 against the memory floor, T=512 against the compute
+peak) come from an interleaved step after the table (interleaved.py), not from its rows."""
 import argparse
 import dataclasses
 import datetime
@@ -135,8 +136,8 @@ def main(argv=None):
     rows = runner.results
     goal_layer = L.BENCH_LAYER.name if any(r["layer"] == L.BENCH_LAYER.name for r in rows) else None
     default = backends.resolve_backend(None)
-    decode = interleaved.run(plan, L.BENCH_LAYER, default, log=lambda msg: print(msg, flush=True))
-    goal_rows = report.goals(rows, limits, goal_layer, default, decode) if goal_layer else []
+    side_by_side = interleaved.run(plan, L.BENCH_LAYER, default, log=lambda msg: print(msg, flush=True))
+    goal_rows = report.goals(rows, limits, goal_layer, default, side_by_side) if goal_layer else []
     results = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         ktfp8=__version__, machine=_machine(), versions=runner.versions, limits=limits, default_backend=default,
@@ -147,7 +148,7 @@ def main(argv=None):
         timing=("median wall time of one call (routing freshly drawn per call, calls walking the side's "
                 "copies of the layer in turn, one warm-up call first); kt-kernel: submit + sync of one "
                 "forward_task, its worker pool (shared by its copies) built per thread count"),
-        results=rows, skipped=runner.skipped, speedups=report.speedups(rows), interleaved_decode=decode,
+        results=rows, skipped=runner.skipped, speedups=report.speedups(rows), interleaved=side_by_side,
         goals=goal_rows)
     machine = results["machine"]
     header = (f"{machine['cpu']}: {machine['cores']} cores, L3 {machine['l3_mib']:.0f} MiB, {machine['ram_gb']} GiB; "
