@@ -6,7 +6,7 @@ floor of a call is max(bytes it must read / read bandwidth, its FLOPs / the peak
 computes on)."""
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import numpy as np
@@ -105,6 +105,14 @@ def _peak(probe, threads, repeats=5, seconds=0.05):
 def unit_peak(unit, threads=None, repeats=5):
     """Median GFLOP/s of `unit`'s peak probe on `threads` threads; 0.0 where it cannot run here."""
     return _peak(getattr(_ext, UNIT_PROBES[unit]), backends.default_threads(threads), repeats)
+
+
+def best_of(a, b):
+    """Field by field the higher of two Rooflines of one thread count: a limit is what the machine
+    can do, and a lower reading is another tenant's load, not the machine."""
+    def higher(x, y):
+        return y if x is None else x if y is None else max(x, y)
+    return Roofline(**{f.name: higher(getattr(a, f.name), getattr(b, f.name)) for f in fields(a)})
 
 
 def measure(threads=None, nbytes=1 << 30):

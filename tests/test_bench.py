@@ -245,6 +245,16 @@ def test_roofline_units():
     assert roofline.best_unit(_limits(amx=1000.0)["2"]) == "amx"
 
 
+def test_limits_keep_each_figures_best_reading():
+    a = roofline.Roofline(threads=2, read_gbs=20.0, fma_gflops=95.0, dpbf16_gflops=None, amx_gflops=None,
+                          fma512_gflops=None)
+    b = roofline.Roofline(threads=2, read_gbs=18.0, fma_gflops=182.0, dpbf16_gflops=None, amx_gflops=None,
+                          fma512_gflops=None)
+    assert roofline.best_of(a, b) == roofline.Roofline(threads=2, read_gbs=20.0, fma_gflops=182.0, dpbf16_gflops=None)
+    c = roofline.Roofline(threads=2, read_gbs=1.0, fma_gflops=1.0, dpbf16_gflops=50.0)
+    assert roofline.best_of(b, c).dpbf16_gflops == 50.0 and roofline.best_of(c, b).read_gbs == 18.0
+
+
 def test_goals_are_the_issues_four_on_the_default_backend():
     rows = [_row("ktfp8 avx2", "fp8_per_channel", 1, 2.0), _row("ktfp8 avx2", "fp8_per_channel", 1, 5.0, threads=1),
             _row("ktfp8 avx2", "bf16", 1, 3.0), _row("ktfp8 avx2", "fp8_block", 1, 2.0),

@@ -174,15 +174,23 @@ def time_calls(side, x, draws, budget_seconds):
     return samples
 
 
+# Passes over every thread count's limits before the table, each figure keeping its best: one pass
+# on this VM once read a 2-thread FMA peak of 95 GFLOP/s (182 in other minutes), which put the
+# table's T=64 rows above 100 % of the peak.
+LIMIT_PASSES = 3
+
+
 class Runner:
     def __init__(self, plan, log=print):
         self.plan, self.log = plan, log
         self.results, self.skipped, self.limits, self.versions = [], [], {}, {}
 
     def run(self):
-        for n in self.plan.threads:
-            self.log(f"measuring this machine's limits with {n} thread(s) ...")
-            self.limits[n] = roofline.measure(threads=n, nbytes=self.plan.read_buffer_bytes)
+        for p in range(LIMIT_PASSES):
+            for n in self.plan.threads:
+                self.log(f"measuring this machine's limits with {n} thread(s) (pass {p + 1} of {LIMIT_PASSES}) ...")
+                lim = roofline.measure(threads=n, nbytes=self.plan.read_buffer_bytes)
+                self.limits[n] = roofline.best_of(self.limits[n], lim) if n in self.limits else lim
         for layer in self.plan.layers:
             for fmt in self.plan.formats:
                 self._run_format(layer, fmt)
