@@ -339,6 +339,7 @@ def test_interleaved_roofline_goals_are_medians_of_per_round_ratios_from_the_rec
                               roof_calls={64: 2, 512: 1}, log=lambda msg: None)
     assert res["rounds"] == [] and set(res["roofline"]) == {"64", "512"}
     unit = roofline.backend_unit(backend)
+    probed = roofline.unit_peak(unit, 1, repeats=1) > 0
     for t, calls in ((64, 2), (512, 1)):
         entry = res["roofline"][str(t)]
         assert entry["unit"] == unit and entry["flops"] == 2 * t * 2 * 3 * 64 * 32  # top-2, 3 projections
@@ -346,17 +347,18 @@ def test_interleaved_roofline_goals_are_medians_of_per_round_ratios_from_the_rec
         over, peak_frac, roof_frac = [], [], []
         for rec in entry["rounds"]:
             for by_n in rec.values():
-                assert by_n["read_gbs"] > 0 and by_n["peak_gflops"] > 0 and len(by_n["samples_ms"]) == calls
+                assert by_n["read_gbs"] > 0 and len(by_n["samples_ms"]) == calls
+                assert (by_n["peak_gflops"] > 0) == probed  # 0.0: the unit's probe cannot run here
                 assert by_n["ms"] == pytest.approx(float(np.median(by_n["samples_ms"])))
             seconds = min(v["ms"] for v in rec.values()) / 1e3
             memory_s = entry["active_bytes"] / (max(v["read_gbs"] for v in rec.values()) * 1e9)
-            compute_s = entry["flops"] / (max(v["peak_gflops"] for v in rec.values()) * 1e9)
+            compute_s = entry["flops"] / (max(v["peak_gflops"] for v in rec.values()) * 1e9) if probed else 0.0
             over.append(seconds / memory_s)
             peak_frac.append(compute_s / seconds)
             roof_frac.append(max(memory_s, compute_s) / seconds)
         fig = res["figures"]["roofline"][str(t)]
         assert fig == {"over_memory_floor": pytest.approx(float(np.median(over))),
-                       "peak_fraction": pytest.approx(float(np.median(peak_frac))),
+                       "peak_fraction": pytest.approx(float(np.median(peak_frac))) if probed else None,
                        "roofline_fraction": pytest.approx(float(np.median(roof_frac)))}
     json.dumps(res)  # stored as is in bench-results.json
     # goals 2 and 3 take these figures, not the rows'
