@@ -147,16 +147,21 @@ def measure_roofline(walk, layer, backend, threads, tokens, probe_buf, rounds, c
                 rounds=out)
 
 
+def round_best(record):
+    """One roofline round at its fastest thread count against its best probes (the bus with all
+    threads, the unit's peak): (ms, read GB/s, peak GFLOP/s)."""
+    return (min(v["ms"] for v in record.values()), max(v["read_gbs"] for v in record.values()),
+            max(v["peak_gflops"] for v in record.values()))
+
+
 def roofline_figures(entry):
-    """Goals 2 and 3 from one T of the roofline rounds: medians over rounds of that round's ratio, each
-    round at its fastest thread count against its best probes (the bus with all threads, the unit's
-    peak): time over the memory floor, fraction of the unit's peak, fraction of the roofline."""
+    """Goals 2 and 3 from one T of the roofline rounds: medians over rounds of that round's ratio
+    (round_best): time over the memory floor, fraction of the unit's peak, fraction of the roofline."""
     def per_round(rec):
-        ms = min(v["ms"] for v in rec.values()) / 1e3
-        memory_s = entry["active_bytes"] / (max(v["read_gbs"] for v in rec.values()) * 1e9)
-        peak = max(v["peak_gflops"] for v in rec.values()) * 1e9
-        compute_s = entry["flops"] / peak if peak else 0.0
-        return ms / memory_s, compute_s / ms if peak else None, max(memory_s, compute_s) / ms
+        ms, read, peak = round_best(rec)
+        seconds, memory_s = ms / 1e3, entry["active_bytes"] / (read * 1e9)
+        compute_s = entry["flops"] / (peak * 1e9) if peak else 0.0
+        return seconds / memory_s, compute_s / seconds if peak else None, max(memory_s, compute_s) / seconds
     rounds = [per_round(rec) for rec in entry["rounds"]]
     peak_fractions = [r[1] for r in rounds if r[1] is not None]
     return dict(over_memory_floor=statistics.median(r[0] for r in rounds),

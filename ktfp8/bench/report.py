@@ -5,7 +5,7 @@ and threads, and the goals."""
 import statistics
 
 from .. import roofline
-from .interleaved import best_ms
+from .interleaved import best_ms, round_best
 
 PC = "fp8_per_channel"
 
@@ -233,13 +233,8 @@ def roofline_goal_figures(interleaved, tokens):
     if not entry:
         return None
     rounds = entry["rounds"]
-
-    def median(value):
-        return statistics.median(value(rec) for rec in rounds)
-
-    ms = median(lambda rec: min(v["ms"] for v in rec.values()))
-    read = median(lambda rec: max(v["read_gbs"] for v in rec.values()))
-    peak = median(lambda rec: max(v["peak_gflops"] for v in rec.values()))
+    best = [round_best(rec) for rec in rounds]
+    ms, read, peak = (statistics.median(b[i] for b in best) for i in range(3))
     memory_ms = entry["active_bytes"] / (read * 1e9) * 1e3
     return dict(figures=interleaved["figures"]["roofline"][str(tokens)], ms=ms, memory_ms=memory_ms,
                 floor_ms=max(memory_ms, entry["flops"] / (peak * 1e9) * 1e3 if peak else 0.0),
