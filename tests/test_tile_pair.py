@@ -4,23 +4,25 @@ The driver hands a kernel two weight tiles over the same activations (gate and u
 tiles) through tile_matmul2 when the kernel has one.  The outputs must not depend on that: each
 tile's sums in the same order as its own tile_matmul, so a forward gives the same bits whichever
 way the driver groups its tiles.  Comparing MoE outputs cannot show it once the driver pairs
-everywhere, so this calls one job pair directly (ktfp8._native._testing.tile_pair) on the emulated
-variants, at every token count where the kernels change path, in every weight format.  The
-weights need no packing for this: any bytes are a tile (codes without the NaN codes, bf16 values
-without NaN), so the outputs are finite, differ between the two tiles, and overwrite the NaN
-they start as."""
+everywhere, so this calls one job pair directly (ktfp8._native._testing.tile_pair) on every
+pairing variant this machine runs, native or emulated, at every token count where the kernels
+change path, in every weight format.  The weights need no packing for this: any bytes are a tile
+(codes without the NaN codes, bf16 values without NaN), so the outputs are finite, differ between
+the two tiles, and overwrite the NaN they start as."""
 import numpy as np
 import pytest
 
 from ktfp8 import backends
 from ktfp8.moe import _FORMAT_CODES
-from kernel_tester import KERNELS, token_counts
+from kernel_tester import F32, KERNELS, kernel, token_counts
 
 _testing = pytest.importorskip("ktfp8._native._testing",
                                reason="the test module is not built (KTFP8_ENABLE_EMULATED=OFF)")
 
-# variants whose kernel has a tile_matmul2 (amx's hands m < AMX_MIN_M to avx512_bf16's)
-PAIRED = [v for v in ("avx512_bf16_emulated", "amx_emulated") if v in backends.usable_variants()]
+# variants whose kernel has a tile_matmul2 (amx's hands m < AMX_MIN_M to avx512_bf16's), native
+# where this CPU runs them, emulated otherwise
+PAIRED = [v for v in ("avx2", "avx512_bf16", "amx", "avx512_bf16_emulated", "amx_emulated")
+          if v in backends.usable_variants()]
 NB = 16
 # 192: six 32-K AMX slabs, 96 pairs; 32: one slab (the smallest padded K: a ring of slabs must not
 # outgrow the scratch of a whole tile)
@@ -33,12 +35,26 @@ FORMATS = {"per_channel": ("fp8_per_channel", 0), "block34": ("fp8_block", 34), 
 BF16 = _FORMAT_CODES["bf16"]
 
 
-def token_counts_of_both():
-    """Every m at which avx512_bf16 or amx changes path or fills a register block, every decode m
-    (each its own register blocking), and m at which the two-tile passes (MR / 2 tokens) fill."""
+def pair_token_counts(variant):
+    """Every m at which the variant's kernel (with amx, avx512_bf16's too) changes path or fills a
+    register block, every decode m (each its own register blocking), and, on the AVX-512 units, m at
+    which the two-tile passes (MR / 2 tokens) fill."""
+    unit = variant.removesuffix("_emulated")
+    if unit == "avx2":
+        d = KERNELS["avx2"].defines
+        return sorted(set(token_counts("avx2")) | set(range(1, d["DECODE_M"] + 1)))
     d = KERNELS["avx512_bf16"].defines
     return sorted(set(token_counts("avx512_bf16")) | set(token_counts("amx")) | set(range(1, d["DECODE_M"] + 1))
                   | {d["MR"] // 2 + 1, d["MR"] + d["MR"] // 2 + 1})
+
+
+def random_activations(rng, variant, n):
+    """n activations as raw bytes of the variant kernel's: bfloat16 bits, or float32 times 2^112
+    (the scaling the driver applies for the FP32 kernels' FP8 conversion, layout.act_exp)."""
+    a = rng.standard_normal(n).astype(np.float32)
+    if kernel(variant).act is F32:
+        return np.ldexp(a, 112).astype(np.float32).view(np.uint8)
+    return (a.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
 
 
 def random_tile(rng, fmt, K):
@@ -57,17 +73,18 @@ def test_paired_tiles_give_the_bits_of_single_tiles(variant, fmt, K):
     name, block_k = FORMATS[fmt]
     code = _FORMAT_CODES[name]
     n_kblocks = -(-K // block_k) if block_k else 1
+    v = backends.variant(variant)
     rng = np.random.default_rng(code * 100 + block_k)
     w = [random_tile(rng, code, K) for _ in range(2)]
     s = [rng.uniform(0.5, 2.0, NB * n_kblocks).astype(np.float32) for _ in range(2)]
     a_stride = K + 32  # rows not back to back, as the driver's gathered rows
-    for m in token_counts_of_both():
-        a = (rng.standard_normal(m * a_stride).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    for m in pair_token_counts(variant):
+        a = random_activations(rng, variant, m * a_stride)
         out = {}
         for paired in (True, False):
             c = [np.full(m * NB, np.nan, np.float32) for _ in range(2)]
-            _testing.tile_pair(variant, paired, code, K, block_k, n_kblocks, w[0], w[1], s[0], s[1],
-                               a.view(np.uint8), a_stride, m, c[0], c[1])
+            _testing.tile_pair(v, paired, code, K, block_k, n_kblocks, w[0], w[1], s[0], s[1],
+                               a, a_stride, m, c[0], c[1])
             assert all(np.isfinite(ci).all() for ci in c), (m, paired)
             out[paired] = c
         assert not np.array_equal(out[True][0], out[True][1]), m
@@ -83,7 +100,6 @@ def test_tile_pair_refuses_jobs_its_buffers_do_not_fit():
     a = np.zeros(2 * K, np.uint8)
     c = np.zeros(NB, np.float32)
     per_channel = _FORMAT_CODES["fp8_per_channel"]
-    with pytest.raises(ValueError, match="do not fit"):  # m = 2 rows of output, c holds one
-        _testing.tile_pair("avx512_bf16_emulated", True, per_channel, K, 0, 1, w, w, s, s, a, K, 2, c, c)
-    with pytest.raises(ValueError, match="do not fit"):
-        _testing.tile_pair("no_such_variant", True, per_channel, K, 0, 1, w, w, s, s, a, K, 1, c, c)
+    for variant in PAIRED:
+        with pytest.raises(ValueError, match="do not fit"):  # m = 2 rows of output, c holds one
+            _testing.tile_pair(backends.variant(variant), True, per_channel, K, 0, 1, w, w, s, s, a, K, 2, c, c)

@@ -1,14 +1,16 @@
 # cython: language_level=3
 """Test-only native code, kept out of the package's import (as NumPy keeps _umath_tests): the
-*_emulated variants, a hook into the AMX tile emulation and one into an emulated variant's
-micro-kernel.  Built with the test suite's build (KTFP8_ENABLE_EMULATED not OFF); ktfp8.backends
-loads it only when an emulated variant is named or listed."""
+*_emulated variants, a hook into the AMX tile emulation and one into a variant's micro-kernel.
+Built with the test suite's build (KTFP8_ENABLE_EMULATED not OFF); ktfp8.backends loads it only
+when an emulated variant is named or listed."""
 
 from libc.stdint cimport int64_t, uint8_t
-from cpython.pycapsule cimport PyCapsule_New
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_New
 
 cdef extern from "ktfp8/dispatch.h":
     ctypedef struct ktfp8_variant_entry:
+        pass
+    ctypedef struct ktfp8_variant:
         pass
 
 cdef extern from *:
@@ -18,7 +20,7 @@ cdef extern from *:
                                     size_t c_bytes, const void *av, long a_stride, size_t a_bytes,
                                     const void *bv, long b_stride, size_t b_bytes, void *out,
                                     size_t out_bytes);
-    int ktfp8_testing_tile_pair(const char *variant, int paired, int format, int64_t k, int64_t block_k,
+    int ktfp8_testing_tile_pair(const ktfp8_variant *variant, int paired, int format, int64_t k, int64_t block_k,
                                 int64_t n_kblocks, const void *const w[2], const size_t w_bytes[2],
                                 const float *const scale[2], const size_t scale_bytes[2], const void *a,
                                 size_t a_bytes, int64_t a_stride, int64_t m, float *const c[2],
@@ -29,7 +31,7 @@ cdef extern from *:
                                     size_t c_bytes, const void *av, long a_stride, size_t a_bytes,
                                     const void *bv, long b_stride, size_t b_bytes, void *out,
                                     size_t out_bytes) nogil
-    int ktfp8_testing_tile_pair(const char *variant, int paired, int format, int64_t k, int64_t block_k,
+    int ktfp8_testing_tile_pair(const ktfp8_variant *variant, int paired, int format, int64_t k, int64_t block_k,
                                 int64_t n_kblocks, const void *const w[2], const size_t w_bytes[2],
                                 const float *const scale[2], const size_t scale_bytes[2], const void *a,
                                 size_t a_bytes, int64_t a_stride, int64_t m, float *const c[2],
@@ -60,14 +62,14 @@ def amx_emulated_dpbf16ps(const uint8_t[::1] cfg, int d, int a, int b, const uin
     return rc == 0
 
 
-def tile_pair(str variant, bint paired, int fmt, int64_t k, int64_t block_k, int64_t n_kblocks,
+def tile_pair(variant, bint paired, int fmt, int64_t k, int64_t block_k, int64_t n_kblocks,
               const uint8_t[::1] w0, const uint8_t[::1] w1, const float[::1] s0, const float[::1] s1,
               const uint8_t[::1] a, int64_t a_stride, int64_t m, float[::1] c0, float[::1] c1):
-    """Two micro-kernel jobs of an emulated variant (a CPU that runs it is the caller's check) over
-    the same activations a [m][a_stride] (raw bytes of the variant's act_dtype): weights w0, w1
-    (one packed tile each, raw bytes), scales s0, s1, outputs c0, c1 [m][rows_per_tile]; through
-    tile_matmul2 when `paired`, else as two tile_matmul calls (testing/tile_pair_hook.c).  An empty
-    buffer raises IndexError (bounds-checked [0])."""
+    """Two micro-kernel jobs of `variant` (a ktfp8.backends Variant, native or emulated, that this
+    CPU runs: the caller's check) over the same activations a [m][a_stride] (raw bytes of the
+    variant's act_dtype): weights w0, w1 (one packed tile each, raw bytes), scales s0, s1, outputs
+    c0, c1 [m][rows_per_tile]; through tile_matmul2 when `paired`, else as two tile_matmul calls
+    (testing/tile_pair_hook.c).  An empty buffer raises IndexError (bounds-checked [0])."""
     cdef const void *w[2]
     cdef const float *s[2]
     cdef float *c[2]
@@ -77,12 +79,12 @@ def tile_pair(str variant, bint paired, int fmt, int64_t k, int64_t block_k, int
     w[0], w[1], wb[0], wb[1] = &w0[0], &w1[0], w0.shape[0], w1.shape[0]
     s[0], s[1], sb[0], sb[1] = &s0[0], &s1[0], 4 * s0.shape[0], 4 * s1.shape[0]
     c[0], c[1], cb[0], cb[1] = &c0[0], &c1[0], 4 * c0.shape[0], 4 * c1.shape[0]
-    name = variant.encode("ascii")
-    cdef int rc = ktfp8_testing_tile_pair(name, paired, fmt, k, block_k, n_kblocks, w, wb, s, sb, &a[0],
+    cdef const ktfp8_variant *v = <const ktfp8_variant *>PyCapsule_GetPointer(variant._tables(), "ktfp8_variant")
+    cdef int rc = ktfp8_testing_tile_pair(v, paired, fmt, k, block_k, n_kblocks, w, wb, s, sb, &a[0],
                                           a.shape[0], a_stride, m, c, cb)
     if rc == -1:
-        raise ValueError(f"{variant!r}: not an emulated variant, or the buffers do not fit the jobs")
+        raise ValueError(f"{variant.name!r}: the buffers do not fit the jobs")
     if rc == -2:
-        raise AssertionError(f"{variant!r} wrote past tile_scratch_bytes(k = {k})")
+        raise AssertionError(f"{variant.name!r} wrote past tile_scratch_bytes(k = {k})")
     if rc == -3:
         raise MemoryError("tile_pair: scratch")

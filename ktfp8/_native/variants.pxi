@@ -1,7 +1,7 @@
 # The compiled variants as Python objects (dispatch.h): resolved once, then handed to the codec and
 # MoE seams, which call through their function tables without any lookup.
 
-from cpython.pycapsule cimport PyCapsule_GetPointer
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_New
 
 cdef extern from "ktfp8/dispatch.h":
     ctypedef struct ktfp8_variant_entry:
@@ -25,6 +25,10 @@ cdef class Variant:
     def act_dtype(self):
         """The activation dtype (KTFP8_F32 or KTFP8_BF16) this variant's micro-kernel reads."""
         return self.v.moe.act_dtype
+
+    def _tables(self):
+        """The variant's tables as a capsule ("ktfp8_variant"), for the test module's kernel hook."""
+        return PyCapsule_New(<void *>self.v, "ktfp8_variant", NULL)
 
     def __repr__(self):
         return f"<ktfp8 variant {self.name!r}{'' if self.usable else ' (not usable here)'}>"

@@ -1,4 +1,4 @@
-/* Test hook: one pair of micro-kernel jobs of an emulated variant (same activations, K and
+/* Test hook: one pair of micro-kernel jobs of a variant, native or emulated (same activations, K and
  * format; their own weights, scales and outputs), run through tile_matmul2 or as two tile_matmul
  * calls, so that the test suite can check the two give the same bits (tests/test_tile_pair.py):
  * a paired kernel must sum each output exactly as its one-tile path.  Baseline code: it only
@@ -8,29 +8,18 @@
 
 #include "ktfp8/dispatch.h"
 
-const ktfp8_variant_entry *ktfp8_emulated_variants(int *count);
-
 enum { GUARD = 64, GUARD_BYTE = 0xA5 }; /* bytes, at least, checked behind the scratch */
 
-/* The emulated variant called `name`, or NULL. */
-static const ktfp8_moe_kernel *kernel_named(const char *name) {
-    int count;
-    const ktfp8_variant_entry *table = ktfp8_emulated_variants(&count);
-    for (int i = 0; i < count; i++)
-        if (table[i].v.moe && strcmp(table[i].v.name, name) == 0) return table[i].v.moe;
-    return NULL;
-}
-
 /* w, scale, c: the two jobs' buffers; *_bytes their sizes, checked against what the jobs read and
- * write.  Returns 0; -1: unknown variant or a shape / buffer the jobs do not fit; -2: the kernel
+ * write.  Returns 0; -1: a shape / buffer the jobs do not fit; -2: the kernel
  * wrote past tile_scratch_bytes(k); -3: out of memory. */
-int ktfp8_testing_tile_pair(const char *variant, int paired, int format, int64_t k, int64_t block_k,
+int ktfp8_testing_tile_pair(const ktfp8_variant *variant, int paired, int format, int64_t k, int64_t block_k,
                             int64_t n_kblocks, const void *const w[2], const size_t w_bytes[2],
                             const float *const scale[2], const size_t scale_bytes[2], const void *a,
                             size_t a_bytes, int64_t a_stride, int64_t m, float *const c[2],
                             const size_t c_bytes[2]) {
-    const ktfp8_moe_kernel *kern = kernel_named(variant);
-    if (!kern || k <= 0 || k % KTFP8_K_ALIGN || m <= 0 || a_stride < k) return -1;
+    const ktfp8_moe_kernel *kern = variant->moe;
+    if (k <= 0 || k % KTFP8_K_ALIGN || m <= 0 || a_stride < k) return -1;
     if (format == KTFP8_FMT_FP8_BLOCK && (block_k <= 0 || block_k % 2 || n_kblocks <= 0 ||
                                           (n_kblocks - 1) * block_k >= k))
         return -1;
