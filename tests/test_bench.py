@@ -368,6 +368,10 @@ def test_interleaved_roofline_goals_are_medians_of_per_round_ratios_from_the_rec
     assert memory["goal"].startswith("T=64: time over the memory floor")
     assert memory["measured"] == res["figures"]["roofline"]["64"]["over_memory_floor"]
     assert "interleaved: 3 rounds" in memory["note"] and "2 T=64 calls" in memory["note"]
+    entry = res["roofline"]["64"]  # the note also names the compute floor: whether 1.5x is reachable
+    peak = float(np.median([max(v["peak_gflops"] for v in rec.values()) for rec in entry["rounds"]]))
+    compute_ms = entry["flops"] / (peak * 1e9) * 1e3 if probed else 0.0
+    assert f"compute floor {compute_ms:.2f} ms on the {roofline.UNIT_NAMES[unit]} peak" in memory["note"]
     assert prefill["measured"] == res["figures"]["roofline"]["512"]["peak_fraction"]
     assert "interleaved: 3 rounds" in prefill["note"]
     # a plan without T=1 still measures T=64, and the decode goals say why they are not measured
