@@ -65,6 +65,11 @@ _Static_assert(KEEP_M < DECODE_M && DECODE_M <= MR, "prefill (m > DECODE_M) star
  * the driver handed out single tiles, whose ends ran into other threads' tiles; see
  * KTFP8_AVX512_PREFETCH_BYTES.)  BF16 weights (twice the bytes per FMA) measured faster without it. */
 #define PREFETCH_BYTES 4096
+/* The same for each of dot_pair's two code streams.  Against 4 KiB, T = 1, alternated in one
+ * process: 8 KiB 0.95x-1.00x on 2 threads (four runs, median 0.97x) and 0.95x-0.99x on 1 (four,
+ * median 0.96x); 16 KiB 0.94x-0.98x (two runs each); 2 KiB 1.00x-1.09x; none 1.04x-1.12x.  8 KiB
+ * stays within a down tile (12 KiB at K = 768 here). */
+#define PAIR_PREFETCH_BYTES 8192
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -321,8 +326,9 @@ INLINE void pair_rows(const ktfp8_tile_job *const j[2], const enum wsrc src) {
     const int blockwise = j[0]->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t nkb = blockwise ? j[0]->n_kblocks : 1, block = blockwise ? j[0]->block_k : j[0]->k;
     const void *w[2] = {j[0]->w, j[1]->w};
-    const ktfp8_prefetch_ahead ahead[2] = {ktfp8_prefetch_ahead_of(w[0], j[0]->w_next, j[0]->k * NB, PREFETCH_BYTES),
-                                           ktfp8_prefetch_ahead_of(w[1], j[1]->w_next, j[1]->k * NB, PREFETCH_BYTES)};
+    const ktfp8_prefetch_ahead ahead[2] = {
+        ktfp8_prefetch_ahead_of(w[0], j[0]->w_next, j[0]->k * NB, PAIR_PREFETCH_BYTES),
+        ktfp8_prefetch_ahead_of(w[1], j[1]->w_next, j[1]->k * NB, PAIR_PREFETCH_BYTES)};
     __m256 res[2][1][2], sum[2][1][2];
     for (int i = 0; i < 2; i++) res[i][0][0] = res[i][0][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nkb; b++) {
