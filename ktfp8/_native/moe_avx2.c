@@ -226,10 +226,14 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
  * stream side by side and each broadcast activation feeds both.  The same accumulator for each K
  * step as dot's (U = 2, by the step's parity), so each tile's sums are dot's bit for bit.
  * Measured on Zen 3 against two tile_matmul calls (benchmark layer, weights from DRAM, both builds
- * alternated in one process), time at T = 1: FP8 per-channel 0.95x-1.01x on 2 threads (six runs,
- * median 0.98x), 0.99x-1.04x on 1 (three); block-wise 1.01x-1.02x (two); BF16 weights, which have
- * no software prefetch, 0.85x-0.90x (three).  More tokens, the two tiles one after the other: T = 4
- * 0.97x, T = 16 1.00x, T = 64 0.94x (1 thread 1.05x), T = 512 0.96x. */
+ * alternated in one process), time at T = 1, each stream prefetched PREFETCH_BYTES ahead: FP8
+ * per-channel 0.95x-1.01x on 2 threads (six runs, median 0.98x), 0.99x-1.04x on 1 (three);
+ * block-wise 1.01x-1.02x (two); BF16 weights, which have no software prefetch, 0.85x-0.90x (three).
+ * With PAIR_PREFETCH_BYTES, against the kernel before the pairing: FP8 per-channel 0.94x / 0.95x on
+ * 2 threads, 0.97x / 0.92x on 1, BF16 weights 0.84x.  More tokens, the two tiles one after the
+ * other: T = 4 0.97x, T = 16 1.00x, T = 64 0.94x-1.03x, FP8 T = 512 0.96x-1.02x; BF16 weights at
+ * T = 512 1.02x-1.19x (five runs, median 1.12x, where the same build against itself read
+ * 0.97x-1.04x): slower, and not explained yet. */
 INLINE void dot_pair(const enum wsrc src, const void *const w[2], const float *a, int64_t s0, int64_t s1,
                      __m256 sum[2][1][2], const ktfp8_prefetch_ahead ahead[2]) {
     const void *w0 = w[0], *w1 = w[1];
