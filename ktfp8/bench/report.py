@@ -238,11 +238,11 @@ def roofline_goal_figures(interleaved, tokens):
     ms, read, peak = (statistics.median(b[i] for b in best) for i in range(3))
     memory_ms = entry["active_bytes"] / (read * 1e9) * 1e3
     compute_ms = entry["flops"] / (peak * 1e9) * 1e3 if peak else 0.0
+    unit_name = roofline.UNIT_NAMES[entry["unit"]]
     return dict(figures=interleaved["figures"]["roofline"][str(tokens)], ms=ms, memory_ms=memory_ms,
-                compute_ms=compute_ms, floor_ms=max(memory_ms, compute_ms),
-                unit_name=roofline.UNIT_NAMES[entry["unit"]],
+                compute_ms=compute_ms, floor_ms=max(memory_ms, compute_ms), unit_name=unit_name,
                 gflops=entry["flops"] / (ms / 1e3) / 1e9, peak_gflops=peak,
-                how=(f"interleaved: {len(rounds)} rounds alternating read probe / {roofline.UNIT_NAMES[entry['unit']]} "
+                how=(f"interleaved: {len(rounds)} rounds alternating read probe / {unit_name} "
                      f"peak probe / {entry['calls']} T={tokens} calls, median of per-round ratios"))
 
 
