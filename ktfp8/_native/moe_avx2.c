@@ -169,8 +169,10 @@ INLINE void fma_step(__m256 acc[MR][2], const __m256 r[2], const float *a03, con
  * independent accumulator sets per token run over interleaved K steps: U > 1 only where M is too
  * small to hide the FMA latency (2 FMA pipes x 4 cycles wants ~8 chains).  One token gets 2 sets (4
  * chains), not 4: dot_pair must sum each of its two tiles as this does, and 2 tiles x 4 sets would
- * not fit the 16 ymm; one tile with one token now runs only where a down projection has an odd
- * number of tiles.  keep: see SRC_FP8_KEEP.  ahead: the FP8 sources' software prefetch. */
+ * not fit the 16 ymm.  One tile with one token runs where a down projection has an odd number of
+ * tiles and for the last token of a prefill sweep (m = 7, 13, ...; BF16 weights or the scratch);
+ * 4 sets for that last token measured no faster (README, Benchmarks).  keep: see SRC_FP8_KEEP.
+ * ahead: the FP8 sources' software prefetch. */
 INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stride, const int M,
                 int64_t s0, int64_t s1, __m256 sum[MR][2], float *keep, const ktfp8_prefetch_ahead *ahead) {
     const int U = M <= 3 ? 2 : 1;
@@ -232,8 +234,8 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
  * With PAIR_PREFETCH_BYTES, against the kernel before the pairing: FP8 per-channel 0.94x / 0.95x on
  * 2 threads, 0.97x / 0.92x on 1, BF16 weights 0.84x.  More tokens, the two tiles one after the
  * other: T = 4 0.97x, T = 16 1.00x, T = 64 0.94x-1.03x, FP8 T = 512 0.96x-1.02x; BF16 weights at
- * T = 512 1.02x-1.19x (five runs, median 1.12x, where the same build against itself read
- * 0.97x-1.04x): slower, and not explained yet. */
+ * T = 512 1.01x-1.19x (21 runs, median 1.10x), which is code placement: the same code moved 6 or 22
+ * bytes read 1.00x-1.05x (README, Benchmarks). */
 INLINE void dot_pair(const enum wsrc src, const void *const w[2], const float *a, int64_t s0, int64_t s1,
                      __m256 sum[2][1][2], const ktfp8_prefetch_ahead ahead[2]) {
     const void *w0 = w[0], *w1 = w[1];
