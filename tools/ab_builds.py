@@ -26,8 +26,6 @@ import tempfile
 from pathlib import Path
 
 CALLS = {1: 8, 4: 6, 16: 4, 64: 3}  # timed calls per round and build, by T (else 2)
-WALK_BYTES = 1200 << 20             # at least this much layer per build: several copies where L3 is large
-WALK_MEMORY_BYTES = 3 << 30         # and at most this much
 
 
 def built_package(tree):
@@ -41,21 +39,18 @@ def built_package(tree):
 
 
 def import_copy(pkg, name, folder):
-    """pkg copied to folder/name (tests and the test-only module left out) and imported as name."""
+    """pkg copied to folder/name (the test-only module and its sources left out) and imported as name."""
     shutil.copytree(pkg, Path(folder) / name, ignore=shutil.ignore_patterns("__pycache__", "_testing*", "testing"))
-    return {part: importlib.import_module(f"{name}.{part}") for part in ("bench.run", "bench.layers", "_native._ext")}
+    parts = ("bench.run", "bench.layers", "bench.__main__", "_native._ext")
+    return {part: importlib.import_module(f"{name}.{part}") for part in parts}
 
 
-def layer_of(spec, layers):
-    if spec == "bench":
-        return layers.BENCH_LAYER
+def layer_of(spec, build):
+    """The layer `spec` names, as `python -m ktfp8.bench --layer` reads it (in that build)."""
     try:
-        E, k, H, I = (int(v) for v in spec.split(","))
-    except ValueError:
-        raise SystemExit(f"ab_builds: --layer takes 'bench' or 'E,top_k,hidden,intermediate', got {spec!r}") from None
-    if min(E, k, H, I) <= 0 or k > E:
-        raise SystemExit(f"ab_builds: --layer {spec!r}: sizes must be positive and top_k <= E")
-    return layers.Layer(f"E={E} top-{k} H={H} I={I}", E, k, H, I)
+        return build["bench.__main__"]._layer(spec)
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"ab_builds: {e}") from None
 
 
 def positive(text):
@@ -74,7 +69,8 @@ def main(argv=None):
     p.add_argument("--threads", type=positive, default=2)
     p.add_argument("--rounds", type=positive, default=12)
     p.add_argument("--format", default="fp8_per_channel", choices=("fp8_per_channel", "fp8_block", "bf16"))
-    p.add_argument("--layer", default="bench", help="'bench' (E=64 top-8 H=2048 I=768) or 'E,top_k,hidden,intermediate'")
+    p.add_argument("--layer", default="bench",
+                   help="as python -m ktfp8.bench --layer: 'bench' (the default) or 'E,top_k,hidden,intermediate'")
     args = p.parse_args(argv)
     packages = {"old": built_package(args.old), "new": built_package(args.new)}
 
@@ -86,15 +82,18 @@ def main(argv=None):
         walks = {}
         for side, mods in builds.items():
             R, L = mods["bench.run"], mods["bench.layers"]
-            layer = layer_of(args.layer, L)
+            layer = layer_of(args.layer, mods)
+            # copies as python -m ktfp8.bench walks them (4x L3), each build in half the memory it gives a side
+            walk_bytes = L.WALK_L3_MULTIPLE * (L.l3_bytes() or 0)
+            memory = min(4 * 10**9, R.available_memory() // 3) // 2
             walks[side] = R.build_walk(R._ktfp8_factory(None), layer, L.random_experts(layer, args.format),
-                                       args.threads, args.tokens, WALK_BYTES, WALK_MEMORY_BYTES)
+                                       args.threads, args.tokens, walk_bytes, memory)
         ms = {"old": [], "new": []}
         try:
             for r in range(args.rounds):
                 for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
                     R, L = builds[side]["bench.run"], builds[side]["bench.layers"]
-                    walk, layer = walks[side], layer_of(args.layer, L)
+                    walk, layer = walks[side], layer_of(args.layer, builds[side])
                     x = L.activations(layer, args.tokens, seed=r)
                     draws = L.routing_rounds(layer, args.tokens, calls + 1, seed=r * 7 + args.tokens,
                                              copies=len(walk.copies))
