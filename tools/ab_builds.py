@@ -79,21 +79,20 @@ def main(argv=None):
         builds = {side: import_copy(pkg, f"ktfp8_ab_{side}", folder) for side, pkg in packages.items()}
         assert builds["old"]["_native._ext"].__file__ != builds["new"]["_native._ext"].__file__
         calls = CALLS.get(args.tokens, 2)
-        walks = {}
-        for side, mods in builds.items():
-            R, L = mods["bench.run"], mods["bench.layers"]
-            layer = layer_of(args.layer, mods)
-            # copies as python -m ktfp8.bench walks them (4x L3), each build in half the memory it gives a side
-            walk_bytes = L.WALK_L3_MULTIPLE * (L.l3_bytes() or 0)
-            memory = min(4 * 10**9, R.available_memory() // 3) // 2
-            walks[side] = R.build_walk(R._ktfp8_factory(None), layer, L.random_experts(layer, args.format),
-                                       args.threads, args.tokens, walk_bytes, memory)
-        ms = {"old": [], "new": []}
+        layers = {side: layer_of(args.layer, mods) for side, mods in builds.items()}
+        # copies as python -m ktfp8.bench walks them (4x L3), each build in half the memory it gives a side
+        memory = min(4 * 10**9, builds["old"]["bench.run"].available_memory() // 3) // 2
+        walks, ms = {}, {"old": [], "new": []}
         try:
+            for side, mods in builds.items():
+                R, L = mods["bench.run"], mods["bench.layers"]
+                walks[side] = R.build_walk(R._ktfp8_factory(None), layers[side],
+                                           L.random_experts(layers[side], args.format), args.threads, args.tokens,
+                                           L.WALK_L3_MULTIPLE * (L.l3_bytes() or 0), memory)
             for r in range(args.rounds):
                 for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
                     R, L = builds[side]["bench.run"], builds[side]["bench.layers"]
-                    walk, layer = walks[side], layer_of(args.layer, builds[side])
+                    walk, layer = walks[side], layers[side]
                     x = L.activations(layer, args.tokens, seed=r)
                     draws = L.routing_rounds(layer, args.tokens, calls + 1, seed=r * 7 + args.tokens,
                                              copies=len(walk.copies))
