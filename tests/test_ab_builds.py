@@ -30,6 +30,7 @@ def test_same_tree_twice_times_two_distinct_builds():
     (["{root}", "{unbuilt}"], "is not built"),
     (["{root}", "{root}", "--layer", "8,9,256,128"], "top_k <= E"),
     (["{root}", "{root}", "--layer", "big"], "--layer takes"),
+    (["{root}", "{root}", "--rounds", "0"], "expected a positive integer"),
 ])
 def test_bad_input_is_refused_with_the_reason(tmp_path, args, message):
     unbuilt = tmp_path / "unbuilt"

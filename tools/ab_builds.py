@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ktfp8.generate import _positive  # the command lines' positive-integer check
+
 CALLS = {1: 8, 4: 6, 16: 4, 64: 3}  # timed calls per round and build, by T (else 2)
 
 
@@ -53,21 +55,14 @@ def layer_of(spec, build):
         raise SystemExit(f"ab_builds: {e}") from None
 
 
-def positive(text):
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="tools/ab_builds.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("old", help="source tree of the old build (ktfp8 built in place)")
     p.add_argument("new", help="source tree of the new build")
-    p.add_argument("--tokens", type=positive, default=512, help="T, tokens per call (default 512)")
-    p.add_argument("--threads", type=positive, default=2)
-    p.add_argument("--rounds", type=positive, default=12)
+    p.add_argument("--tokens", type=_positive, default=512, help="T, tokens per call (default 512)")
+    p.add_argument("--threads", type=_positive, default=2)
+    p.add_argument("--rounds", type=_positive, default=12)
     p.add_argument("--format", default="fp8_per_channel", choices=("fp8_per_channel", "fp8_block", "bf16"))
     p.add_argument("--layer", default="bench",
                    help="as python -m ktfp8.bench --layer: 'bench' (the default) or 'E,top_k,hidden,intermediate'")
