@@ -9,9 +9,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Optional
 
-import numpy as np
-
-from . import backends
+from . import backends, pages
 from ._native import _ext
 
 # compute unit -> the Roofline field holding its peak
@@ -56,16 +54,13 @@ def floor_seconds(limits, nbytes, flops, unit=None):
     return nbytes / (limits["read_gbs"] * 1e9), flops / (peak * 1e9) if peak else 0.0
 
 
-def _aligned(nbytes, alignment=64):
-    raw = np.ones(nbytes + alignment, np.uint8)
-    start = (-raw.ctypes.data) % alignment
-    return raw[start:start + nbytes]
-
-
 def probe_buffer(nbytes, threads=None):
-    """A buffer for read_bandwidth: nbytes (down to the probe's 128-byte step), 64-byte aligned, every
-    page touched by `threads` threads (first touch places the pages, as the probe then reads them)."""
-    buf = _aligned(nbytes - nbytes % 128)
+    """A buffer for read_bandwidth: nbytes (down to the probe's 128-byte step), 64-byte aligned, in
+    the same kind of pages as the packed experts (pages.stream_buffer), so that their streams are
+    held to what this machine's memory delivers to them.  Written once (a page never written reads
+    as the kernel's one shared zero page, from cache) and read once by `threads` threads."""
+    buf = pages.stream_buffer(nbytes - nbytes % 128)
+    buf.fill(1)
     _ext.probe_read(buf, backends.default_threads(threads))
     return buf
 

@@ -3,6 +3,8 @@
 
 import numpy as np
 
+from ..pages import stream_buffer
+
 cdef extern from "ktfp8/abi.h":
     ctypedef struct ktfp8_moe_shape:
         int64_t experts, hidden, inter
@@ -69,9 +71,7 @@ cdef class PackedMoE:
                 src[i].scale = <const float *>c_buffer(
                     scales[i], 4 * E * blocks(out, self.s.block_n) * blocks(inp, self.s.block_k), "scale")
         cdef size_t size = ktfp8_packed_size(&self.s, &self.v.moe.layout)
-        raw = np.empty(size + 64, dtype=np.uint8)  # over-allocate, then slice a 64-byte aligned start
-        offset = (-raw.ctypes.data) % 64
-        self.packed = raw[offset:offset + size]
+        self.packed = stream_buffer(size)  # first touched by ktfp8_pack's threads, in huge pages where offered
         self.packed_data = cnp.PyArray_DATA(<cnp.ndarray>self.packed)
         cdef void *dst = <void *>self.packed_data
         with nogil:
