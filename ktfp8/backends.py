@@ -52,7 +52,8 @@ def _emulated_variants():
 
 
 def cpu_features():
-    """CPUID/XGETBV facts: {'avx2': 1, 'avx512f': 0, ..., 'os_avx512': 0, 'brand': '...'}."""
+    """CPUID/XGETBV facts: {'vendor': ..., 'brand': ..., 'family': 25, 'model': 1, 'stepping': 1,
+    'avx2': 1, 'avx512f': 0, ..., 'os_avx512': 0}."""
     return _ext.cpu_features()
 
 

@@ -4,6 +4,7 @@ import json
 import sys
 
 from . import backends, numa
+from ._native._ext import CPU_IDENTITY
 
 # The level whose absence the verdict explains: the native FP8 path (AVX-512-BF16 + VBMI).
 NATIVE_FP8_LEVEL = "avx512bf16"
@@ -26,10 +27,11 @@ def report():
     else:
         verdict = (f"⚠️ Your CPU lacks {', '.join(missing)} – FP8 MoE will run on the "
                    f"'{usable[0]}' fallback (correct, slower than the AVX-512-BF16 path).")
-    features = [name for name in f if name not in ("vendor", "brand")]
+    features = [name for name in f if name not in CPU_IDENTITY]
     return {
         "cpu": f["brand"] or f["vendor"],
         "vendor": f["vendor"],
+        "family": f["family"], "model": f["model"], "stepping": f["stepping"],
         "flags": {name: bool(f[name]) for name in features if not name.startswith("os_")},
         "os_support": {f"{name[3:]}_state": bool(f[name]) for name in features if name.startswith("os_")},
         "compiled_variants": backends.compiled_variants(),
@@ -38,6 +40,12 @@ def report():
         "verdict": verdict,
         "numa_nodes": numa.report(),
     }
+
+
+def describe(r):
+    """'brand (vendor, family F, model M, stepping S)' of a report(): the brand string alone does not
+    name the microarchitecture under a hypervisor (an AMD EPYC VM says 'AMD EPYC' on Zen 1 and Zen 3)."""
+    return f"{r['cpu']} ({r['vendor']}, family {r['family']}, model {r['model']}, stepping {r['stepping']})"
 
 
 def _selected():
@@ -53,7 +61,7 @@ def _mark(ok):
 
 
 def print_report(r, out=sys.stdout):
-    print(f"CPU: {r['cpu']}", file=out)
+    print(f"CPU: {describe(r)}", file=out)
     print("Instruction sets (CPUID):", file=out)
     for name, ok in r["flags"].items():
         print(f"  {_mark(ok)} {name}", file=out)

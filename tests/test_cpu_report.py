@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import ktfp8
 from ktfp8 import backends, cpu
 
@@ -45,3 +47,25 @@ def test_verdict_names_what_is_missing():
         assert "lacks" in r["verdict"] and f"'{ktfp8.available_backends()[0]}' fallback" in r["verdict"]
         for name in ("avx512f", "avx512_bf16", "avx512_vbmi"):
             assert (name in r["verdict"]) == (not f[name])
+
+
+def _cpuinfo_first(field):
+    """The first processor's `field` in /proc/cpuinfo (the kernel's own decoding of CPUID leaf 1)."""
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            name, _, value = line.partition(":")
+            if name.strip() == field:
+                return value.strip()
+    pytest.skip(f"/proc/cpuinfo has no {field!r} line")
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="Linux's /proc/cpuinfo is the oracle")
+def test_family_model_stepping_agree_with_the_kernel():
+    r = cpu.report()
+    assert (r["family"], r["model"], r["stepping"]) == \
+        tuple(int(_cpuinfo_first(f)) for f in ("cpu family", "model", "stepping"))
+    assert r["vendor"] == _cpuinfo_first("vendor_id")
+    first_line = run("-m", "ktfp8.cpu").splitlines()[0]
+    assert first_line == f"CPU: {r['cpu']} ({r['vendor']}, family {r['family']}, model {r['model']}, " \
+                         f"stepping {r['stepping']})"
+    assert set(r["flags"]).isdisjoint(("family", "model", "stepping", "vendor", "brand"))

@@ -48,6 +48,10 @@ typedef struct ktfp8_cpu {
     ktfp8_features features;
     char vendor[13];
     char brand[49];
+    /* CPUID leaf 1 as the vendors and /proc/cpuinfo print them (the extended fields folded in):
+     * family 6 model 207 is Intel's Emerald Rapids, family 23 AMD's Zen to Zen 2, 25 Zen 3 and 4,
+     * 26 Zen 5.  The brand string alone does not tell them apart under a hypervisor ("AMD EPYC"). */
+    unsigned family, model, stepping;
 } ktfp8_cpu;
 
 /* This CPU, detected on the first call and cached for the process (CPUID is slow under a

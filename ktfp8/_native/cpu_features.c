@@ -68,6 +68,10 @@ static void detect(ktfp8_cpu *cpu) {
 #undef KTFP8_READ_CPUID
 
     cpuid(1, 0, r);
+    const unsigned base_family = (r[0] >> 8) & 0xF, base_model = (r[0] >> 4) & 0xF;
+    cpu->stepping = r[0] & 0xF;
+    cpu->family = base_family == 0xF ? base_family + ((r[0] >> 20) & 0xFF) : base_family;
+    cpu->model = base_family == 0x6 || base_family == 0xF ? (((r[0] >> 16) & 0xF) << 4) + base_model : base_model;
     const unsigned long long xcr0 = (r[2] >> 27) & 1 ? xgetbv0() : 0; /* OSXSAVE */
 #define KTFP8_READ_XCR0(name, mask) \
     if ((xcr0 & (mask)) == (mask)) cpu->features |= KTFP8_NEED(name);

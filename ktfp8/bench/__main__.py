@@ -106,7 +106,7 @@ def _default_backends():
 
 def _machine():
     info = cpu.report()
-    return dict(cpu=info["cpu"], cores=os.cpu_count(), ram_gb=round(L.ram_bytes() / 2**30, 1),
+    return dict(cpu=cpu.describe(info), cores=os.cpu_count(), ram_gb=round(L.ram_bytes() / 2**30, 1),
                 l3_mib=round((L.l3_bytes() or 0) / 2**20, 1),
                 flags=[k for k, v in info["flags"].items() if v], usable_backends=info["usable_backends"],
                 python=platform.python_version(), platform=platform.platform())
