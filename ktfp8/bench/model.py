@@ -116,10 +116,10 @@ def _fmt(v, digits=2):
 
 def table(rows, layers, threads, prompt_tokens, vocab_size):
     """Markdown lines: tokens/s per side and ktfp8's ratio to each transformers side."""
-    from .. import backends
+    from .. import cpu
     ours = next((r for r in rows if r["side"] == "ktfp8"), None)
     lines = [f"Qwen3-30B-A3B widths, first {layers} of 48 layers, vocab {vocab_size}, {threads} threads, "
-             f"{backends.cpu_features()['brand'].strip()}; prefill {prompt_tokens} tokens",
+             f"{cpu.describe(cpu.report())}; prefill {prompt_tokens} tokens",
              "", "| experts | prefill tokens/s | decode tokens/s | ktfp8 prefill x | ktfp8 decode x |",
              "|---|---:|---:|---:|---:|"]
     for r in rows:
