@@ -1,5 +1,5 @@
-"""Two builds of ktfp8 timed side by side in one process: how the README's "new / old" figures are
-measured.
+"""Two builds of ktfp8 timed side by side in one process: how the "new / old" figures of
+docs/tuning-notes.md are measured.
 
     python tools/ab_builds.py OLD NEW [--tokens 512] [--threads 2] [--rounds 12] [--format bf16]
 
@@ -13,7 +13,7 @@ median time per call and the median of the per-round ratios new / old: the drift
 over minutes cancels in a round's ratio.
 
 Give the same tree twice (A/A) to see the noise.  Code placement alone moved the figures by up to
-about 6 % on the Zen 3 VM (README, Benchmarks): a smaller difference between two builds is not yet
+about 6 % on the Zen 3 VM (docs/tuning-notes.md): a smaller difference between two builds is not yet
 a property of either.
 """
 import argparse

@@ -125,8 +125,9 @@ INLINE __m256i code_pair(const void *codes, int64_t s) {
  * Why not the fp16 route (vcvtph2ps) of e4m3_f16.h: on Zen 3 the decode loop is bound by the two FP
  * pipes that shift and shuffle, and this takes fewer of their slots per code.  Measured there, m = 1,
  * codes in L2, one thread, in one run: 18.6-20.7 codes per ns against 11.6-12.6 (and 15.1-17.6 for a
- * first version with a vpshufb, a 32-bit shift and an AND per 8 codes).  Benchmark layer, weights from
- * DRAM, the conversions alternated in one process, time against the fp16 route: T = 1 0.88x on 1
+ * first version with a vpshufb, a 32-bit shift and an AND per 8 codes); on Zen 1 the gap is wider,
+ * 7.5-7.6 against 4.4-4.5 (docs/tuning-notes.md).  Zen 3, benchmark layer, weights from DRAM,
+ * the conversions alternated in one process, time against the fp16 route: T = 1 0.88x on 1
  * thread, 0.95x on 2 (nearer the bus), T = 64 0.97x; the first version, in its own build, T = 512
  * 0.95-1.01x (the driver's scaling passes cost about 1 % there).  Subnormal weights cost nothing as
  * FMA inputs there (the same rate with none of them); a vmulps by 2^112 instead of scaled
@@ -171,7 +172,7 @@ INLINE void fma_step(__m256 acc[MR][2], const __m256 r[2], const float *a03, con
  * chains), not 4: dot_pair must sum each of its two tiles as this does, and 2 tiles x 4 sets would
  * not fit the 16 ymm.  One tile with one token runs where a down projection has an odd number of
  * tiles and for the last token of a prefill sweep (m = 7, 13, ...; BF16 weights or the scratch);
- * 4 sets for that last token measured no faster (README, Benchmarks).  keep: see SRC_FP8_KEEP.
+ * 4 sets for that last token measured no faster (docs/tuning-notes.md).  keep: see SRC_FP8_KEEP.
  * ahead: the FP8 sources' software prefetch. */
 INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stride, const int M,
                 int64_t s0, int64_t s1, __m256 sum[MR][2], float *keep, const ktfp8_prefetch_ahead *ahead) {
@@ -201,10 +202,11 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
         }
     } else {
         /* Two iterations per loop pass (the same FMAs in the same order: the same sums).  Zen 3,
-         * benchmark layer, alternated in one process, both builds at two placements (README,
-         * Benchmarks), time against one iteration per pass at the same placement: BF16 weights T = 512
-         * 0.84x-0.96x (five pairings, median 0.94x), 0.92x / 0.97x on 1 thread, T = 64 0.94x /
-         * 0.98x; FP8 (the scratch sweeps) T = 512 0.92x-1.01x (median 0.99x), T = 64 0.94x-1.03x. */
+         * benchmark layer, alternated in one process, both builds at two placements
+         * (docs/tuning-notes.md), time against one iteration per pass at the same placement: BF16
+         * weights T = 512 0.84x-0.96x (five pairings, median 0.94x), 0.92x / 0.97x on 1 thread, T = 64
+         * 0.94x / 0.98x; FP8 (the scratch sweeps) T = 512 0.92x-1.01x (median 0.99x), T = 64
+         * 0.94x-1.03x. */
 #pragma GCC unroll 2
         for (; s + U <= s1; s += U) {
 #pragma GCC unroll 4
@@ -241,7 +243,7 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t stri
  * 2 threads, 0.97x / 0.92x on 1, BF16 weights 0.84x.  More tokens, the two tiles one after the
  * other: T = 4 0.97x, T = 16 1.00x, T = 64 0.94x-1.03x, FP8 T = 512 0.96x-1.02x; BF16 weights at
  * T = 512 1.01x-1.19x (21 runs, median 1.10x), which is code placement: the same code moved 6 or 22
- * bytes read 1.00x-1.05x (README, Benchmarks). */
+ * bytes read 1.00x-1.05x (docs/tuning-notes.md). */
 INLINE void dot_pair(const enum wsrc src, const void *const w[2], const float *a, int64_t s0, int64_t s1,
                      __m256 sum[2][1][2], const ktfp8_prefetch_ahead ahead[2]) {
     const void *w0 = w[0], *w1 = w[1];
