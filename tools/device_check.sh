@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The prepared run for a lent machine (the device tool's `run`), whose host CPU may have the AVX-512
 # and AMX paths no development machine here has: what the CPU is, an in-place build, then
-# `python -m ktfp8.bench --quick` (the issue's table and goal lines) and the kernel tests on every
-# native path that CPU runs.  Everything lands in $OUT, at most 8 files (the tool brings back 8):
-#   machine.txt  build.log  bench.log  bench-results.{txt,json,png}  tests.log
+# `python -m ktfp8.bench --quick` (the issue's table and goal lines), the kernel tests on every
+# native path that CPU runs, and each backend's speed against the tokens per expert.  Everything
+# lands in $OUT, at most 8 files (the tool brings back 8):
+#   machine.txt  build.log  bench.log  bench-results.{txt,json,png}  tests.log  tokens.log
 # From the repository root:  bash tools/device_check.sh      (device: the tool sets OUT)
 # Budget: one call of the tool runs at most 10 minutes, so each step has its own limit and the
 # bench, the figures the closing note needs, runs before the tests.  PYTHON picks the interpreter.
@@ -42,3 +43,7 @@ step bench 330 "$PY" -m ktfp8.bench --quick --out "$OUT"
 # bit, the AMX paths (skipped where the CPU lacks them)
 step tests 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_tile_pair.py \
     tests/test_moe_amx.py tests/test_moe.py
+# each backend's speed against the tokens per expert, on all cores: where the kernels' thresholds
+# (DECODE_M, KEEP_M, MR, AMX_MIN_M) and the default backend stand on this CPU
+step tokens 120 "$PY" -m ktfp8.bench.tokens_per_expert --threads "$(nproc)" --rounds 2 \
+    --tokens 1,2,4,6,8,12,16,24,32

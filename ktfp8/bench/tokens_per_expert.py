@@ -1,0 +1,139 @@
+"""python -m ktfp8.bench.tokens_per_expert: each ktfp8 backend's speed against m, the number of tokens
+routed to one expert in a call.
+
+Every kernel changes path at fixed token counts (include/ktfp8/token_count.h: DECODE_M, KEEP_M, MR,
+AMX_MIN_M) and the default backend is chosen from the CPU's features alone; this table is what those
+choices are checked against on the machine at hand.  A layer of E experts (default 16 with the
+benchmark layer's hidden 2048 and intermediate 768) routes every token to every expert, so that each
+expert gets exactly m tokens.  Each backend walks distinct packed copies of it totalling at least 4x
+the L3 (at most 8), so the weights come from DRAM as in a model's forward.  Per thread count and m:
+each backend's median ms per call, GFLOP/s, its fraction of the peak of the unit it computes on and
+of its roofline (floor = max(weight bytes / read bandwidth, FLOPs / that peak), the limits measured in
+the same run), the fastest backend marked *."""
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+from .. import backends, cpu, roofline
+from ..generate import _positive  # the command lines' positive-integer check
+from ..moe import MoE
+from . import layers as L
+from .__main__ import _default_backends, _int_list
+
+DEFAULT_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m ktfp8.bench.tokens_per_expert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=_int_list, default=DEFAULT_TOKENS,
+                   help=f"tokens per expert m (default {','.join(map(str, DEFAULT_TOKENS))})")
+    p.add_argument("--threads", type=_int_list, help=f"thread counts (default 1 and all: 1,{os.cpu_count()})")
+    p.add_argument("--backends", type=lambda s: s.split(","),
+                   help="ktfp8 backends (default: every usable one but the scalar 'reference')")
+    p.add_argument("--format", default="fp8_per_channel", choices=L.FORMATS, help="weight format")
+    p.add_argument("--experts", type=_positive, default=16, help="experts E, each receiving every token")
+    p.add_argument("--hidden", type=_positive, default=L.BENCH_LAYER.hidden)
+    p.add_argument("--intermediate", type=_positive, default=L.BENCH_LAYER.intermediate)
+    p.add_argument("--rounds", type=_positive, default=5, help="walks over the copies per m (timed calls: rounds x copies)")
+    args = p.parse_args(argv)
+    usable = backends.available_backends()
+    for b in args.backends or []:
+        if b not in usable:
+            p.error(f"--backends: {b!r} is not usable here; usable: {', '.join(usable)}")
+    return args
+
+
+def packed_copies(layer, fmt, backend, threads):
+    """MoE objects of one backend over distinct packed copies of the same random weights."""
+    experts = L.random_experts(layer, fmt)
+    copy_bytes = layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[fmt]
+    copies = L.copies_for(L.WALK_L3_MULTIPLE * (L.l3_bytes() or 0), copy_bytes, L.ram_bytes() // 3)
+    return [MoE(layer.config(fmt), experts, backend=backend, threads=threads) for _ in range(copies)]
+
+
+def time_calls(moes, token_counts, rounds, hidden):
+    """{m: median seconds of one call with m tokens on every expert}.  Each round times every m in
+    turn, each walking the copies, so that a moment of noise on a shared machine lands on one sample
+    of several m rather than on all samples of one."""
+    experts = moes[0].config.expert_num
+    rng = np.random.default_rng(0)
+    calls = {m: (rng.standard_normal((m, hidden)).astype(np.float32),
+                 np.tile(np.arange(experts, dtype=np.int64), (m, 1)),
+                 np.full((m, experts), 1.0 / experts, np.float32)) for m in token_counts}
+    for m in token_counts:  # warm-up: first-call costs (buffers, thread pool) stay out of the timing
+        for moe in moes:
+            moe(*calls[m])
+    seconds = {m: [] for m in token_counts}
+    for _ in range(rounds):
+        for m in token_counts:
+            for moe in moes:
+                start = time.perf_counter()
+                moe(*calls[m])
+                seconds[m].append(time.perf_counter() - start)
+    return {m: statistics.median(s) for m, s in seconds.items()}
+
+
+def limits(threads, probe_bytes):
+    """{'read_gbs': ..., unit: peak GFLOP/s} measured now on `threads` threads."""
+    out = {"read_gbs": roofline.read_bandwidth(threads=threads, nbytes=probe_bytes)}
+    for unit in roofline.UNIT_PROBES:
+        out[unit] = roofline.unit_peak(unit, threads=threads)
+    return out
+
+
+def rows_for(layer, fmt, backend_names, threads, tokens, rounds, limit, log=print):
+    """One dict per (m, backend): ms, GFLOP/s, of-peak, of-roof."""
+    rows = []
+    weight_bytes = layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[fmt]
+    for backend in backend_names:
+        moes = packed_copies(layer, fmt, backend, threads)
+        log(f"  {backend}: {len(moes)} packed copies of {weight_bytes / 1e6:.0f} MB")
+        unit = roofline.backend_unit(backend)
+        peak = limit[unit] or limit["fma"]
+        seconds_by_m = time_calls(moes, tokens, rounds, layer.hidden)
+        for m, seconds in seconds_by_m.items():
+            flops = 2 * m * layer.experts * layer.weights_per_expert
+            floor = max(weight_bytes / (limit["read_gbs"] * 1e9), flops / (peak * 1e9))
+            rows.append(dict(threads=threads, m=m, backend=backend, ms=seconds * 1e3, gflops=flops / seconds / 1e9,
+                             unit=unit, of_peak=flops / seconds / 1e9 / peak, of_roof=floor / seconds))
+        del moes
+    return rows
+
+
+def table(rows):
+    lines = [f"{'thr':>3} {'m':>3}  {'backend':<14} {'ms':>9} {'GFLOP/s':>8} {'unit':>6} {'of-peak':>7} {'of-roof':>7}"]
+    for key in sorted({(r["threads"], r["m"]) for r in rows}):
+        group = [r for r in rows if (r["threads"], r["m"]) == key]
+        fastest = min(r["ms"] for r in group)
+        for r in group:
+            mark = "*" if r["ms"] == fastest and len(group) > 1 else " "
+            lines.append(f"{r['threads']:>3} {r['m']:>3} {mark}{r['backend']:<14} {r['ms']:>9.2f} {r['gflops']:>8.1f} "
+                         f"{r['unit']:>6} {r['of_peak']:>7.0%} {r['of_roof']:>7.0%}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    layer = L.Layer(f"E={args.experts} (every token on every expert) H={args.hidden} I={args.intermediate}",
+                    args.experts, args.experts, args.hidden, args.intermediate)
+    backend_names = args.backends or _default_backends()
+    print(f"{cpu.describe(cpu.report())}: {os.cpu_count()} cores, L3 {(L.l3_bytes() or 0) / 2**20:.0f} MiB")
+    print(f"layer {layer.name}, {args.format}; default backend {backends.resolve_backend(None)}", flush=True)
+    probe_bytes = max(1 << 28, L.WALK_L3_MULTIPLE * (L.l3_bytes() or 0))
+    rows = []
+    for threads in sorted(set(args.threads or [1, os.cpu_count() or 1])):
+        limit = limits(threads, probe_bytes)
+        peaks = ", ".join(f"{roofline.UNIT_NAMES[u]} {limit[u]:.0f}" for u in roofline.UNIT_PROBES if limit[u])
+        print(f"{threads} thread(s): read {limit['read_gbs']:.1f} GB/s; GFLOP/s peaks: {peaks}", flush=True)
+        rows += rows_for(layer, args.format, backend_names, threads, args.tokens, args.rounds, limit,
+                         log=lambda msg: print(msg, flush=True))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

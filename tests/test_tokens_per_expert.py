@@ -1,0 +1,78 @@
+"""python -m ktfp8.bench.tokens_per_expert: every (thread count, m, backend) gets a row whose GFLOP/s
+and fractions are its layer's FLOPs and bytes over its time and the limits, one backend per m is
+marked fastest, the calls really route m tokens to every expert, and bad arguments are refused with
+their reason."""
+import re
+
+import numpy as np
+import pytest
+
+from ktfp8 import backends
+from ktfp8.bench import layers as L
+from ktfp8.bench import tokens_per_expert as tpe
+
+ROW = re.compile(r"^\s*(\d+)\s+(\d+) ([ *])(\S+)\s+([\d.]+)\s+([\d.]+)\s+(\w+)\s+(\d+)%\s+(\d+)%$")
+TINY = ["--experts", "4", "--hidden", "64", "--intermediate", "32", "--threads", "1", "--rounds", "1"]
+
+
+def test_rows_hold_each_backends_flops_over_its_time_against_the_limits_given():
+    layer = L.Layer("tiny", 4, 4, 64, 32)
+    names = backends.available_backends()  # the scalar reference included: two sides at least
+    limit = {"read_gbs": 10.0, "fma": 50.0, "fma512": 0.0, "dpbf16": 0.0, "amx": 0.0}
+    rows = tpe.rows_for(layer, "fp8_per_channel", names, 1, [1, 9], 1, limit, log=lambda msg: None)
+    assert sorted((r["m"], r["backend"]) for r in rows) == sorted((m, b) for m in (1, 9) for b in names)
+    weight_bytes = 4 * 3 * 64 * 32  # FP8: one byte per weight
+    for r in rows:
+        flops = 2 * r["m"] * 4 * 3 * 64 * 32  # every token on each of the 4 experts
+        seconds = r["ms"] / 1e3
+        assert r["gflops"] == pytest.approx(flops / seconds / 1e9)
+        peak = limit[r["unit"]] or limit["fma"]  # a unit this machine lacks falls back to FP32 FMA
+        assert r["of_peak"] == pytest.approx(flops / seconds / 1e9 / peak)
+        floor = max(weight_bytes / 10e9, flops / (peak * 1e9))
+        assert r["of_roof"] == pytest.approx(floor / seconds)
+
+
+def test_table_marks_the_fastest_backend_of_each_m(capsys):
+    names = backends.available_backends()
+    assert tpe.main(TINY + ["--tokens", "1,9", "--backends", ",".join(names)]) == 0
+    rows = [ROW.match(line) for line in capsys.readouterr().out.splitlines()]
+    rows = [r.groups() for r in rows if r]
+    assert sorted((int(r[1]), r[3]) for r in rows) == sorted((m, b) for m in (1, 9) for b in names)
+    for m in (1, 9):
+        group = [r for r in rows if int(r[1]) == m]
+        assert len([r for r in group if r[2] == "*"]) == 1
+        marked = next(r for r in group if r[2] == "*")
+        assert float(marked[4]) == min(float(r[4]) for r in group)
+
+
+def test_calls_route_m_tokens_to_every_expert(monkeypatch):
+    layer = L.Layer("tiny", 4, 4, 64, 32)
+    seen = []
+
+    class Recorder:
+        config = layer.config("fp8_per_channel")
+
+        def __call__(self, x, ids, weights):
+            seen.append((x.shape, ids.copy(), weights.copy()))
+
+    medians = tpe.time_calls([Recorder(), Recorder()], [1, 3], rounds=2, hidden=64)
+    assert sorted(medians) == [1, 3] and all(s >= 0 for s in medians.values())
+    assert len(seen) == 2 * 2 + 2 * 2 * 2  # warm-up: each m on each copy; then rounds x m x copies
+    for shape, ids, weights in seen:
+        m = shape[0]
+        assert shape == (m, 64) and m in (1, 3)
+        assert (np.sort(ids, axis=1) == np.arange(4)).all()  # each token on each expert once
+        np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backends", "no_such_backend"], "not usable here"),
+    (["--tokens", "0"], "positive integers"),
+    (["--format", "fp4"], "invalid choice"),
+    (["--experts", "-2"], "positive integer"),
+])
+def test_bad_arguments_are_refused_with_the_reason(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        tpe.main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
