@@ -57,7 +57,8 @@ def test_calls_route_m_tokens_to_every_expert(monkeypatch):
 
     medians = tpe.time_calls([Recorder(), Recorder()], [1, 3], rounds=2, hidden=64)
     assert sorted(medians) == [1, 3] and all(s >= 0 for s in medians.values())
-    assert len(seen) == 2 * 2 + 2 * 2 * 2  # warm-up: each m on each copy; then rounds x m x copies
+    # warm-up: each m on each copy; then per round and m the copies walked to MIN_CALLS calls
+    assert len(seen) == 2 * 2 + 2 * 2 * tpe.MIN_CALLS
     for shape, ids, weights in seen:
         m = shape[0]
         assert shape == (m, 64) and m in (1, 3)

@@ -24,6 +24,7 @@ from . import layers as L
 from .__main__ import _default_backends, _int_list
 
 DEFAULT_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32]
+MIN_CALLS = 4  # timed calls per m and round at least (a layer with one copy is walked 4 times)
 
 
 def parse_args(argv):
@@ -38,7 +39,8 @@ def parse_args(argv):
     p.add_argument("--experts", type=_positive, default=16, help="experts E, each receiving every token")
     p.add_argument("--hidden", type=_positive, default=L.BENCH_LAYER.hidden)
     p.add_argument("--intermediate", type=_positive, default=L.BENCH_LAYER.intermediate)
-    p.add_argument("--rounds", type=_positive, default=5, help="walks over the copies per m (timed calls: rounds x copies)")
+    p.add_argument("--rounds", type=_positive, default=5,
+                   help=f"rounds over the token counts (timed calls per m: rounds x copies, at least rounds x {MIN_CALLS})")
     args = p.parse_args(argv)
     usable = backends.available_backends()
     for b in args.backends or []:
@@ -57,8 +59,8 @@ def packed_copies(layer, fmt, backend, threads):
 
 def time_calls(moes, token_counts, rounds, hidden):
     """{m: median seconds of one call with m tokens on every expert}.  Each round times every m in
-    turn, each walking the copies, so that a moment of noise on a shared machine lands on one sample
-    of several m rather than on all samples of one."""
+    turn, each walking the copies (as often as it takes to make MIN_CALLS calls), so that a moment of
+    noise on a shared machine lands on a few samples of several m rather than on all samples of one."""
     experts = moes[0].config.expert_num
     rng = np.random.default_rng(0)
     calls = {m: (rng.standard_normal((m, hidden)).astype(np.float32),
@@ -68,9 +70,10 @@ def time_calls(moes, token_counts, rounds, hidden):
         for moe in moes:
             moe(*calls[m])
     seconds = {m: [] for m in token_counts}
+    walk = moes * -(-MIN_CALLS // len(moes))
     for _ in range(rounds):
         for m in token_counts:
-            for moe in moes:
+            for moe in walk:
                 start = time.perf_counter()
                 moe(*calls[m])
                 seconds[m].append(time.perf_counter() - start)
