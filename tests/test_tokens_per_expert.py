@@ -66,6 +66,16 @@ def test_calls_route_m_tokens_to_every_expert(monkeypatch):
         np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
 
 
+def test_a_cpu_without_a_compute_peak_gets_the_memory_floor_alone(capsys):
+    layer = L.Layer("tiny", 4, 4, 64, 32)
+    limit = {"read_gbs": 10.0, "fma": 0.0, "fma512": 0.0, "dpbf16": 0.0, "amx": 0.0}  # as without AVX2
+    rows = tpe.rows_for(layer, "fp8_per_channel", ["reference"], 1, [2], 1, limit, log=lambda msg: None)
+    (row,) = rows
+    assert row["of_peak"] is None
+    assert row["of_roof"] == pytest.approx(4 * 3 * 64 * 32 / 10e9 / (row["ms"] / 1e3))
+    assert " - " in tpe.table(rows).splitlines()[1]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--backends", "no_such_backend"], "not usable here"),
     (["--tokens", "0"], "positive integers"),

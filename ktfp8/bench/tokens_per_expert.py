@@ -96,13 +96,14 @@ def rows_for(layer, fmt, backend_names, threads, tokens, rounds, limit, log=prin
         moes = packed_copies(layer, fmt, backend, threads)
         log(f"  {backend}: {len(moes)} packed copies of {weight_bytes / 1e6:.0f} MB")
         unit = roofline.backend_unit(backend)
-        peak = limit[unit] or limit["fma"]
+        peak = limit[unit] or limit["fma"]  # 0.0 on a CPU without AVX2: no compute floor then
         seconds_by_m = time_calls(moes, tokens, rounds, layer.hidden)
         for m, seconds in seconds_by_m.items():
             flops = 2 * m * layer.experts * layer.weights_per_expert
-            floor = max(weight_bytes / (limit["read_gbs"] * 1e9), flops / (peak * 1e9))
+            floor = max(weight_bytes / (limit["read_gbs"] * 1e9), flops / (peak * 1e9) if peak else 0.0)
             rows.append(dict(threads=threads, m=m, backend=backend, ms=seconds * 1e3, gflops=flops / seconds / 1e9,
-                             unit=unit, of_peak=flops / seconds / 1e9 / peak, of_roof=floor / seconds))
+                             unit=unit, of_peak=flops / seconds / 1e9 / peak if peak else None,
+                             of_roof=floor / seconds))
         del moes
     return rows
 
@@ -114,8 +115,9 @@ def table(rows):
         fastest = min(r["ms"] for r in group)
         for r in group:
             mark = "*" if r["ms"] == fastest and len(group) > 1 else " "
+            of_peak = "-" if r["of_peak"] is None else f"{r['of_peak']:.0%}"
             lines.append(f"{r['threads']:>3} {r['m']:>3} {mark}{r['backend']:<14} {r['ms']:>9.2f} {r['gflops']:>8.1f} "
-                         f"{r['unit']:>6} {r['of_peak']:>7.0%} {r['of_roof']:>7.0%}")
+                         f"{r['unit']:>6} {of_peak:>7} {r['of_roof']:>7.0%}")
     return "\n".join(lines)
 
 
