@@ -7,8 +7,9 @@ import re
 import numpy as np
 import pytest
 
-from ktfp8 import backends
+from ktfp8 import backends, roofline
 from ktfp8.bench import layers as L
+from ktfp8.bench.sides import Ktfp8Side
 from ktfp8.bench import tokens_per_expert as tpe
 
 ROW = re.compile(r"^\s*(\d+)\s+(\d+) ([ *])(\S+)\s+([\d.]+)\s+([\d.]+)\s+(\w+)\s+(\d+)%\s+(\d+)%$")
@@ -18,15 +19,20 @@ TINY = ["--experts", "4", "--hidden", "64", "--intermediate", "32", "--threads",
 def test_rows_hold_each_backends_flops_over_its_time_against_the_limits_given():
     layer = L.Layer("tiny", 4, 4, 64, 32)
     names = backends.available_backends()  # the scalar reference included: two sides at least
-    limit = {"read_gbs": 10.0, "fma": 50.0, "fma512": 0.0, "dpbf16": 0.0, "amx": 0.0}
-    rows = tpe.rows_for(layer, "fp8_per_channel", names, 1, [1, 9], 1, limit, log=lambda msg: None)
-    assert sorted((r["m"], r["backend"]) for r in rows) == sorted((m, b) for m in (1, 9) for b in names)
+    limit = dict(threads=1, read_gbs=10.0, fma_gflops=50.0, dpbf16_gflops=None, amx_gflops=None, fma512_gflops=None)
+    experts = L.random_experts(layer, "fp8_per_channel")
     weight_bytes = 4 * 3 * 64 * 32  # FP8: one byte per weight
+    rows = []
+    for name in names:
+        seconds_by_m = tpe.time_calls([Ktfp8Side(layer, experts, name, 1)], 4, [1, 9], 1, 64)
+        rows += tpe.rows_for(layer, weight_bytes, name, 1, seconds_by_m, limit)
+    assert sorted((r["m"], r["backend"]) for r in rows) == sorted((m, b) for m in (1, 9) for b in names)
     for r in rows:
         flops = 2 * r["m"] * 4 * 3 * 64 * 32  # every token on each of the 4 experts
         seconds = r["ms"] / 1e3
         assert r["gflops"] == pytest.approx(flops / seconds / 1e9)
-        peak = limit[r["unit"]] or limit["fma"]  # a unit this machine lacks falls back to FP32 FMA
+        # a unit not measured in `limit` falls back to its fastest one, FP32 FMA here
+        peak = limit[roofline.UNIT_FIELDS[r["unit"]]] or limit["fma_gflops"]
         assert r["of_peak"] == pytest.approx(flops / seconds / 1e9 / peak)
         floor = max(weight_bytes / 10e9, flops / (peak * 1e9))
         assert r["of_roof"] == pytest.approx(floor / seconds)
@@ -45,17 +51,15 @@ def test_table_marks_the_fastest_backend_of_each_m(capsys):
         assert float(marked[4]) == min(float(r[4]) for r in group)
 
 
-def test_calls_route_m_tokens_to_every_expert(monkeypatch):
+def test_calls_route_m_tokens_to_every_expert():
     layer = L.Layer("tiny", 4, 4, 64, 32)
     seen = []
 
     class Recorder:
-        config = layer.config("fp8_per_channel")
-
         def __call__(self, x, ids, weights):
             seen.append((x.shape, ids.copy(), weights.copy()))
 
-    medians = tpe.time_calls([Recorder(), Recorder()], [1, 3], rounds=2, hidden=64)
+    medians = tpe.time_calls([Recorder(), Recorder()], layer.experts, [1, 3], rounds=2, hidden=64)
     assert sorted(medians) == [1, 3] and all(s >= 0 for s in medians.values())
     # warm-up: each m on each copy; then per round and m the copies walked to MIN_CALLS calls
     assert len(seen) == 2 * 2 + 2 * 2 * tpe.MIN_CALLS
@@ -68,8 +72,11 @@ def test_calls_route_m_tokens_to_every_expert(monkeypatch):
 
 def test_a_cpu_without_a_compute_peak_gets_the_memory_floor_alone(capsys):
     layer = L.Layer("tiny", 4, 4, 64, 32)
-    limit = {"read_gbs": 10.0, "fma": 0.0, "fma512": 0.0, "dpbf16": 0.0, "amx": 0.0}  # as without AVX2
-    rows = tpe.rows_for(layer, "fp8_per_channel", ["reference"], 1, [2], 1, limit, log=lambda msg: None)
+    # as measured without AVX2: no FMA peak, no other unit
+    limit = dict(threads=1, read_gbs=10.0, fma_gflops=0.0, dpbf16_gflops=None, amx_gflops=None, fma512_gflops=None)
+    experts = L.random_experts(layer, "fp8_per_channel")
+    seconds_by_m = tpe.time_calls([Ktfp8Side(layer, experts, "reference", 1)], 4, [2], 1, 64)
+    rows = tpe.rows_for(layer, 4 * 3 * 64 * 32, "reference", 1, seconds_by_m, limit)
     (row,) = rows
     assert row["of_peak"] is None
     assert row["of_roof"] == pytest.approx(4 * 3 * 64 * 32 / 10e9 / (row["ms"] / 1e3))

@@ -180,17 +180,25 @@ def time_calls(side, x, draws, budget_seconds):
 LIMIT_PASSES = 3
 
 
+def measure_limits(thread_counts, read_buffer_bytes, log=print):
+    """{threads: Roofline} for each thread count, every figure the best of LIMIT_PASSES readings
+    (roofline.best_of: a lower reading is another tenant's load, not the machine)."""
+    limits = {}
+    for p in range(LIMIT_PASSES):
+        for n in thread_counts:
+            log(f"measuring this machine's limits with {n} thread(s) (pass {p + 1} of {LIMIT_PASSES}) ...")
+            lim = roofline.measure(threads=n, nbytes=read_buffer_bytes)
+            limits[n] = roofline.best_of(limits[n], lim) if n in limits else lim
+    return limits
+
+
 class Runner:
     def __init__(self, plan, log=print):
         self.plan, self.log = plan, log
         self.results, self.skipped, self.limits, self.versions = [], [], {}, {}
 
     def run(self):
-        for p in range(LIMIT_PASSES):
-            for n in self.plan.threads:
-                self.log(f"measuring this machine's limits with {n} thread(s) (pass {p + 1} of {LIMIT_PASSES}) ...")
-                lim = roofline.measure(threads=n, nbytes=self.plan.read_buffer_bytes)
-                self.limits[n] = roofline.best_of(self.limits[n], lim) if n in self.limits else lim
+        self.limits = measure_limits(self.plan.threads, self.plan.read_buffer_bytes, self.log)
         for layer in self.plan.layers:
             for fmt in self.plan.formats:
                 self._run_format(layer, fmt)

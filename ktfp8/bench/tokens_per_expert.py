@@ -9,8 +9,9 @@ expert gets exactly m tokens.  Each backend walks distinct packed copies of it t
 the L3 (at most 8), so the weights come from DRAM as in a model's forward.  Per thread count and m:
 each backend's median ms per call, GFLOP/s, its fraction of the peak of the unit it computes on and
 of its roofline (floor = max(weight bytes / read bandwidth, FLOPs / that peak), the limits measured in
-the same run), the fastest backend marked *."""
+the same run, each the best of three readings as the bench takes them), the fastest backend marked *."""
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -19,9 +20,9 @@ import numpy as np
 
 from .. import backends, cpu, roofline
 from ..generate import _positive  # the command lines' positive-integer check
-from ..moe import MoE
 from . import layers as L
 from .__main__ import _default_backends, _int_list
+from .run import Plan, _ktfp8_factory, build_walk, measure_limits
 
 DEFAULT_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32]
 MIN_CALLS = 4  # timed calls per m and round at least (a layer with one copy is walked 4 times)
@@ -40,7 +41,8 @@ def parse_args(argv):
     p.add_argument("--hidden", type=_positive, default=L.BENCH_LAYER.hidden)
     p.add_argument("--intermediate", type=_positive, default=L.BENCH_LAYER.intermediate)
     p.add_argument("--rounds", type=_positive, default=5,
-                   help=f"rounds over the token counts (timed calls per m: rounds x copies, at least rounds x {MIN_CALLS})")
+                   help=f"rounds over the token counts (timed calls per m: rounds x copies, at least "
+                        f"rounds x {MIN_CALLS})")
     args = p.parse_args(argv)
     usable = backends.available_backends()
     for b in args.backends or []:
@@ -49,62 +51,41 @@ def parse_args(argv):
     return args
 
 
-def packed_copies(layer, fmt, backend, threads):
-    """MoE objects of one backend over distinct packed copies of the same random weights."""
-    experts = L.random_experts(layer, fmt)
-    copy_bytes = layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[fmt]
-    copies = L.copies_for(L.WALK_L3_MULTIPLE * (L.l3_bytes() or 0), copy_bytes, L.ram_bytes() // 3)
-    return [MoE(layer.config(fmt), experts, backend=backend, threads=threads) for _ in range(copies)]
-
-
-def time_calls(moes, token_counts, rounds, hidden):
-    """{m: median seconds of one call with m tokens on every expert}.  Each round times every m in
-    turn, each walking the copies (as often as it takes to make MIN_CALLS calls), so that a moment of
-    noise on a shared machine lands on a few samples of several m rather than on all samples of one."""
-    experts = moes[0].config.expert_num
+def time_calls(walk, experts, token_counts, rounds, hidden):
+    """{m: median seconds of one call with m tokens on each of `experts` experts}, walking the copies
+    of `walk` (a list of sides).  Each round times every m in turn, each walking the copies (as often
+    as it takes to make MIN_CALLS calls), so that a moment of noise on a shared machine lands on a few
+    samples of several m rather than on all samples of one."""
     rng = np.random.default_rng(0)
     calls = {m: (rng.standard_normal((m, hidden)).astype(np.float32),
                  np.tile(np.arange(experts, dtype=np.int64), (m, 1)),
                  np.full((m, experts), 1.0 / experts, np.float32)) for m in token_counts}
     for m in token_counts:  # warm-up: first-call costs (buffers, thread pool) stay out of the timing
-        for moe in moes:
-            moe(*calls[m])
+        for side in walk:
+            side(*calls[m])
     seconds = {m: [] for m in token_counts}
-    walk = moes * -(-MIN_CALLS // len(moes))
+    walk = walk * -(-MIN_CALLS // len(walk))
     for _ in range(rounds):
         for m in token_counts:
-            for moe in walk:
+            for side in walk:
                 start = time.perf_counter()
-                moe(*calls[m])
+                side(*calls[m])
                 seconds[m].append(time.perf_counter() - start)
     return {m: statistics.median(s) for m, s in seconds.items()}
 
 
-def limits(threads, probe_bytes):
-    """{'read_gbs': ..., unit: peak GFLOP/s} measured now on `threads` threads."""
-    out = {"read_gbs": roofline.read_bandwidth(threads=threads, nbytes=probe_bytes)}
-    for unit in roofline.UNIT_PROBES:
-        out[unit] = roofline.unit_peak(unit, threads=threads)
-    return out
-
-
-def rows_for(layer, fmt, backend_names, threads, tokens, rounds, limit, log=print):
-    """One dict per (m, backend): ms, GFLOP/s, of-peak, of-roof."""
+def rows_for(layer, weight_bytes, backend, threads, seconds_by_m, limit):
+    """One dict per m of one backend on `threads` threads: ms, GFLOP/s, of-peak, of-roof, against
+    `limit` (a Roofline as a dict) as the bench's table holds them (roofline.floor_seconds)."""
+    unit = roofline.backend_unit(backend)
+    peak = roofline.peak_gflops(limit, unit)  # 0.0 on a CPU without AVX2: no compute floor then
     rows = []
-    weight_bytes = layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[fmt]
-    for backend in backend_names:
-        moes = packed_copies(layer, fmt, backend, threads)
-        log(f"  {backend}: {len(moes)} packed copies of {weight_bytes / 1e6:.0f} MB")
-        unit = roofline.backend_unit(backend)
-        peak = limit[unit] or limit["fma"]  # 0.0 on a CPU without AVX2: no compute floor then
-        seconds_by_m = time_calls(moes, tokens, rounds, layer.hidden)
-        for m, seconds in seconds_by_m.items():
-            flops = 2 * m * layer.experts * layer.weights_per_expert
-            floor = max(weight_bytes / (limit["read_gbs"] * 1e9), flops / (peak * 1e9) if peak else 0.0)
-            rows.append(dict(threads=threads, m=m, backend=backend, ms=seconds * 1e3, gflops=flops / seconds / 1e9,
-                             unit=unit, of_peak=flops / seconds / 1e9 / peak if peak else None,
-                             of_roof=floor / seconds))
-        del moes
+    for m, seconds in seconds_by_m.items():
+        flops = 2 * m * layer.experts * layer.weights_per_expert
+        floor = max(roofline.floor_seconds(limit, weight_bytes, flops, unit))
+        rows.append(dict(threads=threads, m=m, backend=backend, ms=seconds * 1e3, gflops=flops / seconds / 1e9,
+                         unit=unit, of_peak=flops / seconds / 1e9 / peak if peak else None,
+                         of_roof=floor / seconds))
     return rows
 
 
@@ -125,17 +106,29 @@ def main(argv=None):
     args = parse_args(argv)
     layer = L.Layer(f"E={args.experts} (every token on every expert) H={args.hidden} I={args.intermediate}",
                     args.experts, args.experts, args.hidden, args.intermediate)
-    backend_names = args.backends or _default_backends()
+    thread_counts = sorted(set(args.threads or [1, os.cpu_count() or 1]))
+    plan = Plan(layers=[layer], tokens=args.tokens, threads=thread_counts,
+                backends=args.backends or _default_backends())  # the bench's walk sizes
     print(f"{cpu.describe(cpu.report())}: {os.cpu_count()} cores, L3 {(L.l3_bytes() or 0) / 2**20:.0f} MiB")
     print(f"layer {layer.name}, {args.format}; default backend {backends.resolve_backend(None)}", flush=True)
-    probe_bytes = max(1 << 28, L.WALK_L3_MULTIPLE * (L.l3_bytes() or 0))
+    measured = measure_limits(thread_counts, max(1 << 28, plan.walk_bytes), log=lambda msg: print(msg, flush=True))
+    limits = {n: dataclasses.asdict(lim) for n, lim in measured.items()}
+    for n in thread_counts:
+        peaks = ", ".join(f"{roofline.UNIT_NAMES[u]} {limits[n][field]:.0f}"
+                          for u, field in roofline.UNIT_FIELDS.items() if limits[n][field])
+        print(f"{n} thread(s): read {limits[n]['read_gbs']:.1f} GB/s; GFLOP/s peaks: {peaks}", flush=True)
+    experts = L.random_experts(layer, args.format)
+    weight_bytes = layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[args.format]
     rows = []
-    for threads in sorted(set(args.threads or [1, os.cpu_count() or 1])):
-        limit = limits(threads, probe_bytes)
-        peaks = ", ".join(f"{roofline.UNIT_NAMES[u]} {limit[u]:.0f}" for u in roofline.UNIT_PROBES if limit[u])
-        print(f"{threads} thread(s): read {limit['read_gbs']:.1f} GB/s; GFLOP/s peaks: {peaks}", flush=True)
-        rows += rows_for(layer, args.format, backend_names, threads, args.tokens, args.rounds, limit,
-                         log=lambda msg: print(msg, flush=True))
+    for backend in plan.backends:  # packed once; the thread count changes between calls
+        walk = build_walk(_ktfp8_factory(backend), layer, experts, thread_counts[0], max(args.tokens),
+                          plan.walk_bytes, plan.walk_memory_bytes)
+        print(f"  {backend}: {len(walk.copies)} packed copies of {weight_bytes / 1e6:.0f} MB", flush=True)
+        for n in thread_counts:
+            walk.threads = n
+            seconds_by_m = time_calls(walk.copies, layer.experts, args.tokens, args.rounds, layer.hidden)
+            rows += rows_for(layer, weight_bytes, backend, n, seconds_by_m, limits[n])
+        walk.close()
     print(table(rows))
     return 0
 
