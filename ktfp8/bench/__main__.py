@@ -5,7 +5,8 @@ the goals, and writes bench-results.json, bench-results.txt and bench-results.pn
 this folder).  Every side walks distinct copies of the layer totalling at least 4x the L3 cache, as a
 model's forward walks its layers, so weights come from DRAM.  The goals that set a measurement against
 another or against a limit (decode at T=1, T=64 against the memory floor, T=512 against the compute
-peak) come from an interleaved step after the table (interleaved.py), not from its rows."""
+peak, the default backend against the others) come from interleaved steps after the table
+(interleaved.py, backend_choice.py), not from its rows."""
 import argparse
 import dataclasses
 import datetime
@@ -18,7 +19,7 @@ import tempfile
 
 from .. import __version__, backends, cpu
 from . import layers as L
-from . import interleaved, report
+from . import backend_choice, interleaved, report
 from .run import Plan, Runner
 
 QUICK = dict(tokens=[1, 4, 16, 64, 512], layers=["bench"], case_seconds=2.0, max_call_seconds=10.0,
@@ -137,7 +138,8 @@ def main(argv=None):
     goal_layer = L.BENCH_LAYER.name if any(r["layer"] == L.BENCH_LAYER.name for r in rows) else None
     default = backends.resolve_backend(None)
     side_by_side = interleaved.run(plan, L.BENCH_LAYER, default, log=lambda msg: print(msg, flush=True))
-    goal_rows = report.goals(rows, limits, goal_layer, default, side_by_side) if goal_layer else []
+    choice = backend_choice.run(plan, L.BENCH_LAYER, default, log=lambda msg: print(msg, flush=True))
+    goal_rows = report.goals(rows, limits, goal_layer, default, side_by_side, choice) if goal_layer else []
     results = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         ktfp8=__version__, machine=_machine(), versions=runner.versions, limits=limits, default_backend=default,
@@ -149,6 +151,7 @@ def main(argv=None):
                 "copies of the layer in turn, one warm-up call first); kt-kernel: submit + sync of one "
                 "forward_task, its worker pool (shared by its copies) built per thread count"),
         results=rows, skipped=runner.skipped, speedups=report.speedups(rows), interleaved=side_by_side,
+        backend_choice=choice,
         goals=goal_rows)
     machine = results["machine"]
     header = (f"{machine['cpu']}: {machine['cores']} cores, L3 {machine['l3_mib']:.0f} MiB, {machine['ram_gb']} GiB; "

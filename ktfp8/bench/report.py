@@ -128,10 +128,11 @@ def machine_floor_ms(row, limits):
     return memory_s * 1e3, compute_s * 1e3
 
 
-def goals(rows, limits, layer, default, interleaved=None):
+def goals(rows, limits, layer, default, interleaved=None, choice=None):
     """The goals of issue 11 on the benchmark layer for the default backend `default`, FP8
     per-channel, each side at its best thread count unless a goal names the thread count.  The
-    decode goals come from `interleaved` (interleaved.run's result), not from the rows."""
+    decode goals come from `interleaved` (interleaved.run's result) and the default-choice goal from
+    `choice` (backend_choice.run's), not from the rows."""
     mine = f"ktfp8 {default}"
     layer_rows = [r for r in rows if r["layer"] == layer]
     best = best_threads(layer_rows)
@@ -203,22 +204,23 @@ def goals(rows, limits, layer, default, interleaved=None):
                                                         f"{other['ms'] / r['ms']:.2f}x)" if other and r else ""))
     faster("T=512: faster than PyTorch BF16", 3.0, r, peer(512, "torch bf16", "bf16"),
            "PyTorch BF16 not timed at T=512 (see skipped)")
-    # 4. the default choice is the best backend at every T
-    ratios = []
-    for T in sorted({r["tokens"] for r in best if r["kind"] == "ktfp8"}):
-        ours = find(mine, T)
-        rivals = [r for r in best if r["kind"] == "ktfp8" and r["tokens"] == T and r["format"] == PC]
-        if ours and rivals:
-            top = min(rivals, key=lambda r: r["ms"])
-            ratios.append((ours["ms"] / top["ms"], T, top))
-    worst = max(ratios, key=lambda v: v[0]) if ratios else None
-    backends_timed = len({r["side"] for r in best if r["kind"] == "ktfp8" and r["format"] == PC})
-    add("default choice: time over the fastest ktfp8 backend, worst T", "at_most", 1.0,
-        worst[0] if worst else None,
-        "not timed" if not worst else f"only {mine} was timed" if backends_timed == 1 else
-        f"T={worst[1]}: {worst[2]['side']} {worst[2]['ms']:.2f} ms" if worst[0] > 1 else
-        f"{mine} fastest at every T of {backends_timed} backends")
+    # 4. the default choice is the best backend at every T: interleaved (see backend_choice.py)
+    out.append(choice_goal(choice))
     return out
+
+
+def choice_goal(choice):
+    """Goal 4 from the interleaved backend step (backend_choice.run's result, None when it did not run)."""
+    goal = "default choice: time over the fastest ktfp8 backend, worst T"
+    if choice is None or choice.get("skipped"):
+        return _goal(goal, "at_most", 1.0, None, choice["skipped"] if choice else "the backend step did not run")
+    worst = choice["figures"]["worst"]
+    rounds = len(choice["rounds"])
+    return _goal(goal, "at_most", 1.0, worst["ratio"],
+                 f"interleaved: {rounds} rounds alternating {', '.join(choice['backends'])} at "
+                 f"T={','.join(map(str, choice['tokens']))}, median of per-round ratios; worst T={worst['tokens']}: "
+                 f"{choice['default']} {worst['default_ms']:.2f} ms vs {worst['backend']} {worst['backend_ms']:.2f} ms "
+                 f"(medians over rounds, best thread count)")
 
 
 def _goal(goal, kind, target, measured, note):

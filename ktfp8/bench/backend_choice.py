@@ -1,0 +1,113 @@
+"""Goal 4 of issue 11, measured side by side: with no backend=, MoE() runs every T at least as fast as
+the best single backend.
+
+Where two backends are both at the memory bus (decode on the Zen 5 VM: avx512_bf16, avx512 and avx2
+within 3 % of each other when alternated), rows of the results table timed minutes apart differ by
+the machine's drift: one such table put avx512 at 0.91 ms and the default avx512_bf16 at 1.20 ms at
+T=1, and the goal at 1.32x.  So here every contending backend walks its own FP8 per-channel copies
+of the layer, alive together, and each round runs, for every T and thread count, a short batch of
+calls of each backend in turn, the order rotating from round to round.  A figure per (T, backend) is
+the median over rounds of that round's default time over the backend's, each at its fastest thread
+count in the round; the goal is the worst of them."""
+import gc
+import math
+import statistics
+
+from . import layers as L
+from .run import _ktfp8_factory, build_walk, time_calls
+from .sides import available_memory
+
+PC = "fp8_per_channel"
+ROUNDS = 6
+CALLS = {1: 5, 4: 4, 16: 3, 64: 2}  # timed calls per batch by T (else 1), after one warm-up call
+
+
+def skip_reason(plan, layer, default):
+    """Why the plan leaves the step out (a sentence), or None when it runs."""
+    if layer not in plan.layers:
+        return f"the layer {layer.name!r} is not in the plan (--layer)"
+    if PC not in plan.formats:
+        return f"{PC} is not in the plan (--formats)"
+    if default not in plan.backends:
+        return f"the default backend {default} is not in the plan (--backends)"
+    if len(plan.backends) < 2:
+        return f"only {default} is in the plan"
+    return None
+
+
+def run(plan, layer, default, log=print):
+    """The step for a Plan: its backends (the default first), T and thread counts, walks sized as the
+    table's; {"skipped": reason} where it is left out."""
+    reason = skip_reason(plan, layer, default)
+    if reason:
+        log(f"interleaved backend choice skipped: {reason}")
+        return {"skipped": reason}
+    contenders = [default] + [b for b in plan.backends if b != default]
+    return measure(layer, contenders, plan.threads, plan.tokens, plan.walk_bytes, plan.walk_memory_bytes, log=log)
+
+
+def measure(layer, backends, threads, tokens, walk_bytes, walk_memory_bytes, rounds=ROUNDS, calls=None, log=print):
+    """backends[0] (the default) against the others.  rounds[r][str(T)][str(n)] = {order, ms: {backend:
+    median of the batch}, samples_ms: {backend: [...]}}; figures: see figures()."""
+    calls = calls or CALLS
+    log(f"interleaved backend choice: {rounds} rounds x T={','.join(map(str, tokens))} x {len(threads)} thread "
+        f"count(s) of each of {', '.join(backends)} in turn ({PC})")
+    experts = L.random_experts(layer, PC, seed=2)
+    walks = {}
+    try:
+        for b in backends:
+            budget = min(walk_memory_bytes, available_memory() // (len(backends) + 1))
+            walks[b] = build_walk(_ktfp8_factory(b), layer, experts, threads[0], max(tokens), walk_bytes, budget)
+            gc.collect()
+        xs = {t: L.activations(layer, t, seed=2) for t in tokens}
+        per_batch = {t: calls.get(t, 1) + 1 for t in tokens}  # time_calls' warm-up call, then the timed ones
+        batches = rounds * len(threads)  # fresh routing for every batch, as a forward's layers draw theirs
+        draws = {b: {t: L.routing_rounds(layer, t, batches * per_batch[t], seed=2, copies=len(w.copies))
+                     for t in tokens} for b, w in walks.items()}
+        out = []
+        for r in range(rounds):
+            order = backends[r % len(backends):] + backends[:r % len(backends)]
+            record = {}
+            for t in tokens:
+                record[str(t)] = {}
+                for i, n in enumerate(threads):
+                    start = (r * len(threads) + i) * per_batch[t]
+                    samples = {}
+                    for b in order:
+                        walks[b].threads = n
+                        batch = draws[b][t][start:start + per_batch[t]]
+                        samples[b] = [s * 1e3 for s in time_calls(walks[b], xs[t], batch, math.inf)]
+                    record[str(t)][str(n)] = dict(order=order, samples_ms=samples,
+                                                 ms={b: statistics.median(s) for b, s in samples.items()})
+            out.append(record)
+    finally:
+        for w in walks.values():
+            w.close()
+        walks.clear()
+        gc.collect()
+    result = dict(layer=layer.name, format=PC, backends=list(backends), default=backends[0], tokens=list(tokens),
+                  threads=list(threads), calls={str(t): per_batch[t] - 1 for t in tokens}, rounds=out)
+    result["figures"] = figures(result)
+    return result
+
+
+def figures(result):
+    """ratio[str(T)][backend]: median over rounds of the default's ms over the backend's, each at its
+    fastest thread count in the round; worst: the largest of them as {tokens, backend, ratio,
+    default_ms, backend_ms} (medians over rounds), None with a single backend."""
+    default = result["default"]
+
+    def best(by_n, b):
+        return min(v["ms"][b] for v in by_n.values())
+
+    ratio = {t: {b: statistics.median(best(rec[t], default) / best(rec[t], b) for rec in result["rounds"])
+                 for b in result["backends"] if b != default}
+             for t in map(str, result["tokens"])}
+    cases = [(r, t, b) for t, by_b in ratio.items() for b, r in by_b.items()]
+    if not cases:
+        return dict(ratio=ratio, worst=None)
+    r, t, b = max(cases)
+    return dict(ratio=ratio, worst=dict(
+        tokens=int(t), backend=b, ratio=r,
+        default_ms=statistics.median(best(rec[t], default) for rec in result["rounds"]),
+        backend_ms=statistics.median(best(rec[t], b) for rec in result["rounds"])))
