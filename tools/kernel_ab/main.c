@@ -1,0 +1,108 @@
+/* Two builds of the avx512_bf16 micro-kernel's tile_matmul2 in one process, no MoE driver around
+ * them: kernel_ab.sh says how to run it.  Each round times a batch of calls of each build, the first
+ * one alternating; it prints each build's median time per tile pair and the median of the per-round
+ * ratios new / old.  hot: one tile pair, calls after calls (codes in L1/L2: the loops' own speed);
+ * dram: a walk over 256 MiB of tile pairs, each call's w_next the next pair, as the driver sets it. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "ktfp8/abi.h"
+
+void kernel_old(const ktfp8_tile_job *, const ktfp8_tile_job *);
+void kernel_new(const ktfp8_tile_job *, const ktfp8_tile_job *);
+
+#define ROUNDS 15
+#define WALK_BYTES (256u << 20)
+#define NB 16 /* rows per tile */
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static int by_value(const void *x, const void *y) {
+    const double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+static double median(double *v, int n) {
+    qsort(v, n, sizeof(double), by_value);
+    return v[n / 2];
+}
+
+static void *alloc64(size_t bytes) {
+    void *p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    if (!p) {
+        fprintf(stderr, "kernel_ab: out of memory\n");
+        exit(1);
+    }
+    return p;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4 || (strcmp(argv[1], "hot") && strcmp(argv[1], "dram")) || atoll(argv[2]) <= 0 || atoll(argv[2]) % 4) {
+        fprintf(stderr, "usage: %s hot|dram K m [m ...]   (K a positive multiple of 4, 1 <= m <= 64)\n", argv[0]);
+        return 2;
+    }
+    const int dram = argv[1][0] == 'd';
+    const int64_t k = atoll(argv[2]), tile = k * NB; /* FP8 code bytes of one tile */
+    const size_t pairs = dram ? WALK_BYTES / (2 * tile) : 1;
+    uint8_t *w = alloc64(pairs * 2 * tile);
+    for (size_t i = 0; i < pairs * 2 * tile; i++) w[i] = (uint8_t)(rand() & 0x77); /* finite, both signs */
+    float *scale = alloc64(NB * sizeof(float)), *c0 = alloc64(64 * NB * sizeof(float)),
+          *c1 = alloc64(64 * NB * sizeof(float));
+    for (int i = 0; i < NB; i++) scale[i] = 1.0f;
+    uint16_t *a = alloc64(64 * k * sizeof(uint16_t));
+    for (int64_t i = 0; i < 64 * k; i++) a[i] = 0x3f80; /* bf16 1.0 */
+    void *scratch = alloc64(2 * tile * sizeof(uint16_t)); /* the kernel's tile_scratch_bytes(k) */
+    void (*build[2])(const ktfp8_tile_job *, const ktfp8_tile_job *) = {kernel_old, kernel_new};
+    for (int arg = 3; arg < argc; arg++) {
+        const int m = atoi(argv[arg]);
+        if (m < 1 || m > 64) {
+            fprintf(stderr, "kernel_ab: m must lie in 1..64, not %s\n", argv[arg]);
+            return 2;
+        }
+        ktfp8_tile_job j0;
+        memset(&j0, 0, sizeof j0);
+        j0.format = KTFP8_FMT_FP8_CHANNEL;
+        j0.k = k;
+        j0.a = a;
+        j0.a_stride = k;
+        j0.act_dtype = KTFP8_BF16;
+        j0.m = m;
+        j0.c_stride = NB;
+        j0.scratch = scratch;
+        j0.scale = scale;
+        ktfp8_tile_job j1 = j0;
+        j0.c = c0;
+        j1.c = c1;
+        const size_t calls = dram ? pairs : 4000 / m + 100;
+        double seconds[2][ROUNDS], ratio[ROUNDS];
+        size_t pos = 0;
+        for (int r = 0; r < ROUNDS; r++) {
+            for (int s = 0; s < 2; s++) {
+                const int b = (s + r) & 1;
+                const double t0 = now();
+                for (size_t i = 0; i < calls; i++, pos++) {
+                    const size_t p = pos % pairs, next = (pos + 1) % pairs;
+                    j0.w = w + 2 * tile * p;
+                    j1.w = w + 2 * tile * p + tile;
+                    j0.w_next = w + 2 * tile * next;
+                    j1.w_next = w + 2 * tile * next + tile;
+                    build[b](&j0, &j1);
+                }
+                seconds[b][r] = (now() - t0) / calls;
+            }
+            ratio[r] = seconds[1][r] / seconds[0][r];
+        }
+        const double old_s = median(seconds[0], ROUNDS), new_s = median(seconds[1], ROUNDS), flop = 4.0 * m * tile;
+        printf("%s K=%ld m=%2d: old %7.3f us  new %7.3f us per tile pair (%5.0f / %5.0f GFLOP/s)  new/old %.3f\n",
+               argv[1], (long)k, m, old_s * 1e6, new_s * 1e6, flop / old_s / 1e9, flop / new_s / 1e9,
+               median(ratio, ROUNDS));
+    }
+    return 0;
+}
