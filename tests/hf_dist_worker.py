@@ -15,6 +15,7 @@ def run(bf16_folder, fp8_folder, out_dir):
     from ktfp8.distributed import init_process_group
     from ktfp8.hf import op
 
+    torch.set_num_threads(1)  # as the one-process oracle; OMP_NUM_THREADS came after torch's import
     rank, _ = init_process_group(timeout_s=60)
     models = {"fp8": ktfp8.hf.from_pretrained(fp8_folder, dtype=torch.float32, threads=1),
               "bf16": ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(

@@ -35,7 +35,19 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(folders):
-    """What ktfp8.hf gives in a single process: logits, greedy tokens, the layers' resident bytes."""
+    """What ktfp8.hf gives in a single process: logits, greedy tokens, the layers' resident bytes.
+    torch on one thread, as in the ranks (hf_dist_worker): its float32 sums depend on its thread count,
+    and this model's router has a near-tie at the last prompt position (1 thread against 2 moved that
+    row's logits by 1.8e-3 with the avx512_bf16 backend on a Zen 5)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _one_process(folders)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_process(folders):
     models = {"fp8": ktfp8.hf.from_pretrained(folders["fp8"], dtype=torch.float32, threads=1),
               "bf16": ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(
                   folders["bf16"], dtype=torch.float32, experts_implementation="ktfp8"), threads=1)}

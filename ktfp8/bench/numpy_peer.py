@@ -23,7 +23,8 @@ class NumpyFP32MoE:
         if experts.format != "fp8_per_channel":
             raise PeerUnavailable(f"the NumPy peer dequantizes fp8_per_channel experts, not {experts.format}")
         check_fits("NumPy FP32", layer.experts * layer.weights_per_expert * BYTES_PER_WEIGHT["fp32"])
-        _threadpool_limits(threads)  # fail now if the thread count can't be controlled
+        with _threadpool_limits(threads):  # fail now if the thread count can't be controlled; restored after
+            pass
         self.name, self.format, self.version = "numpy fp32 (dequantized)", "fp32", np.__version__
         self.threads = threads
         self.gate, self.up, self.down = (fp8.dequantize(c, s) for c, s in (

@@ -31,7 +31,15 @@ class _TorchMoE:
 
     def __call__(self, x, topk_ids, topk_weights):
         torch = self.torch
-        torch.set_num_threads(self.threads)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)  # the process's setting, restored after the call
+        try:
+            return self._forward(x, topk_ids, topk_weights)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _forward(self, x, topk_ids, topk_weights):
+        torch = self.torch
         with torch.inference_mode():
             xt = _view(torch, x, torch.bfloat16)
             ids = torch.from_numpy(topk_ids)
