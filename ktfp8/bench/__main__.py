@@ -10,6 +10,7 @@ peak, the default backend against the others) come from interleaved steps after 
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -132,13 +133,14 @@ def _write_atomically(path, write):
 def main(argv=None):
     args = parse_args(argv)
     plan = make_plan(args)
-    runner = Runner(plan, log=lambda msg: print(msg, flush=True)).run()
+    log = functools.partial(print, flush=True)
+    runner = Runner(plan, log=log).run()
     limits = {str(n): dataclasses.asdict(r) for n, r in runner.limits.items()}
     rows = runner.results
     goal_layer = L.BENCH_LAYER.name if any(r["layer"] == L.BENCH_LAYER.name for r in rows) else None
     default = backends.resolve_backend(None)
-    side_by_side = interleaved.run(plan, L.BENCH_LAYER, default, log=lambda msg: print(msg, flush=True))
-    choice = backend_choice.run(plan, L.BENCH_LAYER, default, log=lambda msg: print(msg, flush=True))
+    side_by_side = interleaved.run(plan, L.BENCH_LAYER, default, log=log)
+    choice = backend_choice.run(plan, L.BENCH_LAYER, default, log=log)
     goal_rows = report.goals(rows, limits, goal_layer, default, side_by_side, choice) if goal_layer else []
     results = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -14,6 +14,7 @@ import math
 import statistics
 
 from . import layers as L
+from .interleaved import best_ms
 from .run import _ktfp8_factory, build_walk, time_calls
 from .sides import available_memory
 
@@ -96,11 +97,7 @@ def figures(result):
     fastest thread count in the round; worst: the largest of them as {tokens, backend, ratio,
     default_ms, backend_ms} (medians over rounds), None with a single backend."""
     default = result["default"]
-
-    def best(by_n, b):
-        return min(v["ms"][b] for v in by_n.values())
-
-    ratio = {t: {b: statistics.median(best(rec[t], default) / best(rec[t], b) for rec in result["rounds"])
+    ratio = {t: {b: statistics.median(best_ms(rec[t], default) / best_ms(rec[t], b) for rec in result["rounds"])
                  for b in result["backends"] if b != default}
              for t in map(str, result["tokens"])}
     cases = [(r, t, b) for t, by_b in ratio.items() for b, r in by_b.items()]
@@ -109,5 +106,5 @@ def figures(result):
     r, t, b = max(cases)
     return dict(ratio=ratio, worst=dict(
         tokens=int(t), backend=b, ratio=r,
-        default_ms=statistics.median(best(rec[t], default) for rec in result["rounds"]),
-        backend_ms=statistics.median(best(rec[t], b) for rec in result["rounds"])))
+        default_ms=statistics.median(best_ms(rec[t], default) for rec in result["rounds"]),
+        backend_ms=statistics.median(best_ms(rec[t], b) for rec in result["rounds"])))
