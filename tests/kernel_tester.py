@@ -7,7 +7,7 @@ expert receives, the input dtype.  `check(variant, case)` runs it on one variant
   1. the float64 NumPy MoE of moe_oracle on the same dequantized weights, rounded where the kernel
      rounds: x and h to the activation dtype `act` the kernel reads (an argument; by default the
      kernel's own, from KERNELS), y to the output dtype.  NMSE <= oracle_budget(act, y.dtype);
-  2. the `reference` backend (portable C, float32 activations): NMSE <= REFERENCE_NMSE[act].
+  2. the `reference` backend (portable C, float32 activations): NMSE <= reference_budget(...).
 NaN must appear exactly where the oracle has NaN, and exact zeros where it has exact zeros.
 `check_inputs` does the same for hand-made weights and inputs (every FP8 code, NaN codes, ...).
 
@@ -15,6 +15,7 @@ Everything the harness knows about a kernel is in KERNELS: its activation dtype 
 at which it changes path; `token_counts(variant)` turns those into the m values to run.
 
 This module is the one place the kernel tests share; nothing here imports a test module."""
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -60,8 +61,10 @@ KERNELS = {
     # (KTFP8_FOR_M5_TO_8 for the first, KTFP8_FOR_M8 for the last)
     "avx512": Kernel("moe_avx512.c", F32, {"DECODE_M": 4, "MR": 8},
                      lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
+    # passes of up to MR tokens, each converting the codes in registers (KTFP8_FOR_M8); more
+    # accumulators per token in a pass of at most DECODE_M: the later passes change too (MR + DECODE_M)
     "avx512_bf16": Kernel("moe_avx512bf16.c", BF16, {"DECODE_M": 4, "MR": 8},
-                          lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
+                          lambda d: (d["DECODE_M"] + 1, d["MR"], d["MR"] + d["DECODE_M"], 2 * d["MR"])),
     # m < AMX_MIN_M: the avx512_bf16 micro-kernel; from it on tiles of CHUNK tokens, CHUNKS of
     # them per pass, a short last tile for m % CHUNK
     "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 8, "CHUNK": 16, "CHUNKS": 4},
@@ -99,10 +102,8 @@ def oracle_budget(act, out_dtype):
     return ORACLE_NMSE[BF16 if BF16 in (act, np.dtype(out_dtype).type) else F32]
 
 
-# NMSE against the `reference` backend, which reads float32 activations.  FP32 kernels: summation
-# order only (1e-6, as between any two FP32 kernels).  BF16 kernels also round x and h to BF16
-# (relative error up to 2^-9 each): 2e-5.
-REFERENCE_NMSE = {F32: 1e-6, BF16: 2e-5}
+# NMSE between two FP32 kernels (the `reference` backend and an FP32 kernel): summation order only.
+FP32_ORDER_NMSE = 1e-6
 
 
 # ------------------------------------------------------------------ cases
@@ -223,6 +224,20 @@ def assert_matches(got, want, budget, what):
     assert err <= budget, f"{what}: NMSE {err:.3g} > {budget:g}"
 
 
+def reference_budget(dense, x, ids, w, act):
+    """NMSE allowed against the `reference` backend, which reads float32 activations.  FP32 kernels:
+    FP32_ORDER_NMSE.  A BF16 kernel also rounds x and h to BF16, and that moves y as far as it moves
+    the float64 oracle on these very inputs: typically ~1e-6, but 2e-5 was seen with K = 17, where
+    short sums cancel (a fixed 2e-5 was the budget until then).  The three deviations (that one, the
+    kernel's from its oracle, the reference's summation order) may add up in amplitude."""
+    if act is F32:
+        return FP32_ORDER_NMSE
+    rounded, unrounded = expected(dense, x, ids, w, act), expected(dense, x, ids, w, F32)
+    finite = np.isfinite(rounded) & np.isfinite(unrounded)  # NaN weights give NaN rows in both
+    shift = nmse(rounded[finite], unrounded[finite])
+    return (math.sqrt(shift) + math.sqrt(ORACLE_NMSE[BF16]) + math.sqrt(FP32_ORDER_NMSE)) ** 2
+
+
 def check_inputs(variant, experts, dense, x, ids, w, act=None, threads=THREADS, what=""):
     """Run `variant` on these weights and inputs, compare with the oracle and the reference backend
     (see the module docstring); returns y for further asserts."""
@@ -233,7 +248,7 @@ def check_inputs(variant, experts, dense, x, ids, w, act=None, threads=THREADS, 
     assert_matches(y, expected(dense, x, ids, w, act), oracle_budget(act, x.dtype), f"{what} vs float64")
     if variant != "reference":
         ref = run("reference", experts, x, ids, w, threads)
-        assert_matches(y, np.asarray(ref, np.float64), REFERENCE_NMSE[act], f"{what} vs reference")
+        assert_matches(y, np.asarray(ref, np.float64), reference_budget(dense, x, ids, w, act), f"{what} vs reference")
     return y
 
 

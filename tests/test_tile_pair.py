@@ -37,15 +37,13 @@ BF16 = _FORMAT_CODES["bf16"]
 
 def pair_token_counts(variant):
     """Every m at which the variant's kernel (with amx, avx512_bf16's too) changes path or fills a
-    register block, every decode m (each its own register blocking), and, on the AVX-512 units, m at
-    which the two-tile passes (MR / 2 tokens) fill."""
+    register block, and every decode m (each its own register blocking)."""
     unit = variant.removesuffix("_emulated")
     if unit == "avx2":
         d = KERNELS["avx2"].defines
         return sorted(set(token_counts("avx2")) | set(range(1, d["DECODE_M"] + 1)))
     d = KERNELS["avx512_bf16"].defines
-    return sorted(set(token_counts("avx512_bf16")) | set(token_counts("amx")) | set(range(1, d["DECODE_M"] + 1))
-                  | {d["MR"] // 2 + 1, d["MR"] + d["MR"] // 2 + 1})
+    return sorted(set(token_counts("avx512_bf16")) | set(token_counts("amx")) | set(range(1, d["DECODE_M"] + 1)))
 
 
 def random_activations(rng, variant, n):

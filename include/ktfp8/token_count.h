@@ -32,8 +32,8 @@
     default: CALL(6); break;     \
     }
 
-/* The first prefill pass of an AVX-512 kernel (DECODE_M 4, MR 8): more than DECODE_M tokens, at
- * most MR.  Only the counts it can see, so that the emulated build compiles no unused loops. */
+/* The first prefill pass of moe_avx512.c (DECODE_M 4, MR 8): more than DECODE_M tokens, at most MR.
+ * Only the counts it can see, so that the emulated build compiles no unused loops. */
 #define KTFP8_FOR_M5_TO_8(m, CALL) \
     switch (m) {                   \
     case 5: CALL(5); break;        \

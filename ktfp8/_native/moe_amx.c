@@ -8,9 +8,9 @@
  * Small m goes to the avx512_bf16 micro-kernel.  Threshold AMX_MIN_M = 8, from static analysis
  * (no AMX machine to measure on; re-measure on hardware).  Core cycles per 32-K slab of one 16-row
  * weight tile, llvm-mca-16 -mcpu=sapphirerapids on the compiled loops where it models them:
- *   - avx512_bf16 above DECODE_M (tile converted once, then MR-token passes of vdpbf16ps): 12
- *     cycles per 2 K pairs at m = 8, i.e. ~96 per slab, plus ~32 for the conversion: ~128;
- *     ~12 * m + 32 in general;
+ *   - avx512_bf16 above DECODE_M, as it was then (tile converted once into scratch, then MR-token
+ *     passes of vdpbf16ps; it now converts in every pass, not re-analysed): 12 cycles per 2 K
+ *     pairs at m = 8, i.e. ~96 per slab, plus ~32 for the conversion: ~128; ~12 * m + 32 in general;
  *   - AMX: one TDPBF16PS (16 cycles on the TMUL, whatever the rows hold) + one A and one B tile
  *     load per 16 tokens, and the same ~32-cycle conversion (port 5) beside it: ~32-40;
  *   - the slab's 512 codes from DRAM at the Xeon's per-core share (22.3 GB/s / 2 cores, ~4

@@ -1,4 +1,4 @@
-/* MoE micro-kernel for AVX-512 F/BW/VL + BF16 + VBMI (Cooper Lake, Sapphire Rapids, Zen 4/5).
+/* MoE micro-kernel for AVX-512 F/BW/VL + BF16 + VBMI (Sapphire Rapids and later, Zen 4/5).
  *
  * One call: C[m][16] = (A[m][k] x W^T) * scale for one 16-row tile, A in bf16, FP32 accumulation
  * with vdpbf16ps.  Weights [k/2][16][2]: one zmm holds K pair p of all 16 rows, so one
@@ -7,39 +7,38 @@
  * FP8 codes are stored permuted inside 64-byte groups (KTFP8_CODES_VBMI64) so that e4m3_bf16_vbmi.h turns
  * 64 codes into the two bf16 zmm of pairs 2g and 2g+1 in natural order.
  *
- * Decode (m <= DECODE_M): memory-bound, so the codes stream once and are converted in registers;
- * several independent accumulators per token hide the vdpbf16ps latency.  Prefill (m > DECODE_M):
- * MR tokens per pass so that each loaded weight vector feeds MR vdpbf16ps; the first pass streams
- * the codes as decode does and, when more passes follow, stores the converted tile (bf16
- * [k/2][16][2]) into scratch for them.  That replaced a conversion pass of its own before the
- * first product: on Zen 3 the avx2 kernel's was a quarter of a T = 64 call, stalled on DRAM, and
- * folding it into the first pass took 0.89-0.91x the time.  Here llvm-mca-16
- * -mcpu=sapphirerapids on the compiled loops gives, per K pair of a tile with 8 tokens, 2.04
- * (conversion pass) + 5.80 (pass over the scratch) = 7.84 cycles before and 7.02 for the first
- * pass now, whose codes arrive while its products run.  Measured on the Zen 5 VM (tools/kernel_ab,
- * one thread, codes from DRAM): the conversion pass of its own takes 1.45x the time at m = 8, 1.29x
- * at m = 16, 1.08x at m = 64 (K = 2048; K = 768 alike).
+ * Every pass takes up to MR tokens and converts the codes in registers as they stream: the first
+ * pass reads them from DRAM, the later ones (m > MR) from L2, where the first left them (64 KiB per
+ * tile pair at k = 2048).  Accumulators per token by the height of the pass (CHAINS).
+ * Why no converted copy of the tile for the later passes (what this kernel kept in scratch until
+ * it was measured): the bf16 copy has twice the bytes of the codes, so a later pass over it moved
+ * twice as much from L2, and the first pass stored every converted vector, while on the Zen 5 VM
+ * the conversion runs beside vdpbf16ps (an 8-token pass over codes in L2: 439 GFLOP/s, the
+ * one-core peak).  Measured there (tools/kernel_ab, one thread, k = 2048, codes from DRAM), time
+ * against the kept-copy kernel (a first pass of 4 tokens x 2 tiles keeping both, then 4-token
+ * passes over the copies): m = 5 0.58x, 8 0.62x, 9 0.68x, 12 0.78x, 16 0.76x, 32 0.87x, 64 0.96x;
+ * hot in L2, m = 64 1.00x.  The benchmark layer on 2 threads: T = 64 0.77x, T = 512 0.98x.  (On
+ * Sapphire Rapids vpermi2b shares port 5 with the second 512-bit FMA, but there m >= AMX_MIN_M
+ * goes to moe_amx.c.)
  *
- * Two tiles at once (tile_matmul2: gate and up, or two down tiles): decode streams both tiles'
- * codes in one K loop, each broadcast activation pair feeding both weight vectors; prefill runs
- * MR / 2 tokens per pass against both (the first pass streaming and keeping both).  Same code as
+ * Two tiles at once (tile_matmul2: gate and up, or two down tiles): each pass streams both tiles'
+ * codes in one K loop, each broadcast activation pair feeding both weight vectors.  Same code as
  * one tile (NW = 1 or 2, a constant after inlining) and the same sums bit for bit
  * (tests/test_tile_pair.py).
  * Why: llvm-mca-16 -mcpu=sapphirerapids on the compiled decode loops, core cycles per 64 codes
  * of each tile, one stream -> two streams:
  *     m = 1: 4.02 -> 4.01    m = 2: 5.57 -> 5.26    m = 3: 7.06 -> 6.26    m = 4: 8.77 -> 7.67
- * and on the prefill loop, cycles per vdpbf16ps: 0.72 (MR = 8 tokens x 1 tile) -> 0.63 (4 tokens x
- * 2 tiles; the two FMA ports' floor is 0.5).  At m = 1 the loop is bound by port 5 (2 vpermi2b + 2 vpunpck*bw per
- * 64 codes, p5 only), from m = 2 by ports 0 and 5 together (vdpbf16ps, and a broadcast load that
- * LLVM 16's model, Skylake-server's for this CPU, gives an ALU uop too: that is what sharing the
- * broadcast saves).  4 cycles per 64 codes is 16 bytes per cycle, ~4x a core's share of the
- * Xeon's bus: the loop does not wait on its ports but on memory (the Xeon profile: 4.5 codes per
- * cycle at m = 1 from L3), which llvm-mca does not model; what two streams add there is a second
- * prefetched stream in flight per core.  Measured on the Zen 5 VM (tools/kernel_ab, one thread, codes
- * from DRAM): one stream per tile instead takes 1.17x-1.37x the time at m = 1..4, K = 2048 and 768.
- * At m = 4 with two streams GCC spills a few accumulators (2 tiles x 4 tokens x 2 + 4 tables +
- * weights, over 32 zmm); the figure above includes the spills.  From L2 one stream per tile is then
- * 0.94x the time on Zen 5, from DRAM still 1.20x.
+ * At m = 1 the loop is bound by port 5 (2 vpermi2b + 2 vpunpck*bw per 64 codes, p5 only), from
+ * m = 2 by ports 0 and 5 together (vdpbf16ps, and a broadcast load that LLVM 16's model,
+ * Skylake-server's for this CPU, gives an ALU uop too: that is what sharing the broadcast saves).
+ * 4 cycles per 64 codes is 16 bytes per cycle, ~4x a core's share of the Xeon's bus: the loop
+ * does not wait on its ports but on memory (the Xeon profile: 4.5 codes per cycle at m = 1 from
+ * L3), which llvm-mca does not model; what two streams add there is a second prefetched stream in
+ * flight per core.  Measured on the Zen 5 VM (tools/kernel_ab, one thread, codes from DRAM): one
+ * stream per tile instead takes 1.17x-1.37x the time at m = 1..4, K = 2048 and 768.  At m = 4
+ * with two streams GCC spills a few accumulators (2 tiles x 4 tokens x 2 + 4 tables + weights,
+ * over 32 zmm); the figure above includes the spills.  From L2 one stream per tile is then 0.94x
+ * the time on Zen 5, from DRAM still 1.20x.
  *
  * Scales: per-channel once after the whole K reduction; block-wise per K block (block b covers
  * pairs [b * block_k / 2, (b + 1) * block_k / 2), the last one runs on to k); BF16 weights none. */
@@ -53,8 +52,8 @@
 #include "ktfp8/variant.h"
 
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
-#define DECODE_M 4  /* tokens up to which codes are converted in registers on the fly */
-#define MR 8        /* prefill register block: tokens per pass over the converted tile */
+#define DECODE_M 4  /* tokens per pass up to which each token has more than one accumulator (CHAINS) */
+#define MR 8        /* tokens per pass: each converted weight vector feeds up to MR vdpbf16ps */
 /* Software prefetch distance of the FP8 code stream (prefetch_ahead.h says why 4 KiB). */
 #define PREFETCH_BYTES KTFP8_AVX512_PREFETCH_BYTES
 
@@ -82,36 +81,27 @@ INLINE __m512 dpbf16(__m512 acc, __m512i w, __m512i a) {
 #define DPBF16(acc, w, a) _mm512_dpbf16_ps((acc), (__m512bh)(w), (__m512bh)(a))
 #endif
 
-/* Independent accumulators per token in the decode paths: 4 up to DECODE_WIDE_M tokens (the
- * vdpbf16ps latency needs them), 2 above (6 or 8 chains per weight tile still cover it, and with
- * two tiles 4 tokens x 2 tiles x 4 would not fit in 32 zmm beside the tables and the weights).
- * The prefill passes always use 2: the count depends on the path, never on the height of a token
- * block, so the two-tile passes (MR / 2 tokens) sum each token exactly as the one-tile passes (MR).
+/* Independent accumulators per token and tile in a pass of M tokens: 4 up to DECODE_WIDE_M tokens
+ * (the vdpbf16ps latency needs them), 2 up to DECODE_M (6 or 8 chains per weight tile still cover
+ * it, and with two tiles 4 tokens x 2 tiles x 4 would not fit in 32 zmm beside the tables and the
+ * weights), 1 above (5 to 8 tokens x 2 tiles: 10 to 16 chains; 16 accumulators, 4 tables and 4
+ * weight vectors fit).  The count depends on the height of a pass only, and tile_matmul and
+ * tile_matmul2 cut a job into the same passes, so a tile's sums do not depend on NW.
  * The kernel harness's token counts (tests/kernel_tester.py) do not straddle DECODE_WIDE_M: m = 1
  * and m = DECODE_M run the 4- and the 2-accumulator loops against the oracle; m = 2, 3 differ from
  * them only in the token count. */
 #define DECODE_WIDE_M 2
-#define DECODE_CHAINS(M) ((M) <= DECODE_WIDE_M ? 4 : 2)
-#define PREFILL_CHAINS 2
-_Static_assert(DECODE_M == 4 && MR == 8, "run_jobs' first prefill pass dispatches on m > DECODE_M = MR / 2");
-
-/* Pair p of weight tile t into keep[t] (bf16 [pairs][16][2]), when the caller keeps the tiles. */
-INLINE void keep_pair(uint16_t *const *keep, int t, int64_t p, __m512i w) {
-    if (keep) _mm512_storeu_si512((void *)(keep[t] + 32 * p), w);
-}
+#define CHAINS(M) ((M) <= DECODE_WIDE_M ? 4 : (M) <= DECODE_M ? 2 : 1)
 
 /* sum[w][i] = sum over pairs [p0, p1) of token i against weight tile w < NW (1, or 2 for
  * tile_matmul2: both code streams in one loop, each broadcast activation pair feeding both),
  * weights converted from FP8 codes on the fly.  Which accumulator of its tile and token a pair
  * goes to depends on p, p0 and U only, never on NW: a tile's sums are bit-identical with NW = 1, 2.
- * With U = 2 they are also dot_bf16's over the same weights in bf16: the same pairs in each chain
- * (for an odd p0 the two chains trade places, and their final sum commutes).
  * A block may start or end in the middle of a 64-byte group (block_k = 2 mod 4).
- * keep: NULL, or where the prefill's first pass stores the converted pairs of each tile.
  * ahead[t]: stream t's software prefetch. */
 INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a, int64_t a_stride, const int M,
                            const int U, int64_t p0, int64_t p1, const ktfp8_e4m3_bf16_lut *lut,
-                           __m512 sum[][MR], uint16_t *const *keep, const ktfp8_prefetch_ahead *ahead) {
+                           __m512 sum[][MR], const ktfp8_prefetch_ahead *ahead) {
     const int Q = U - 1; /* slot q of a step uses accumulator q & Q */
     const uint8_t *codes[2] = {(const uint8_t *)w[0], (const uint8_t *)w[NW - 1]};
     __m512 acc[2][MR][4];
@@ -124,10 +114,7 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
     __m512i w0[2], w1[2];
     if (p & 1) { /* second pair of a group */
 #pragma GCC unroll 2
-        for (int t = 0; t < NW; t++) {
-            ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p - 1), &w0[t], &w1[t]);
-            keep_pair(keep, t, p, w1[t]);
-        }
+        for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p - 1), &w0[t], &w1[t]);
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
             const __m512i x = bcast_pair(a + i * a_stride, p);
@@ -154,11 +141,7 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
 #pragma GCC unroll 2
             for (int g = 0; g < 4; g += 2) {
 #pragma GCC unroll 2
-                for (int t = 0; t < NW; t++) {
-                    ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p + g), &w0[t], &w1[t]);
-                    keep_pair(keep, t, p + g, w0[t]);
-                    keep_pair(keep, t, p + g + 1, w1[t]);
-                }
+                for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * (p + g), &w0[t], &w1[t]);
 #pragma GCC unroll 8
                 for (int i = 0; i < M; i++) {
                     const __m512i x0 = bcast_pair(a + i * a_stride, p + g);
@@ -174,11 +157,7 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
     }
     for (; p < p1; p += 2) { /* 1 to 3 pairs left, p at the start of a group */
 #pragma GCC unroll 2
-        for (int t = 0; t < NW; t++) {
-            ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * p, &w0[t], &w1[t]);
-            keep_pair(keep, t, p, w0[t]);
-            if (p + 1 < p1) keep_pair(keep, t, p + 1, w1[t]);
-        }
+        for (int t = 0; t < NW; t++) ktfp8_e4m3x64_to_bf16(lut, codes[t] + 32 * p, &w0[t], &w1[t]);
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
             const __m512i x0 = bcast_pair(a + i * a_stride, p);
@@ -201,7 +180,7 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
         }
 }
 
-/* Same over bf16 weights [pairs][16][2] already in memory (BF16 weights, or the prefill scratch),
+/* Same over bf16 weights [pairs][16][2] in memory (BF16 weights),
  * U accumulators per token and tile, each loaded weight vector fed M broadcasts. */
 INLINE void dot_bf16(const void *const *w, const int NW, const uint16_t *a, int64_t a_stride, const int M,
                      const int U, int64_t p0, int64_t p1, __m512 sum[][MR]) {
@@ -249,10 +228,9 @@ INLINE void dot_bf16(const void *const *w, const int NW, const uint16_t *a, int6
 }
 
 /* Tokens i0 .. i0 + M - 1 of NW jobs sharing their activations: the K reduction block by block,
- * scaled, stored to each job's c.  w[t]: FP8 codes when fp8_stream, else bf16 pairs.  keep: see
- * dot_fp8_stream. */
+ * scaled, stored to each job's c.  w[t]: FP8 codes when fp8_stream, else bf16 pairs. */
 INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, const int NW, int fp8_stream,
-                      uint16_t *const *keep, int64_t i0, const int M, const int U, const ktfp8_e4m3_bf16_lut *lut) {
+                      int64_t i0, const int M, const int U, const ktfp8_e4m3_bf16_lut *lut) {
     const ktfp8_tile_job *j = jobs[0];
     const uint16_t *a = (const uint16_t *)j->a + i0 * j->a_stride;
     const int64_t pairs = j->k / 2;
@@ -269,7 +247,7 @@ INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, c
     for (int64_t b = 0; b < nkb; b++) {
         const int64_t p0 = b * block_pairs, p1 = b == nkb - 1 ? pairs : p0 + block_pairs;
         if (fp8_stream)
-            dot_fp8_stream(w, NW, a, j->a_stride, M, U, p0, p1, lut, sum, keep, ahead);
+            dot_fp8_stream(w, NW, a, j->a_stride, M, U, p0, p1, lut, sum, ahead);
         else
             dot_bf16(w, NW, a, j->a_stride, M, U, p0, p1, sum);
 #pragma GCC unroll 2
@@ -290,42 +268,19 @@ INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, c
         for (int i = 0; i < M; i++) _mm512_storeu_ps(jobs[t]->c + (i0 + i) * jobs[t]->c_stride, res[t][i]);
 }
 
-/* NW jobs (1, or the 2 of tile_matmul2) over the same activations, m tokens. */
+/* NW jobs (1, or the 2 of tile_matmul2) over the same activations, m tokens in passes of MR. */
 INLINE void run_jobs(const ktfp8_tile_job *const *jobs, const int NW) {
     const ktfp8_tile_job *j = jobs[0];
     ktfp8_e4m3_bf16_lut lut;
     ktfp8_e4m3_bf16_lut_load(&lut);
     if (j->m <= 0) return;
     const void *w[2] = {jobs[0]->w, jobs[NW - 1]->w};
-    if (j->m <= DECODE_M) {
-        const int fp8_stream = j->format != KTFP8_FMT_BF16;
-#define DECODE(M_) tile_rows(jobs, w, NW, fp8_stream, NULL, 0, M_, DECODE_CHAINS(M_), &lut)
-        KTFP8_FOR_M4(j->m, DECODE)
-#undef DECODE
-        return;
-    }
-    /* two tiles: half the tokens per pass, so that both tiles' accumulators fit in registers */
-    const int mr = MR / NW;
-    /* FP8: the first pass streams the codes as decode does and, when more passes follow, keeps the
-     * converted tiles in scratch for them (bf16 [k/2][16][2] each) */
-    const int fp8 = j->format != KTFP8_FMT_BF16;
-    uint16_t *tiles[2] = {(uint16_t *)j->scratch, (uint16_t *)j->scratch + (size_t)j->k * NB};
-    uint16_t *const *keep = fp8 && j->m > mr ? tiles : NULL;
-    const void *later[2] = {fp8 ? tiles[0] : w[0], fp8 ? tiles[1] : w[1]};
-    for (int64_t i0 = 0; i0 < j->m; i0 += mr) {
-        const int64_t rows = j->m - i0 < mr ? j->m - i0 : mr;
-#define FIRST(M_) tile_rows(jobs, w, NW, fp8, keep, i0, M_, PREFILL_CHAINS, &lut)
-#define LATER(M_) tile_rows(jobs, later, NW, 0, NULL, i0, M_, PREFILL_CHAINS, &lut)
-        if (i0 == 0 && NW == 1)
-            KTFP8_FOR_M5_TO_8(rows, FIRST)
-        else if (i0 == 0)
-            FIRST(MR / 2); /* m > DECODE_M = MR / 2 */
-        else if (NW == 1)
-            KTFP8_FOR_M8(rows, LATER)
-        else
-            KTFP8_FOR_M4(rows, LATER)
-#undef FIRST
-#undef LATER
+    const int fp8_stream = j->format != KTFP8_FMT_BF16;
+    for (int64_t i0 = 0; i0 < j->m; i0 += MR) {
+        const int64_t rows = j->m - i0 < MR ? j->m - i0 : MR;
+#define PASS(M_) tile_rows(jobs, w, NW, fp8_stream, i0, M_, CHAINS(M_), &lut)
+        KTFP8_FOR_M8(rows, PASS)
+#undef PASS
     }
 }
 
@@ -341,15 +296,11 @@ static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
     run_jobs(jobs, 2);
 }
 
-/* bf16 [k/2][16][2] copies of the FP8 tiles of a tile_matmul2 call, for the prefill path. */
-static size_t tile_scratch_bytes(int64_t k) { return 2 * (size_t)k * NB * sizeof(uint16_t); }
-
 KTFP8_EPILOGUE_OPS(epilogue);
 
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .code_order = KTFP8_CODES_VBMI64},
     .act_dtype = KTFP8_BF16,
-    .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
     .tile_matmul2 = tile_matmul2,
     .epilogue = &epilogue,

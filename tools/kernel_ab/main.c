@@ -58,7 +58,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < NB; i++) scale[i] = 1.0f;
     uint16_t *a = alloc64(64 * k * sizeof(uint16_t));
     for (int64_t i = 0; i < 64 * k; i++) a[i] = 0x3f80; /* bf16 1.0 */
-    void *scratch = alloc64(2 * tile * sizeof(uint16_t)); /* the kernel's tile_scratch_bytes(k) */
+    void *scratch = alloc64(2 * tile * sizeof(uint16_t)); /* a bf16 copy of both tiles, for versions that keep one */
     void (*build[2])(const ktfp8_tile_job *, const ktfp8_tile_job *) = {kernel_old, kernel_new};
     for (int arg = 3; arg < argc; arg++) {
         const int m = atoi(argv[arg]);
