@@ -8,7 +8,9 @@ T=1, and the goal at 1.32x.  So here every contending backend walks its own FP8 
 of the layer, alive together, and each round runs, for every T and thread count, a short batch of
 calls of each backend in turn, the order rotating from round to round.  A figure per (T, backend) is
 the median over rounds of that round's default time over the backend's, each at its fastest thread
-count in the round; the goal is the worst of them."""
+count in the round; the goal is the worst of them.  Small T take part in more rounds (ROUNDS): their
+calls cost next to nothing, and where the backends are level at the bus a burst of the machine's
+noise moves a round's ratio by 10-20 % (Zen 5 VM, T=1: six rounds read 0.92x-1.18x)."""
 import gc
 import math
 import statistics
@@ -19,7 +21,8 @@ from .run import _ktfp8_factory, build_walk, time_calls
 from .sides import available_memory
 
 PC = "fp8_per_channel"
-ROUNDS = 6
+ROUNDS = {1: 18, 4: 12}  # rounds each T takes part in (else DEFAULT_ROUNDS), from the first round on
+DEFAULT_ROUNDS = 6
 CALLS = {1: 5, 4: 4, 16: 3, 64: 2}  # timed calls per batch by T (else 1), after one warm-up call
 
 
@@ -47,12 +50,14 @@ def run(plan, layer, default, log=print):
     return measure(layer, contenders, plan.threads, plan.tokens, plan.walk_bytes, plan.walk_memory_bytes, log=log)
 
 
-def measure(layer, backends, threads, tokens, walk_bytes, walk_memory_bytes, rounds=ROUNDS, calls=None, log=print):
-    """backends[0] (the default) against the others.  rounds[r][str(T)][str(n)] = {order, ms: {backend:
-    median of the batch}, samples_ms: {backend: [...]}}; figures: see figures()."""
+def measure(layer, backends, threads, tokens, walk_bytes, walk_memory_bytes, rounds=None, calls=None, log=print):
+    """backends[0] (the default) against the others.  rounds: {T: rounds} (default ROUNDS, else
+    DEFAULT_ROUNDS); the result's rounds[r][str(T)][str(n)] = {order, ms: {backend: median of the batch},
+    samples_ms: {backend: [...]}} for the T that take part in round r; figures: see figures()."""
     calls = calls or CALLS
-    log(f"interleaved backend choice: {rounds} rounds x T={','.join(map(str, tokens))} x {len(threads)} thread "
-        f"count(s) of each of {', '.join(backends)} in turn ({PC})")
+    n_rounds = {t: (rounds or ROUNDS).get(t, DEFAULT_ROUNDS) for t in tokens}
+    log(f"interleaved backend choice: T={','.join(f'{t} ({n_rounds[t]} rounds)' for t in tokens)} x "
+        f"{len(threads)} thread count(s) of each of {', '.join(backends)} in turn ({PC})")
     experts = L.random_experts(layer, PC, seed=2)
     walks = {}
     try:
@@ -62,14 +67,15 @@ def measure(layer, backends, threads, tokens, walk_bytes, walk_memory_bytes, rou
             gc.collect()
         xs = {t: L.activations(layer, t, seed=2) for t in tokens}
         per_batch = {t: calls.get(t, 1) + 1 for t in tokens}  # time_calls' warm-up call, then the timed ones
-        batches = rounds * len(threads)  # fresh routing for every batch, as a forward's layers draw theirs
-        draws = {b: {t: L.routing_rounds(layer, t, batches * per_batch[t], seed=2, copies=len(w.copies))
+        # fresh routing for every batch, as a forward's layers draw theirs
+        draws = {b: {t: L.routing_rounds(layer, t, n_rounds[t] * len(threads) * per_batch[t], seed=2,
+                                         copies=len(w.copies))
                      for t in tokens} for b, w in walks.items()}
         out = []
-        for r in range(rounds):
+        for r in range(max(n_rounds.values())):
             order = backends[r % len(backends):] + backends[:r % len(backends)]
             record = {}
-            for t in tokens:
+            for t in (t for t in tokens if r < n_rounds[t]):
                 record[str(t)] = {}
                 for i, n in enumerate(threads):
                     start = (r * len(threads) + i) * per_batch[t]
@@ -87,24 +93,26 @@ def measure(layer, backends, threads, tokens, walk_bytes, walk_memory_bytes, rou
         walks.clear()
         gc.collect()
     result = dict(layer=layer.name, format=PC, backends=list(backends), default=backends[0], tokens=list(tokens),
-                  threads=list(threads), calls={str(t): per_batch[t] - 1 for t in tokens}, rounds=out)
+                  threads=list(threads), calls={str(t): per_batch[t] - 1 for t in tokens},
+                  n_rounds={str(t): n for t, n in n_rounds.items()}, rounds=out)
     result["figures"] = figures(result)
     return result
 
 
 def figures(result):
-    """ratio[str(T)][backend]: median over rounds of the default's ms over the backend's, each at its
-    fastest thread count in the round; worst: the largest of them as {tokens, backend, ratio,
-    default_ms, backend_ms} (medians over rounds), None with a single backend."""
+    """ratio[str(T)][backend]: median over the rounds T took part in of the default's ms over the
+    backend's, each at its fastest thread count in the round; worst: the largest of them as {tokens,
+    backend, ratio, default_ms, backend_ms} (medians over those rounds), None with a single backend."""
     default = result["default"]
-    ratio = {t: {b: statistics.median(best_ms(rec[t], default) / best_ms(rec[t], b) for rec in result["rounds"])
+    recs = {t: [rec[t] for rec in result["rounds"] if t in rec] for t in map(str, result["tokens"])}
+    ratio = {t: {b: statistics.median(best_ms(rec, default) / best_ms(rec, b) for rec in recs[t])
                  for b in result["backends"] if b != default}
-             for t in map(str, result["tokens"])}
+             for t in recs}
     cases = [(r, t, b) for t, by_b in ratio.items() for b, r in by_b.items()]
     if not cases:
         return dict(ratio=ratio, worst=None)
     r, t, b = max(cases)
     return dict(ratio=ratio, worst=dict(
         tokens=int(t), backend=b, ratio=r,
-        default_ms=statistics.median(best_ms(rec[t], default) for rec in result["rounds"]),
-        backend_ms=statistics.median(best_ms(rec[t], b) for rec in result["rounds"])))
+        default_ms=statistics.median(best_ms(rec, default) for rec in recs[t]),
+        backend_ms=statistics.median(best_ms(rec, b) for rec in recs[t])))

@@ -215,10 +215,10 @@ def choice_goal(choice):
     if choice is None or choice.get("skipped"):
         return _goal(goal, "at_most", 1.0, None, choice["skipped"] if choice else "the backend step did not run")
     worst = choice["figures"]["worst"]
-    rounds = len(choice["rounds"])
+    rounds = ",".join(f"{t} ({choice['n_rounds'][str(t)]} rounds)" for t in choice["tokens"])
     return _goal(goal, "at_most", 1.0, worst["ratio"],
-                 f"interleaved: {rounds} rounds alternating {', '.join(choice['backends'])} at "
-                 f"T={','.join(map(str, choice['tokens']))}, median of per-round ratios; worst T={worst['tokens']}: "
+                 f"interleaved: rounds alternating {', '.join(choice['backends'])} at "
+                 f"T={rounds}, median of per-round ratios; worst T={worst['tokens']}: "
                  f"{choice['default']} {worst['default_ms']:.2f} ms vs {worst['backend']} {worst['backend_ms']:.2f} ms "
                  f"(medians over rounds, best thread count)")
 
