@@ -6,7 +6,9 @@
  * them from the sources, tests/kernel_tester.py):
  *   DECODE_M   m <= DECODE_M: weights converted in registers as they stream (KTFP8_FOR_M4/M6)
  *   DECODE_WIDE_M  m <= DECODE_WIDE_M: more accumulators per token in that loop (avx512_bf16)
- *   MR         prefill register block: tokens per pass over the converted tile (KTFP8_FOR_M6/M8)
+ *   MR         prefill register block: tokens per pass over the converted tile (KTFP8_FOR_M6/M8);
+ *              avx512_bf16 converts in every pass of MR tokens, so its DECODE_M bounds only the
+ *              passes that give a token more than one accumulator
  *   KEEP_M     tokens of the prefill pass that converts the codes, where it differs from MR (moe_avx2.c)
  *   AMX_MIN_M  m >= AMX_MIN_M: the AMX tile path (moe_amx.c only)
  *   PREFETCH_BYTES  software prefetch distance of the weight stream

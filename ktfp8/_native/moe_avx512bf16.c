@@ -9,7 +9,8 @@
  *
  * Every pass takes up to MR tokens and converts the codes in registers as they stream: the first
  * pass reads them from DRAM, the later ones (m > MR) from L2, where the first left them (64 KiB per
- * tile pair at k = 2048).  Accumulators per token by the height of the pass (CHAINS).
+ * tile pair at k = 2048); BF16 weights are read as they are.  Accumulators per token by the height
+ * of the pass (CHAINS).
  * Why no converted copy of the tile for the later passes (what this kernel kept in scratch until
  * it was measured): the bf16 copy has twice the bytes of the codes, so a later pass over it moved
  * twice as much from L2, and the first pass stored every converted vector, while on the Zen 5 VM
@@ -17,9 +18,9 @@
  * one-core peak).  Measured there (tools/kernel_ab, one thread, k = 2048, codes from DRAM), time
  * against the kept-copy kernel (a first pass of 4 tokens x 2 tiles keeping both, then 4-token
  * passes over the copies): m = 5 0.58x, 8 0.62x, 9 0.68x, 12 0.78x, 16 0.76x, 32 0.87x, 64 0.96x;
- * hot in L2, m = 64 1.00x.  The benchmark layer on 2 threads: T = 64 0.77x, T = 512 0.98x.  (On
- * Sapphire Rapids vpermi2b shares port 5 with the second 512-bit FMA, but there m >= AMX_MIN_M
- * goes to moe_amx.c.)
+ * hot in L2, m = 64 1.00x.  The benchmark layer on 2 threads: T = 64 0.77x-0.82x, T = 512
+ * 0.98x-1.00x.  (On Sapphire Rapids vpermi2b shares port 5 with the second 512-bit FMA, but there
+ * m >= AMX_MIN_M goes to moe_amx.c.)
  *
  * Two tiles at once (tile_matmul2: gate and up, or two down tiles): each pass streams both tiles'
  * codes in one K loop, each broadcast activation pair feeding both weight vectors.  Same code as
@@ -180,8 +181,8 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
         }
 }
 
-/* Same over bf16 weights [pairs][16][2] in memory (BF16 weights),
- * U accumulators per token and tile, each loaded weight vector fed M broadcasts. */
+/* Same over BF16 weights [pairs][16][2] as they are in memory, U accumulators per token and tile,
+ * each loaded weight vector fed M broadcasts. */
 INLINE void dot_bf16(const void *const *w, const int NW, const uint16_t *a, int64_t a_stride, const int M,
                      const int U, int64_t p0, int64_t p1, __m512 sum[][MR]) {
     enum { UMAX = 4 };
