@@ -18,7 +18,7 @@
  * one-core peak).  Measured there (tools/kernel_ab, one thread, k = 2048, codes from DRAM), time
  * against the kept-copy kernel (a first pass of 4 tokens x 2 tiles keeping both, then 4-token
  * passes over the copies): m = 5 0.58x, 8 0.62x, 9 0.68x, 12 0.78x, 16 0.76x, 32 0.87x, 64 0.96x;
- * hot in L2, m = 64 1.00x.  The benchmark layer on 2 threads: T = 64 0.77x-0.82x, T = 512
+ * hot in L2, m = 64 1.00x.  The benchmark layer on 2 threads: T = 64 0.77x-0.83x, T = 512
  * 0.98x-1.00x.  On Sapphire Rapids vpermi2b shares port 5 with the second 512-bit FMA; m >= AMX_MIN_M
  * goes to moe_amx.c there, and for m = 5..7 llvm-mca-14 -mcpu=sapphirerapids gives the compiled
  * 8-token loop 44 cycles per 4 K pairs of both tiles (1.38 per token and K pair; 0.69 per
