@@ -11,14 +11,12 @@ the median over rounds of that round's default time over the backend's, each at 
 count in the round; the goal is the worst of them.  Small T take part in more rounds (ROUNDS): their
 calls cost next to nothing, and where the backends are level at the bus a burst of the machine's
 noise moves a round's ratio by 10-20 % (Zen 5 VM, T=1: six rounds read 0.92x-1.18x)."""
-import gc
 import math
 import statistics
 
 from . import layers as L
 from .interleaved import best_ms
-from .run import _ktfp8_factory, build_walk, time_calls
-from .sides import available_memory
+from .run import _ktfp8_factory, time_calls, walks_alive_together
 
 PC = "fp8_per_channel"
 ROUNDS = {1: 18, 4: 12}  # rounds each T takes part in (else DEFAULT_ROUNDS), from the first round on
@@ -59,12 +57,9 @@ def measure(layer, backends, threads, tokens, walk_bytes, walk_memory_bytes, rou
     log(f"interleaved backend choice: T={','.join(f'{t} ({n_rounds[t]} rounds)' for t in tokens)} x "
         f"{len(threads)} thread count(s) of each of {', '.join(backends)} in turn ({PC})")
     experts = L.random_experts(layer, PC, seed=2)
-    walks = {}
-    try:
-        for b in backends:
-            budget = min(walk_memory_bytes, available_memory() // (len(backends) + 1))
-            walks[b] = build_walk(_ktfp8_factory(b), layer, experts, threads[0], max(tokens), walk_bytes, budget)
-            gc.collect()
+    builds = {b: (_ktfp8_factory(b), lambda: experts) for b in backends}
+    with walks_alive_together(builds, layer, threads[0], max(tokens), walk_bytes, walk_memory_bytes,
+                              share=len(backends) + 1) as walks:
         xs = {t: L.activations(layer, t, seed=2) for t in tokens}
         per_batch = {t: calls.get(t, 1) + 1 for t in tokens}  # time_calls' warm-up call, then the timed ones
         # fresh routing for every batch, as a forward's layers draw theirs
@@ -87,11 +82,6 @@ def measure(layer, backends, threads, tokens, walk_bytes, walk_memory_bytes, rou
                     record[str(t)][str(n)] = dict(order=order, samples_ms=samples,
                                                  ms={b: statistics.median(s) for b, s in samples.items()})
             out.append(record)
-    finally:
-        for w in walks.values():
-            w.close()
-        walks.clear()
-        gc.collect()
     result = dict(layer=layer.name, format=PC, backends=list(backends), default=backends[0], tokens=list(tokens),
                   threads=list(threads), calls={str(t): per_batch[t] - 1 for t in tokens},
                   n_rounds={str(t): n for t, n in n_rounds.items()}, rounds=out)

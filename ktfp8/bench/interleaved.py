@@ -11,14 +11,12 @@ T=512 runs the read probe, the peak probe of the backend's compute unit and a fe
 per-channel.  A goal figure is the median over rounds of that round's ratio.  The formats' order
 rotates from round to round: on the Zen 3 VM the format that ran first after the probe was 1-2 %
 slower (per-channel against block-wise 0.995x with per-channel first, 1.016x with block-wise first)."""
-import gc
 import math
 import statistics
 
 from .. import roofline
 from . import layers as L
-from .run import _ktfp8_factory, build_walk, time_calls
-from .sides import available_memory
+from .run import _ktfp8_factory, time_calls, walks_alive_together
 
 PC, BLOCK, BF16 = L.FORMATS
 ROUNDS = 20        # rounds of (probe, each format's batch) per thread count
@@ -74,13 +72,9 @@ def measure(layer, backend, threads, formats, probe_bytes, walk_bytes, walk_memo
     ROOF_CALLS): roofline[str(T)] = {active_bytes, flops, unit, rounds: [{str(n): {read_gbs,
     peak_gflops, ms, samples_ms}}]}.  Each walk gets walk_memory_bytes, and at most a third of the
     memory free when it is built (the formats' walks stay alive together)."""
-    walks = {}
-    try:
-        for fmt in formats:
-            budget = min(walk_memory_bytes, available_memory() // 3)
-            walks[fmt] = build_walk(_ktfp8_factory(backend), layer, L.random_experts(layer, fmt), threads[0], 1,
-                                    walk_bytes, budget)
-            gc.collect()
+    # each format's random weights made in turn, as its walk is built
+    builds = {fmt: (_ktfp8_factory(backend), lambda fmt=fmt: L.random_experts(layer, fmt)) for fmt in formats}
+    with walks_alive_together(builds, layer, threads[0], 1, walk_bytes, walk_memory_bytes, share=3) as walks:
         if rounds:
             log(f"interleaved decode: {rounds} rounds x {len(threads)} thread count(s) of a {probe_bytes / 2**20:.0f} "
                 f"MiB read probe, then {calls} T=1 calls of each of {', '.join(formats)} (ktfp8 {backend})")
@@ -113,11 +107,6 @@ def measure(layer, backend, threads, formats, probe_bytes, walk_bytes, walk_memo
         result["roofline"] = {str(t): measure_roofline(walks[PC], layer, backend, threads, t, probe_buf, roof_rounds,
                                                        (roof_calls or ROOF_CALLS)[t], log)
                               for t in roof_tokens}
-    finally:
-        for w in walks.values():
-            w.close()
-        walks.clear()
-        gc.collect()
     result["figures"] = figures(result)
     return result
 

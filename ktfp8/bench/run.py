@@ -1,5 +1,6 @@
 """Runs every side on every layer, weight format, thread count and token count of a Plan, on the same
 weights and routing, and collects medians, errors against a float64 oracle, and skip reasons."""
+import contextlib
 import dataclasses
 import gc
 import statistics
@@ -122,6 +123,26 @@ def build_walk(factory, layer, experts, threads, max_tokens, walk_bytes, walk_me
         Walk(sides, 0).close()
         raise
     return Walk(sides, len(sides) * copy_bytes)
+
+
+@contextlib.contextmanager
+def walks_alive_together(builds, layer, threads, max_tokens, walk_bytes, walk_memory_bytes, share):
+    """{key: Walk} for builds {key: (factory, experts)}, experts a function returning the weights it
+    is built on (called in turn, so that only one key's random weights exist at a time); the walks
+    are built one after another, stay alive together and are closed on exit.  Each gets
+    walk_memory_bytes, and at most 1 / share of the memory free when it is built."""
+    walks = {}
+    try:
+        for key, (factory, experts) in builds.items():
+            budget = min(walk_memory_bytes, available_memory() // share)
+            walks[key] = build_walk(factory, layer, experts(), threads, max_tokens, walk_bytes, budget)
+            gc.collect()
+        yield walks
+    finally:
+        for w in walks.values():
+            w.close()
+        walks.clear()
+        gc.collect()
 
 
 def result_row(layer, side, threads, tokens, seconds, active_bytes, limits, rel_err):
