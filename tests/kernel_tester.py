@@ -67,7 +67,7 @@ KERNELS = {
                           lambda d: (d["DECODE_M"] + 1, d["MR"], d["MR"] + d["DECODE_M"], 2 * d["MR"])),
     # m < AMX_MIN_M: the avx512_bf16 micro-kernel; from it on tiles of CHUNK tokens, CHUNKS of
     # them per pass, a short last tile for m % CHUNK
-    "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 8, "CHUNK": 16, "CHUNKS": 4},
+    "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 2, "CHUNK": 16, "CHUNKS": 4},
                   lambda d: (d["AMX_MIN_M"], d["CHUNK"], d["CHUNK"] * d["CHUNKS"])),
 }
 

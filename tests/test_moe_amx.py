@@ -1,4 +1,4 @@
-"""What is particular to the AMX backend.  Its kernel itself (the tile path from AMX_MIN_M = 16
+"""What is particular to the AMX backend.  Its kernel itself (the tile path from AMX_MIN_M
 tokens per expert, passes of 4 x 16 tokens, every weight format, block 48 splitting the 32-K slabs)
 is checked by test_kernels.py through kernel_tester, as `amx_emulated` (the same source compiled
 against the tile emulation, any CPU with AVX2) and as native `amx` where the CPU and OS allow it."""

@@ -5,19 +5,18 @@
  * is [k/2][16][2], so each 32-K slab is exactly one AMX B tile (16 K pairs x 16 columns x 2 bf16 =
  * 16 rows of 64 bytes) and needs no further reordering.
  *
- * Small m goes to the avx512_bf16 micro-kernel.  Threshold AMX_MIN_M = 8, from static analysis
- * (no AMX machine to measure on; re-measure on hardware).  Core cycles per 32-K slab of one 16-row
- * weight tile, llvm-mca-16 -mcpu=sapphirerapids on the compiled loops where it models them:
- *   - avx512_bf16 above DECODE_M, as it was then (tile converted once into scratch, then MR-token
- *     passes of vdpbf16ps; it now converts in every pass, not re-analysed): 12 cycles per 2 K
- *     pairs at m = 8, i.e. ~96 per slab, plus ~32 for the conversion: ~128; ~12 * m + 32 in general;
- *   - AMX: one TDPBF16PS (16 cycles on the TMUL, whatever the rows hold) + one A and one B tile
- *     load per 16 tokens, and the same ~32-cycle conversion (port 5) beside it: ~32-40;
- *   - the slab's 512 codes from DRAM at the Xeon's per-core share (22.3 GB/s / 2 cores, ~4
- *     bytes/cycle): ~128 cycles.
- * So from m = 8 the register kernel alone needs as long as the memory bus, and AMX keeps 3x slack;
- * below, both hide under the stream.  (llvm-mca has no AMX model: the TDP and tile-load figures
- * are Intel's published throughputs.)
+ * Small m goes to the avx512_bf16 micro-kernel: only m = 1, where streaming the codes once is all
+ * there is to do.  Threshold AMX_MIN_M = 2, measured on an Intel Xeon VM with AMX (family 6 model
+ * 167 as its hypervisor reports it, 2 vCPUs, L2 2 MiB per core, L3 105 MiB; `vdpbf16ps` runs there
+ * at half the rate of an FP32 FMA, 68 against 134 GFLOP/s per core, AMX 1.05 TFLOP/s): tile_matmul2
+ * of both kernels alternated in one process (tools/kernel_ab, amx against avx512_bf16), time per
+ * tile pair from DRAM, amx / avx512_bf16:
+ *   K = 2048: m = 1 1.02x-1.09x, 2 0.79x-0.92x, 3 0.70x-0.73x, 4 0.57x-0.61x, 8 0.38x, 16 0.21x;
+ *   K = 768:  m = 1 1.10x, 2 0.95x, 3 0.79x, 4 0.63x, 8 0.38x.
+ * From m = 4 the register kernel is bound by its conversion and vdpbf16ps (about 50 GFLOP/s, whatever
+ * m), the tiles by the memory bus (m = 16 takes 1.1x the time of m = 2).  Benchmark layer, 2
+ * threads, AMX_MIN_M 2 against 8 (tools/ab_builds.py): T = 4 0.94x, T = 16 0.78x, T = 64 0.63x (1
+ * thread 0.66x; block-wise 0.71x; BF16 weights 0.90x).
  *
  * Weight conversion overlaps the tile products: the first pass converts slab s + 1 into scratch
  * while the TDPBF16PS of slab s run (the profile on the Xeon had 25 % of the kernel in the
@@ -51,7 +50,7 @@
 #include "ktfp8/e4m3_bf16_vbmi.h"
 
 #define NB 16        /* weight rows per tile = C tile columns */
-#define AMX_MIN_M 8  /* tokens from which the tile path runs (see above) */
+#define AMX_MIN_M 2  /* tokens from which the tile path runs (see above) */
 #define CHUNK 16     /* tokens per A / C tile */
 #define CHUNKS 4     /* C tiles per pass: chunks per pass for one weight tile, half that for two */
 #define SLAB 32      /* K per TDPBF16PS */
