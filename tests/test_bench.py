@@ -89,6 +89,16 @@ def test_random_experts_are_finite_and_sized_as_the_layer(fmt):
         assert np.isfinite(w.gate.astype(np.float32)).all()
 
 
+def test_random_codes_are_distributed_as_a_quantized_gaussian():
+    table = L.gaussian_code_table()
+    v = table.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    assert np.isfinite(v).all() and (np.diff(v) >= 0).all() and np.abs(v).max() == 448.0
+    sigma = 448.0 / L.GAUSSIAN_SIGMAS_AT_448
+    assert v.std() == pytest.approx(sigma, rel=0.02) and abs(v.mean()) < 0.01 * sigma
+    subnormal = np.mean((np.abs(v) > 0) & (np.abs(v) < 2.0 ** -6))
+    assert 3e-5 < subnormal < 3e-4  # about 2 * 0.4 * 2^-6 / sigma of a Gaussian: real checkpoints' share
+
+
 @pytest.mark.parametrize("fmt", L.FORMATS)
 def test_bench_oracle_matches_the_test_oracle(fmt):
     experts, (gate, up, down) = make_experts(fmt, 6, 64, 32, seed=3)
@@ -420,6 +430,41 @@ def test_backend_choice_goal_is_the_worst_median_of_per_round_ratios_from_the_re
     assert goal["goal"].startswith("default choice") and goal["measured"] == fig["worst"]["ratio"]
     assert goal["reached"] is True and "T=1 (3 rounds),4 (2 rounds)" in goal["note"]
     assert f"worst T={worst_t}: {default}" in goal["note"]
+
+
+def test_backend_choice_leaves_out_a_backend_the_table_found_3x_slower_or_did_not_time():
+    from ktfp8.bench import backend_choice
+
+    def row(side, t, ms, fmt="fp8_per_channel", layer=TINY.name):
+        return dict(kind="ktfp8", side=f"ktfp8 {side}", format=fmt, layer=layer, tokens=t, ms=ms, threads=1)
+    rows = [row("a", 1, 1.0), row("a", 4, 2.0), row("a", 16, 3.0), row("b", 1, 2.9), row("b", 4, 6.0),
+            row("c", 1, 0.5), row("c", 4, 50.0, fmt="bf16"), row("c", 4, 60.0, layer="other"), row("b", 16, 9.5)]
+    out = backend_choice.left_out(rows, TINY, ["a", "b", "c"], [1, 4, 16, 64])
+    assert set(out) == {4, 16} and set(out[4]) == {"b", "c"} and set(out[16]) == {"b", "c"}
+    assert "3.0x the default's 2.00 ms" in out[4]["b"] and "did not time it" in out[4]["c"]
+    # no default row at T=64: nobody sits out there
+
+
+def test_backend_choice_does_not_time_a_backend_at_the_t_it_sits_out():
+    from ktfp8.bench import backend_choice
+    default = ktfp8.available_backends()[0]
+    contenders = [default, "reference"]
+    left = {4: {"reference": "slow"}}
+    res = backend_choice.measure(TINY, contenders, [1], [1, 4], walk_bytes=0, walk_memory_bytes=1 << 30,
+                                 rounds={1: 2, 4: 2}, calls={1: 1}, left=left, log=lambda msg: None)
+    for record in res["rounds"]:
+        assert set(record["1"]["1"]["ms"]) == set(contenders)
+        assert set(record["4"]["1"]["ms"]) == {default} and record["4"]["1"]["order"] == [default]
+    assert res["left_out"] == {"4": {"reference": "slow"}}
+    assert set(res["figures"]["ratio"]["4"]) == set() and set(res["figures"]["ratio"]["1"]) == {"reference"}
+    assert res["figures"]["worst"]["tokens"] == 1
+    goal = report.goals([], _limits(), "L", default, None, res)[-1]
+    assert goal["measured"] == res["figures"]["worst"]["ratio"] and "reference sat T=4 out" in goal["note"]
+    # every other backend sitting every T out: no figure, and the note says why
+    res = backend_choice.measure(TINY, contenders, [1], [4], walk_bytes=0, walk_memory_bytes=1 << 30,
+                                 rounds={4: 1}, left=left, log=lambda msg: None)
+    goal = report.goals([], _limits(), "L", default, None, res)[-1]
+    assert goal["measured"] is None and "no other backend in contention" in goal["note"]
 
 
 @pytest.mark.parametrize("change, reason", [

@@ -140,7 +140,7 @@ def main(argv=None):
     goal_layer = L.BENCH_LAYER.name if any(r["layer"] == L.BENCH_LAYER.name for r in rows) else None
     default = backends.resolve_backend(None)
     side_by_side = interleaved.run(plan, L.BENCH_LAYER, default, log=log)
-    choice = backend_choice.run(plan, L.BENCH_LAYER, default, log=log)
+    choice = backend_choice.run(plan, L.BENCH_LAYER, default, rows, log=log)
     goal_rows = report.goals(rows, limits, goal_layer, default, side_by_side, choice) if goal_layer else []
     results = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -10,7 +10,13 @@ calls of each backend in turn, the order rotating from round to round.  A figure
 the median over rounds of that round's default time over the backend's, each at its fastest thread
 count in the round; the goal is the worst of them.  Small T take part in more rounds (ROUNDS): their
 calls cost next to nothing, and where the backends are level at the bus a burst of the machine's
-noise moves a round's ratio by 10-20 % (Zen 5 VM, T=1: six rounds read 0.92x-1.18x)."""
+noise moves a round's ratio by 10-20 % (Zen 5 VM, T=1: six rounds read 0.92x-1.18x).
+
+A backend the results table timed at OUT_OF_CONTENTION times the default's time at a T, or did not
+time there at all (over the per-call limit), sits that T out, and the result says so (left_out): no
+noise makes up a factor of 3, and such calls can cost minutes a round (on an Intel Xeon VM avx2
+took 4-7 s per T=64 call against the default's 0.04, its subnormal FMA inputs each taking a
+microcode assist; see moe_avx2.c)."""
 import math
 import statistics
 
@@ -22,6 +28,7 @@ PC = "fp8_per_channel"
 ROUNDS = {1: 18, 4: 12}  # rounds each T takes part in (else DEFAULT_ROUNDS), from the first round on
 DEFAULT_ROUNDS = 6
 CALLS = {1: 5, 4: 4, 16: 3, 64: 2}  # timed calls per batch by T (else 1), after one warm-up call
+OUT_OF_CONTENTION = 3.0  # table time over the default's from which a backend sits a T out
 
 
 def skip_reason(plan, layer, default):
@@ -37,27 +44,61 @@ def skip_reason(plan, layer, default):
     return None
 
 
-def run(plan, layer, default, log=print):
+def run(plan, layer, default, rows=(), log=print):
     """The step for a Plan: its backends (the default first), T and thread counts, walks sized as the
-    table's; {"skipped": reason} where it is left out."""
+    table's; {"skipped": reason} where it is left out.  rows: the results table's, for left_out()."""
     reason = skip_reason(plan, layer, default)
     if reason:
         log(f"interleaved backend choice skipped: {reason}")
         return {"skipped": reason}
     contenders = [default] + [b for b in plan.backends if b != default]
-    return measure(layer, contenders, plan.threads, plan.tokens, plan.walk_bytes, plan.walk_memory_bytes, log=log)
+    out = left_out(rows, layer, contenders, plan.tokens)
+    for t, why in out.items():
+        for b, reason in why.items():
+            log(f"interleaved backend choice: {b} sits T={t} out: {reason}")
+    return measure(layer, contenders, plan.threads, plan.tokens, plan.walk_bytes, plan.walk_memory_bytes,
+                   left=out, log=log)
 
 
-def measure(layer, backends, threads, tokens, walk_bytes, walk_memory_bytes, rounds=None, calls=None, log=print):
+def left_out(rows, layer, backends, tokens):
+    """{T: {backend: reason}} for the backends (backends[0] the default) that sit T out: the table has
+    no FP8 per-channel row of theirs at T on this layer, or its best time is OUT_OF_CONTENTION times
+    the default's.  Without rows of the default at T nobody sits out."""
+    def best(b, t):
+        ms = [r["ms"] for r in rows if r["kind"] == "ktfp8" and r["side"] == f"ktfp8 {b}" and r["format"] == PC
+              and r["layer"] == layer.name and r["tokens"] == t]
+        return min(ms) if ms else None
+    out = {}
+    for t in tokens:
+        default_ms = best(backends[0], t)
+        if default_ms is None:
+            continue
+        for b in backends[1:]:
+            ms = best(b, t)
+            if ms is None:
+                out.setdefault(t, {})[b] = "the results table did not time it (over the per-call limit)"
+            elif ms >= OUT_OF_CONTENTION * default_ms:
+                out.setdefault(t, {})[b] = (f"{ms:.2f} ms in the results table, {ms / default_ms:.1f}x the "
+                                            f"default's {default_ms:.2f} ms")
+    return out
+
+
+def measure(layer, backends, threads, tokens, walk_bytes, walk_memory_bytes, rounds=None, calls=None, left=None,
+            log=print):
     """backends[0] (the default) against the others.  rounds: {T: rounds} (default ROUNDS, else
-    DEFAULT_ROUNDS); the result's rounds[r][str(T)][str(n)] = {order, ms: {backend: median of the batch},
-    samples_ms: {backend: [...]}} for the T that take part in round r; figures: see figures()."""
+    DEFAULT_ROUNDS); left: {T: {backend: reason}} of those sitting T out (left_out()); the result's
+    rounds[r][str(T)][str(n)] = {order, ms: {backend: median of the batch}, samples_ms: {backend:
+    [...]}} for the T that take part in round r, over the backends in contention there; figures: see
+    figures()."""
     calls = calls or CALLS
+    left = left or {}
     n_rounds = {t: (rounds or ROUNDS).get(t, DEFAULT_ROUNDS) for t in tokens}
     log(f"interleaved backend choice: T={','.join(f'{t} ({n_rounds[t]} rounds)' for t in tokens)} x "
         f"{len(threads)} thread count(s) of each of {', '.join(backends)} in turn ({PC})")
     experts = L.random_experts(layer, PC, seed=2)
-    builds = {b: (_ktfp8_factory(b), lambda: experts) for b in backends}
+    # a backend sitting every T out needs no walk
+    builds = {b: (_ktfp8_factory(b), lambda: experts) for b in backends
+              if any(b not in left.get(t, {}) for t in tokens)}
     with walks_alive_together(builds, layer, threads[0], max(tokens), walk_bytes, walk_memory_bytes,
                               share=len(backends) + 1) as walks:
         xs = {t: L.activations(layer, t, seed=2) for t in tokens}
@@ -69,22 +110,24 @@ def measure(layer, backends, threads, tokens, walk_bytes, walk_memory_bytes, rou
         out = []
         for r in range(max(n_rounds.values())):
             order = backends[r % len(backends):] + backends[:r % len(backends)]
+            in_turn = {t: [b for b in order if b not in left.get(t, {})] for t in tokens}
             record = {}
             for t in (t for t in tokens if r < n_rounds[t]):
                 record[str(t)] = {}
                 for i, n in enumerate(threads):
                     start = (r * len(threads) + i) * per_batch[t]
                     samples = {}
-                    for b in order:
+                    for b in in_turn[t]:
                         walks[b].threads = n
                         batch = draws[b][t][start:start + per_batch[t]]
                         samples[b] = [s * 1e3 for s in time_calls(walks[b], xs[t], batch, math.inf)]
-                    record[str(t)][str(n)] = dict(order=order, samples_ms=samples,
+                    record[str(t)][str(n)] = dict(order=in_turn[t], samples_ms=samples,
                                                  ms={b: statistics.median(s) for b, s in samples.items()})
             out.append(record)
     result = dict(layer=layer.name, format=PC, backends=list(backends), default=backends[0], tokens=list(tokens),
                   threads=list(threads), calls={str(t): per_batch[t] - 1 for t in tokens},
-                  n_rounds={str(t): n for t, n in n_rounds.items()}, rounds=out)
+                  n_rounds={str(t): n for t, n in n_rounds.items()}, rounds=out,
+                  left_out={str(t): why for t, why in left.items()})
     result["figures"] = figures(result)
     return result
 
@@ -95,8 +138,9 @@ def figures(result):
     backend, ratio, default_ms, backend_ms} (medians over those rounds), None with a single backend."""
     default = result["default"]
     recs = {t: [rec[t] for rec in result["rounds"] if t in rec] for t in map(str, result["tokens"])}
+    left = result.get("left_out", {})
     ratio = {t: {b: statistics.median(best_ms(rec, default) / best_ms(rec, b) for rec in recs[t])
-                 for b in result["backends"] if b != default}
+                 for b in result["backends"] if b != default and b not in left.get(t, {})}
              for t in recs}
     cases = [(r, t, b) for t, by_b in ratio.items() for b, r in by_b.items()]
     if not cases:

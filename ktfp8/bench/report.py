@@ -215,12 +215,20 @@ def choice_goal(choice):
     if choice is None or choice.get("skipped"):
         return _goal(goal, "at_most", 1.0, None, choice["skipped"] if choice else "the backend step did not run")
     worst = choice["figures"]["worst"]
+    sat_out = {}  # backend: the T it sat out
+    for t, why in choice.get("left_out", {}).items():
+        for b in why:
+            sat_out.setdefault(b, []).append(t)
+    left = "".join(f"; {b} sat T={','.join(ts)} out (3x the default's time or more in the table, or not timed there)"
+                   for b, ts in sat_out.items())
+    if worst is None:
+        return _goal(goal, "at_most", 1.0, None, f"no other backend in contention at any T{left}")
     rounds = ",".join(f"{t} ({choice['n_rounds'][str(t)]} rounds)" for t in choice["tokens"])
     return _goal(goal, "at_most", 1.0, worst["ratio"],
                  f"interleaved: rounds alternating {', '.join(choice['backends'])} at "
                  f"T={rounds}, median of per-round ratios; worst T={worst['tokens']}: "
                  f"{choice['default']} {worst['default_ms']:.2f} ms vs {worst['backend']} {worst['backend_ms']:.2f} ms "
-                 f"(medians over rounds, best thread count)")
+                 f"(medians over rounds, best thread count){left}")
 
 
 def _goal(goal, kind, target, measured, note):
