@@ -1,5 +1,5 @@
-/* Two builds of the avx512_bf16 micro-kernel's tile_matmul2 in one process, no MoE driver around
- * them: kernel_ab.sh says how to run it.  Each round times a batch of calls of each build, the first
+/* Two builds of a micro-kernel's tile_matmul2 in one process, no MoE driver around them:
+ * kernel_ab.sh says how to run it.  Each round times a batch of calls of each build, the first
  * one alternating; it prints each build's median time per tile pair and the median of the per-round
  * ratios new / old.  hot: one tile pair, calls after calls (codes in L1/L2: the loops' own speed);
  * dram: a walk over 256 MiB of tile pairs, each call's w_next the next pair, as the driver sets it. */
@@ -9,6 +9,9 @@
 #include <string.h>
 #include <time.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "ktfp8/abi.h"
 
 void kernel_old(const ktfp8_tile_job *, const ktfp8_tile_job *);
@@ -17,6 +20,10 @@ void kernel_new(const ktfp8_tile_job *, const ktfp8_tile_job *);
 #define ROUNDS 15
 #define WALK_BYTES (256u << 20)
 #define NB 16 /* rows per tile */
+/* Linux's per-process permission for AMX tile data (as cpu_features.c asks it); refused on a CPU or
+ * kernel without AMX, where only the register kernel can run anyway */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
 
 static double now(void) {
     struct timespec t;
@@ -48,6 +55,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s hot|dram K m [m ...]   (K a positive multiple of 4, 1 <= m <= 64)\n", argv[0]);
         return 2;
     }
+    syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
     const int dram = argv[1][0] == 'd';
     const int64_t k = atoll(argv[2]), tile = k * NB; /* FP8 code bytes of one tile */
     const size_t pairs = dram ? WALK_BYTES / (2 * tile) : 1;
@@ -56,9 +64,12 @@ int main(int argc, char **argv) {
     float *scale = alloc64(NB * sizeof(float)), *c0 = alloc64(64 * NB * sizeof(float)),
           *c1 = alloc64(64 * NB * sizeof(float));
     for (int i = 0; i < NB; i++) scale[i] = 1.0f;
-    uint16_t *a = alloc64(64 * k * sizeof(uint16_t));
-    for (int64_t i = 0; i < 64 * k; i++) a[i] = 0x3f80; /* bf16 1.0 */
-    void *scratch = alloc64(2 * tile * sizeof(uint16_t)); /* a bf16 copy of both tiles, for versions that keep one */
+    /* activation rows as the driver lays them out (row_stride in moe_driver.c): a line more when
+     * they would be a multiple of 4 KiB apart */
+    const int64_t a_stride = (k * 2) % 4096 == 0 ? k + 32 : k;
+    uint16_t *a = alloc64(64 * a_stride * sizeof(uint16_t));
+    for (int64_t i = 0; i < 64 * a_stride; i++) a[i] = 0x3f80; /* bf16 1.0 */
+    void *scratch = alloc64(2 * tile * sizeof(uint16_t)); /* a bf16 copy of both tiles (amx's scratch) */
     void (*build[2])(const ktfp8_tile_job *, const ktfp8_tile_job *) = {kernel_old, kernel_new};
     for (int arg = 3; arg < argc; arg++) {
         const int m = atoi(argv[arg]);
@@ -71,7 +82,7 @@ int main(int argc, char **argv) {
         j0.format = KTFP8_FMT_FP8_CHANNEL;
         j0.k = k;
         j0.a = a;
-        j0.a_stride = k;
+        j0.a_stride = a_stride;
         j0.act_dtype = KTFP8_BF16;
         j0.m = m;
         j0.c_stride = NB;

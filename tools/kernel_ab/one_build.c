@@ -1,4 +1,4 @@
-/* One copy of the avx512_bf16 micro-kernel (UNIT: the path of a moe_avx512bf16.c) behind the name
+/* One copy of a micro-kernel (UNIT: the path of a moe_avx512bf16.c or moe_amx.c) behind the name
  * KERNEL_AB_NAME, for main.c; kernel_ab.sh compiles it once per build compared. */
 #include UNIT
 
