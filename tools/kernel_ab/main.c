@@ -20,6 +20,7 @@ void kernel_new(const ktfp8_tile_job *, const ktfp8_tile_job *);
 #define ROUNDS 15
 #define WALK_BYTES (256u << 20)
 #define NB 16 /* rows per tile */
+#define MAX_M 128 /* tokens per call at most (T = 512 on the benchmark layer gives experts 50-80) */
 /* Linux's per-process permission for AMX tile data (as cpu_features.c asks it); refused on a CPU or
  * kernel without AMX, where only the register kernel can run anyway */
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -52,7 +53,7 @@ static void *alloc64(size_t bytes) {
 
 int main(int argc, char **argv) {
     if (argc < 4 || (strcmp(argv[1], "hot") && strcmp(argv[1], "dram")) || atoll(argv[2]) <= 0 || atoll(argv[2]) % 4) {
-        fprintf(stderr, "usage: %s hot|dram K m [m ...]   (K a positive multiple of 4, 1 <= m <= 64)\n", argv[0]);
+        fprintf(stderr, "usage: %s hot|dram K m [m ...]   (K a positive multiple of 4, 1 <= m <= %d)\n", argv[0], MAX_M);
         return 2;
     }
     syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
@@ -61,20 +62,20 @@ int main(int argc, char **argv) {
     const size_t pairs = dram ? WALK_BYTES / (2 * tile) : 1;
     uint8_t *w = alloc64(pairs * 2 * tile);
     for (size_t i = 0; i < pairs * 2 * tile; i++) w[i] = (uint8_t)(rand() & 0x77); /* finite, both signs */
-    float *scale = alloc64(NB * sizeof(float)), *c0 = alloc64(64 * NB * sizeof(float)),
-          *c1 = alloc64(64 * NB * sizeof(float));
+    float *scale = alloc64(NB * sizeof(float)), *c0 = alloc64(MAX_M * NB * sizeof(float)),
+          *c1 = alloc64(MAX_M * NB * sizeof(float));
     for (int i = 0; i < NB; i++) scale[i] = 1.0f;
     /* activation rows as the driver lays them out (row_stride in moe_driver.c): a line more when
      * they would be a multiple of 4 KiB apart */
     const int64_t a_stride = (k * 2) % 4096 == 0 ? k + 32 : k;
-    uint16_t *a = alloc64(64 * a_stride * sizeof(uint16_t));
-    for (int64_t i = 0; i < 64 * a_stride; i++) a[i] = 0x3f80; /* bf16 1.0 */
+    uint16_t *a = alloc64(MAX_M * a_stride * sizeof(uint16_t));
+    for (int64_t i = 0; i < MAX_M * a_stride; i++) a[i] = 0x3f80; /* bf16 1.0 */
     void *scratch = alloc64(2 * tile * sizeof(uint16_t)); /* a bf16 copy of both tiles (amx's scratch) */
     void (*build[2])(const ktfp8_tile_job *, const ktfp8_tile_job *) = {kernel_old, kernel_new};
     for (int arg = 3; arg < argc; arg++) {
         const int m = atoi(argv[arg]);
-        if (m < 1 || m > 64) {
-            fprintf(stderr, "kernel_ab: m must lie in 1..64, not %s\n", argv[arg]);
+        if (m < 1 || m > MAX_M) {
+            fprintf(stderr, "kernel_ab: m must lie in 1..%d, not %s\n", MAX_M, argv[arg]);
             return 2;
         }
         ktfp8_tile_job j0;
