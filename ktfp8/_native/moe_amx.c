@@ -8,15 +8,16 @@
  * Small m goes to the avx512_bf16 micro-kernel: only m = 1, where streaming the codes once is all
  * there is to do.  Threshold AMX_MIN_M = 2, measured on an Intel Xeon VM with AMX (family 6 model
  * 167 as its hypervisor reports it, 2 vCPUs, L2 2 MiB per core, L3 105 MiB; `vdpbf16ps` runs there
- * at half the rate of an FP32 FMA, 68 against 134 GFLOP/s per core, AMX 1.05 TFLOP/s): tile_matmul2
- * of both kernels alternated in one process (tools/kernel_ab, amx against avx512_bf16), time per
- * tile pair from DRAM, amx / avx512_bf16:
+ * at half the rate of an FP32 FMA, 68-79 against 134-158 GFLOP/s per core; AMX 1.0-2.2 TFLOP/s per
+ * core, the VM's speed changing from minute to minute): tile_matmul2 of both kernels alternated in
+ * one process (tools/kernel_ab, amx against avx512_bf16), time per tile pair from DRAM, amx /
+ * avx512_bf16:
  *   K = 2048: m = 1 1.02x-1.09x, 2 0.79x-0.92x, 3 0.70x-0.73x, 4 0.57x-0.61x, 8 0.38x, 16 0.21x;
  *   K = 768:  m = 1 1.10x, 2 0.95x, 3 0.79x, 4 0.63x, 8 0.38x.
- * From m = 4 the register kernel is bound by its conversion and vdpbf16ps (about 50 GFLOP/s, whatever
- * m), the tiles by the memory bus (m = 16 takes 1.1x the time of m = 2).  Benchmark layer, 2
- * threads, AMX_MIN_M 2 against 8 (tools/ab_builds.py): T = 4 0.94x, T = 16 0.78x, T = 64 0.63x (1
- * thread 0.66x; block-wise 0.71x; BF16 weights 0.90x).
+ * From m = 4 the register kernel is bound by its conversion and vdpbf16ps (about 50 GFLOP/s,
+ * whatever m), the tiles by the memory bus (in one run m = 16 took 1.24x the time of m = 2).
+ * Benchmark layer, 2 threads, AMX_MIN_M 2 against 8 (tools/ab_builds.py): T = 4 0.94x, T = 16
+ * 0.78x, T = 64 0.63x (1 thread 0.66x; block-wise 0.71x; BF16 weights 0.90x).
  *
  * Weight conversion overlaps the tile products: the first pass converts slab s + 1 into scratch
  * while the TDPBF16PS of slab s run (the profile on the Xeon had 25 % of the kernel in the
