@@ -32,5 +32,6 @@ flags=(-O3 -std=gnu11 -fno-strict-aliasing -mavx2 -mfma -mf16c -mavx512f -mavx51
 gcc "${flags[@]}" -DKTFP8_VARIANT=ab_old -DKERNEL_AB_NAME=kernel_old -DUNIT="\"$old\"" -c "$here/one_build.c" -o "$out/old.o"
 gcc "${flags[@]}" -DKTFP8_VARIANT=ab_new -DKERNEL_AB_NAME=kernel_new -DUNIT="\"$new\"" -c "$here/one_build.c" -o "$out/new.o"
 gcc "${flags[@]}" -DKTFP8_VARIANT=avx512bf16 -c "$root/ktfp8/_native/moe_avx512bf16.c" -o "$out/small_m.o"
-gcc "${flags[@]}" "$here/main.c" "$out/old.o" "$out/new.o" "$out/small_m.o" -o "$out/kernel_ab"
+gcc "${flags[@]}" -c "$root/ktfp8/_native/cpu_features.c" -o "$out/cpu_features.o" # ktfp8_amx_permission
+gcc "${flags[@]}" "$here/main.c" "$out/old.o" "$out/new.o" "$out/small_m.o" "$out/cpu_features.o" -o "$out/kernel_ab"
 "$out/kernel_ab" "$@"

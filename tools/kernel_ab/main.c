@@ -9,10 +9,8 @@
 #include <string.h>
 #include <time.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include "ktfp8/abi.h"
+#include "ktfp8/cpu_features.h"
 
 void kernel_old(const ktfp8_tile_job *, const ktfp8_tile_job *);
 void kernel_new(const ktfp8_tile_job *, const ktfp8_tile_job *);
@@ -21,10 +19,6 @@ void kernel_new(const ktfp8_tile_job *, const ktfp8_tile_job *);
 #define WALK_BYTES (256u << 20)
 #define NB 16 /* rows per tile */
 #define MAX_M 128 /* tokens per call at most (T = 512 on the benchmark layer gives experts 50-80) */
-/* Linux's per-process permission for AMX tile data (as cpu_features.c asks it); refused on a CPU or
- * kernel without AMX, where only the register kernel can run anyway */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 static double now(void) {
     struct timespec t;
@@ -56,7 +50,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s hot|dram K m [m ...]   (K a positive multiple of 4, 1 <= m <= %d)\n", argv[0], MAX_M);
         return 2;
     }
-    syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+    /* Linux's per-process permission for AMX tile data; refused on a CPU or kernel without AMX,
+     * where only the register kernel can run anyway */
+    ktfp8_amx_permission();
     const int dram = argv[1][0] == 'd';
     const int64_t k = atoll(argv[2]), tile = k * NB; /* FP8 code bytes of one tile */
     const size_t pairs = dram ? WALK_BYTES / (2 * tile) : 1;
