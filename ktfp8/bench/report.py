@@ -5,6 +5,7 @@ and threads, and the goals."""
 import statistics
 
 from .. import roofline
+from .backend_choice import OUT_OF_CONTENTION
 from .interleaved import best_ms, round_best
 
 PC = "fp8_per_channel"
@@ -219,8 +220,8 @@ def choice_goal(choice):
     for t, why in choice.get("left_out", {}).items():
         for b in why:
             sat_out.setdefault(b, []).append(t)
-    left = "".join(f"; {b} sat T={','.join(ts)} out (3x the default's time or more in the table, or not timed there)"
-                   for b, ts in sat_out.items())
+    left = "".join(f"; {b} sat T={','.join(ts)} out ({OUT_OF_CONTENTION:g}x the default's time or more in the "
+                   f"table, or not timed there)" for b, ts in sat_out.items())
     if worst is None:
         return _goal(goal, "at_most", 1.0, None, f"no other backend in contention at any T{left}")
     rounds = ",".join(f"{t} ({choice['n_rounds'][str(t)]} rounds)" for t in choice["tokens"])
