@@ -1,0 +1,239 @@
+/* What bounds the amx kernel's tile pair on the CPU at hand: the loop of moe_amx.c's passes taken
+ * apart, each variant timed in the same process (amx_limits.sh builds and runs it; the figures of
+ * docs/tuning-notes.md's "Why a tile pair runs at two thirds of the peak").
+ *
+ * One tile pair as T = 512 gives it on the benchmark layer: m = 64 tokens (4 chunks of 16), two weight
+ * tiles (32 columns), K = 2048 (64 slabs of 32), in two passes of 2 A x 2 B -> 4 C tiles, BF16 weights.
+ * Each round times every variant once, in a rotating order; the report gives each one's median time
+ * per tile pair and its share of the resident-operand peak measured in the same rounds.
+ *
+ *   peak        the same tdpbf16ps count on tiles loaded once (no tile loads in the loop)
+ *   passes      the two passes as moe_amx.c runs them: A rows from the activations (L2), B from the
+ *               whole converted tile pair (128 KiB, L2)
+ *   passes A1   every A tile from one address (L1)        passes B1   every B tile from one address
+ *   convert     64 K FP8 codes -> BF16 into the 128 KiB tile pair (the first pass's conversion)
+ *   passes+cvt  each slab of both passes also converts one slab of codes into an L1 ring
+ *   passes+alu  each slab also runs that many register-only vector instructions (half vpermt2b, half
+ *               vpaddw; 128 unless given: amx_limits.sh 16)
+ *   alu         those instructions alone          peak+alu  beside the peak loop (no tile loads)
+ * Needs AMX-TILE, AMX-BF16, AVX-512 BW and VBMI, and Linux's permission to use the tiles. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "ktfp8/amx_tilecfg.h"
+#include "ktfp8/cpu_features.h"
+#include "ktfp8/e4m3_bf16_vbmi.h"
+
+#define K 2048
+#define SLABS (K / 32)
+#define M 64
+#define SLAB_BYTES 1024          /* one BF16 B tile: 16 K pairs x 16 columns x 2 */
+#define A_STRIDE (K + 32)        /* elements: moe_driver.c's row_stride for 4 KiB multiples */
+#define ALU_OPS_DEFAULT 128      /* per slab, about the conversion's instruction count */
+#define ROUNDS 15
+
+static uint16_t *a_rows;         /* [M][A_STRIDE] bf16 activations */
+static uint8_t *b_tiles;         /* [2][SLABS][SLAB_BYTES] converted weight tiles */
+static uint8_t *codes;           /* [2][K * 16] FP8 codes, moe_pack.c's order */
+static uint8_t ring[2][2 * SLAB_BYTES] __attribute__((aligned(64)));
+static float c_out[4][16 * 16] __attribute__((aligned(64)));
+static int alu_ops = ALU_OPS_DEFAULT; /* per slab, a multiple of 4 (the command line's argument) */
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+/* GCC's tile intrinsics do not tell the compiler which memory they read (see moe_amx.c). */
+static inline void compiler_barrier(void) { __asm__ __volatile__("" ::: "memory"); }
+
+static void configure(void) {
+    ktfp8_amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < KTFP8_AMX_TILES; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    compiler_barrier();
+    _tile_loadconfig(&cfg);
+}
+
+static const uint16_t *a_tile(int chunk, int slab) { return a_rows + (size_t)chunk * 16 * A_STRIDE + slab * 32; }
+static const uint8_t *b_tile(int w, int slab) { return b_tiles + ((size_t)w * SLABS + slab) * SLAB_BYTES; }
+
+/* One slab's conversion: SLAB_BYTES / 2 codes of each weight tile into the ring. */
+static void convert_slab(int slab) {
+    for (int w = 0; w < 2; w++) {
+        const uint8_t *tile = codes + (size_t)w * K * 16;
+        const ktfp8_prefetch_ahead ahead = ktfp8_prefetch_ahead_of(tile, NULL, K * 16, KTFP8_AVX512_PREFETCH_BYTES);
+        ktfp8_e4m3_tile_to_bf16(tile + (size_t)slab * 512, 32, (uint16_t *)(ring[slab & 1] + w * SLAB_BYTES), &ahead,
+                                (int64_t)slab * 512);
+    }
+}
+
+/* alu_ops vector instructions on registers only, in 4 independent chains. */
+static void alu_work(void) {
+    __m512i x0 = _mm512_set1_epi32(1), x1 = x0, x2 = x0, x3 = x0;
+    const __m512i t = _mm512_set1_epi32(3);
+    for (int r = 0; r < alu_ops / 4; r++) {
+        x0 = _mm512_permutex2var_epi8(x0, t, x1);
+        x1 = _mm512_add_epi16(x1, t);
+        x2 = _mm512_permutex2var_epi8(x2, t, x3);
+        x3 = _mm512_add_epi16(x3, t);
+        __asm__ volatile("" : "+v"(x0), "+v"(x1), "+v"(x2), "+v"(x3));
+    }
+}
+
+enum { EXTRA_NONE, EXTRA_CONVERT, EXTRA_ALU };
+enum { FROM_L2, A_FIXED, B_FIXED };
+
+/* The 4 C tiles (tmm0..3) of a pass: zeroed before it, stored after it. */
+static void zero_c(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+static void store_c(void) {
+    _tile_stored(0, c_out[0], 64);
+    _tile_stored(1, c_out[1], 64);
+    _tile_stored(2, c_out[2], 64);
+    _tile_stored(3, c_out[3], 64);
+}
+
+/* moe_amx.c's two passes of one tile pair: chunks 2p, 2p + 1 against weight tiles 0, 1. */
+static void passes(int from, int extra) {
+    for (int p = 0; p < M / 32; p++) {
+        zero_c();
+        for (int s = 0; s < SLABS; s++) {
+            const int sb = from == B_FIXED ? 0 : s, sa = from == A_FIXED ? 0 : s;
+            _tile_loadd(6, b_tile(0, sb), 64);
+            _tile_loadd(7, b_tile(1, sb), 64);
+            compiler_barrier();
+            if (extra == EXTRA_CONVERT) convert_slab(s);
+            if (extra == EXTRA_ALU) alu_work();
+            compiler_barrier();
+            _tile_loadd(4, a_tile(2 * p, sa), A_STRIDE * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(4, a_tile(2 * p + 1, sa), A_STRIDE * 2);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_dpbf16ps(3, 4, 7);
+        }
+        store_c();
+    }
+}
+
+/* The same tdpbf16ps count with every operand tile loaded once. */
+static void peak(int extra) {
+    _tile_loadd(4, a_tile(0, 0), A_STRIDE * 2);
+    _tile_loadd(5, a_tile(1, 0), A_STRIDE * 2);
+    _tile_loadd(6, b_tile(0, 0), 64);
+    _tile_loadd(7, b_tile(1, 0), 64);
+    for (int p = 0; p < M / 32; p++) {
+        zero_c();
+        for (int s = 0; s < SLABS; s++) {
+            if (extra == EXTRA_ALU) alu_work();
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        store_c();
+    }
+}
+
+static void convert_pair(void) {
+    for (int w = 0; w < 2; w++) {
+        const uint8_t *tile = codes + (size_t)w * K * 16;
+        const ktfp8_prefetch_ahead ahead = ktfp8_prefetch_ahead_of(tile, NULL, K * 16, KTFP8_AVX512_PREFETCH_BYTES);
+        ktfp8_e4m3_tile_to_bf16(tile, K, (uint16_t *)b_tile(w, 0), &ahead, 0);
+    }
+    compiler_barrier();
+}
+
+static void alu_alone(void) {
+    for (int i = 0; i < M / 32 * SLABS; i++) alu_work();
+}
+
+static void v_peak(void) { peak(EXTRA_NONE); }
+static void v_passes(void) { passes(FROM_L2, EXTRA_NONE); }
+static void v_a_fixed(void) { passes(A_FIXED, EXTRA_NONE); }
+static void v_b_fixed(void) { passes(B_FIXED, EXTRA_NONE); }
+static void v_passes_convert(void) { passes(FROM_L2, EXTRA_CONVERT); }
+static void v_passes_alu(void) { passes(FROM_L2, EXTRA_ALU); }
+static void v_peak_alu(void) { peak(EXTRA_ALU); }
+
+static const struct {
+    const char *name;
+    void (*run)(void);
+    int products; /* runs the tile pair's tdpbf16ps (its GFLOP/s and share of the peak mean something) */
+} variants[] = {
+    {"peak", v_peak, 1},          {"passes", v_passes, 1},         {"passes A1", v_a_fixed, 1},
+    {"passes B1", v_b_fixed, 1},  {"convert", convert_pair, 0},    {"passes+cvt", v_passes_convert, 1},
+    {"passes+alu", v_passes_alu, 1}, {"alu", alu_alone, 0},        {"peak+alu", v_peak_alu, 1},
+};
+enum { N_VARIANTS = sizeof(variants) / sizeof(variants[0]) };
+
+static int by_value(const void *x, const void *y) {
+    const double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+static void *alloc64(size_t bytes) {
+    void *p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    if (!p) {
+        fprintf(stderr, "amx_limits: out of memory\n");
+        exit(1);
+    }
+    return p;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1) alu_ops = atoi(argv[1]) / 4 * 4;
+    if (alu_ops < 4) {
+        fprintf(stderr, "usage: %s [vector instructions per slab, >= 4]\n", argv[0]);
+        return 2;
+    }
+    if (!ktfp8_amx_permission()) {
+        fprintf(stderr, "amx_limits: this CPU or kernel does not allow AMX tiles\n");
+        return 1;
+    }
+    a_rows = alloc64((size_t)M * A_STRIDE * 2);
+    b_tiles = alloc64(2 * SLABS * SLAB_BYTES);
+    codes = alloc64(2 * K * 16);
+    for (size_t i = 0; i < (size_t)M * A_STRIDE; i++) a_rows[i] = 0x3f80; /* bf16 1.0 */
+    for (size_t i = 0; i < 2 * SLABS * SLAB_BYTES / 2; i++) ((uint16_t *)b_tiles)[i] = 0x3f80;
+    for (size_t i = 0; i < 2 * K * 16; i++) codes[i] = (uint8_t)(rand() & 0x77); /* finite, both signs */
+    configure();
+    double t[N_VARIANTS][ROUNDS];
+    for (int r = 0; r < ROUNDS; r++)
+        for (int i = 0; i < N_VARIANTS; i++) {
+            const int v = (i + r) % N_VARIANTS;
+            const int calls = 200;
+            const double t0 = now();
+            for (int c = 0; c < calls; c++) variants[v].run();
+            t[v][r] = (now() - t0) / calls;
+        }
+    _tile_release();
+    double med[N_VARIANTS];
+    for (int v = 0; v < N_VARIANTS; v++) {
+        qsort(t[v], ROUNDS, sizeof(double), by_value);
+        med[v] = t[v][ROUNDS / 2];
+    }
+    const double flop = 2.0 * M * K * 32; /* a tile pair: 32 weight rows */
+    printf("tile pair m = %d, K = %d, BF16 weights, %d vector instructions per slab; medians of %d rounds\n", M, K,
+           alu_ops, ROUNDS);
+    for (int v = 0; v < N_VARIANTS; v++) {
+        printf("  %-11s %7.2f us", variants[v].name, med[v] * 1e6);
+        if (variants[v].products) printf("  %6.0f GFLOP/s  %4.0f %% of peak", flop / med[v] / 1e9, 100.0 * med[0] / med[v]);
+        printf("\n");
+    }
+    return 0;
+}
