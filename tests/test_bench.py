@@ -422,6 +422,7 @@ def test_backend_choice_goal_is_the_worst_median_of_per_round_ratios_from_the_re
     assert fig["ratio"] == {t: {"reference": pytest.approx(float(np.median(v)))} for t, v in ratios.items()}
     worst_t = max(ratios, key=lambda t: fig["ratio"][t]["reference"])
     assert fig["worst"] == dict(tokens=int(worst_t), backend="reference", ratio=fig["ratio"][worst_t]["reference"],
+                                spread=pytest.approx([float(np.percentile(ratios[worst_t], q)) for q in (25, 75)]),
                                 default_ms=pytest.approx(float(np.median(best[worst_t, default]))),
                                 backend_ms=pytest.approx(float(np.median(best[worst_t, "reference"]))))
     assert fig["worst"]["ratio"] < 1.0  # the SIMD default is faster than the scalar oracle at every T
@@ -429,7 +430,14 @@ def test_backend_choice_goal_is_the_worst_median_of_per_round_ratios_from_the_re
     goal = report.goals([], _limits(), "L", default, None, res)[-1]
     assert goal["goal"].startswith("default choice") and goal["measured"] == fig["worst"]["ratio"]
     assert goal["reached"] is True and "T=1 (3 rounds),4 (2 rounds)" in goal["note"]
-    assert f"worst T={worst_t}: {default}" in goal["note"]
+    q1, q3 = fig["worst"]["spread"]
+    assert f"worst T={worst_t} (middle half of its rounds {q1:.2f}x-{q3:.2f}x): {default}" in goal["note"]
+
+
+def test_backend_choice_spread_is_the_middle_half_of_the_rounds_and_one_round_its_own_value():
+    from ktfp8.bench import backend_choice
+    assert backend_choice.middle_half([1.03, 0.97, 1.01, 0.99, 1.05]) == pytest.approx([0.99, 1.03])
+    assert backend_choice.middle_half([1.02]) == [1.02, 1.02]
 
 
 def test_backend_choice_leaves_out_a_backend_the_table_found_3x_slower_or_did_not_time():

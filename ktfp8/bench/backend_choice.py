@@ -135,7 +135,8 @@ def measure(layer, backends, threads, tokens, walk_bytes, walk_memory_bytes, rou
 def figures(result):
     """ratio[str(T)][backend]: median over the rounds T took part in of the default's ms over the
     backend's, each at its fastest thread count in the round; worst: the largest of them as {tokens,
-    backend, ratio, default_ms, backend_ms} (medians over those rounds), None with a single backend."""
+    backend, ratio, spread, default_ms, backend_ms} (medians over those rounds; spread: the per-round
+    ratios' middle_half), None with a single backend."""
     default = result["default"]
     recs = {t: [rec[t] for rec in result["rounds"] if t in rec] for t in map(str, result["tokens"])}
     left = result.get("left_out", {})
@@ -146,7 +147,17 @@ def figures(result):
     if not cases:
         return dict(ratio=ratio, worst=None)
     r, t, b = max(cases)
+    per_round = [best_ms(rec, default) / best_ms(rec, b) for rec in recs[t]]
     return dict(ratio=ratio, worst=dict(
-        tokens=int(t), backend=b, ratio=r,
+        tokens=int(t), backend=b, ratio=r, spread=middle_half(per_round),
         default_ms=statistics.median(best_ms(rec, default) for rec in recs[t]),
         backend_ms=statistics.median(best_ms(rec, b) for rec in recs[t])))
+
+
+def middle_half(values):
+    """[first quartile, third quartile] of values (both the value itself when there is one): how far
+    the rounds scatter around their median, so that a reader can tell a ratio of 1.02 from noise."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [q1, q3]

@@ -227,7 +227,8 @@ def choice_goal(choice):
     rounds = ",".join(f"{t} ({choice['n_rounds'][str(t)]} rounds)" for t in choice["tokens"])
     return _goal(goal, "at_most", 1.0, worst["ratio"],
                  f"interleaved: rounds alternating {', '.join(choice['backends'])} at "
-                 f"T={rounds}, median of per-round ratios; worst T={worst['tokens']}: "
+                 f"T={rounds}, median of per-round ratios; worst T={worst['tokens']}"
+                 f" (middle half of its rounds {worst['spread'][0]:.2f}x-{worst['spread'][1]:.2f}x): "
                  f"{choice['default']} {worst['default_ms']:.2f} ms vs {worst['backend']} {worst['backend_ms']:.2f} ms "
                  f"(medians over rounds, best thread count){left}")
 
