@@ -13,8 +13,11 @@
  *   passes A1   every A tile from one address (L1)        passes B1   every B tile from one address
  *   convert     64 K FP8 codes -> BF16 into the 128 KiB tile pair (the first pass's conversion)
  *   passes+cvt  each slab of both passes also converts one slab of codes into an L1 ring
- *   passes+alu  each slab also runs that many register-only vector instructions (half vpermt2b, half
- *               vpaddw; 128 unless given: amx_limits.sh 16)
+ *   passes+alu  each slab also runs that many register-only vector instructions (128 unless given:
+ *               amx_limits.sh 16) of one mix: "mix" (the default) half vpermt2b and half vpaddw;
+ *               "permute" vpermt2b (port 5 only), "shift" vpsllw / vpsrlw (port 0 only), "add" vpaddw
+ *               (port 0 or 5): amx_limits.sh 128 shift.  Which ports these take: Intel's optimization
+ *               manual's tables for Ice Lake and later (512-bit work on ports 0 and 5).
  *   alu         those instructions alone          peak+alu  beside the peak loop (no tile loads)
  * Needs AMX-TILE, AMX-BF16, AVX-512 BW and VBMI, and Linux's permission to use the tiles. */
 #include <stdint.h>
@@ -76,15 +79,41 @@ static void convert_slab(int slab) {
     }
 }
 
-/* alu_ops vector instructions on registers only, in 4 independent chains. */
+/* The vector instructions beside the tiles (see the header comment). */
+enum { MIX, PERMUTE, SHIFT, ADD };
+static const char *const mix_names[] = {"mix", "permute", "shift", "add"};
+static int alu_mix = MIX;
+
+/* alu_ops vector instructions of alu_mix on registers only, in 4 independent chains. */
 static void alu_work(void) {
     __m512i x0 = _mm512_set1_epi32(1), x1 = x0, x2 = x0, x3 = x0;
     const __m512i t = _mm512_set1_epi32(3);
     for (int r = 0; r < alu_ops / 4; r++) {
-        x0 = _mm512_permutex2var_epi8(x0, t, x1);
-        x1 = _mm512_add_epi16(x1, t);
-        x2 = _mm512_permutex2var_epi8(x2, t, x3);
-        x3 = _mm512_add_epi16(x3, t);
+        switch (alu_mix) {
+        case MIX:
+            x0 = _mm512_permutex2var_epi8(x0, t, x1);
+            x1 = _mm512_add_epi16(x1, t);
+            x2 = _mm512_permutex2var_epi8(x2, t, x3);
+            x3 = _mm512_add_epi16(x3, t);
+            break;
+        case PERMUTE:
+            x0 = _mm512_permutex2var_epi8(x0, t, t);
+            x1 = _mm512_permutex2var_epi8(x1, t, t);
+            x2 = _mm512_permutex2var_epi8(x2, t, t);
+            x3 = _mm512_permutex2var_epi8(x3, t, t);
+            break;
+        case SHIFT:
+            x0 = _mm512_slli_epi16(x0, 1);
+            x1 = _mm512_srli_epi16(x1, 1);
+            x2 = _mm512_slli_epi16(x2, 1);
+            x3 = _mm512_srli_epi16(x3, 1);
+            break;
+        default:
+            x0 = _mm512_add_epi16(x0, t);
+            x1 = _mm512_add_epi16(x1, t);
+            x2 = _mm512_add_epi16(x2, t);
+            x3 = _mm512_add_epi16(x3, t);
+        }
         __asm__ volatile("" : "+v"(x0), "+v"(x1), "+v"(x2), "+v"(x3));
     }
 }
@@ -197,8 +226,13 @@ static void *alloc64(size_t bytes) {
 
 int main(int argc, char **argv) {
     if (argc > 1) alu_ops = atoi(argv[1]) / 4 * 4;
-    if (alu_ops < 4) {
-        fprintf(stderr, "usage: %s [vector instructions per slab, >= 4]\n", argv[0]);
+    if (argc > 2) {
+        alu_mix = -1;
+        for (int i = 0; i < (int)(sizeof mix_names / sizeof mix_names[0]); i++)
+            if (!strcmp(argv[2], mix_names[i])) alu_mix = i;
+    }
+    if (alu_ops < 4 || alu_mix < 0 || argc > 3) {
+        fprintf(stderr, "usage: %s [vector instructions per slab, >= 4] [mix | permute | shift | add]\n", argv[0]);
         return 2;
     }
     if (!ktfp8_amx_permission()) {
@@ -228,8 +262,8 @@ int main(int argc, char **argv) {
         med[v] = t[v][ROUNDS / 2];
     }
     const double flop = 2.0 * M * K * 32; /* a tile pair: 32 weight rows */
-    printf("tile pair m = %d, K = %d, BF16 weights, %d vector instructions per slab; medians of %d rounds\n", M, K,
-           alu_ops, ROUNDS);
+    printf("tile pair m = %d, K = %d, BF16 weights, %d vector instructions per slab (%s); medians of %d rounds\n", M,
+           K, alu_ops, mix_names[alu_mix], ROUNDS);
     for (int v = 0; v < N_VARIANTS; v++) {
         printf("  %-11s %7.2f us", variants[v].name, med[v] * 1e6);
         if (variants[v].products) printf("  %6.0f GFLOP/s  %4.0f %% of peak", flop / med[v] / 1e9, 100.0 * med[0] / med[v]);

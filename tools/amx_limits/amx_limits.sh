@@ -2,6 +2,7 @@
 # The amx kernel's tile pair taken apart on this CPU (amx_limits.c says what each line times):
 #
 #   bash tools/amx_limits/amx_limits.sh [vector instructions per slab beside the tiles, default 128]
+#                                       [their mix: mix (default) | permute | shift | add]
 #
 # Builds against this tree's include/ with the flags setup.py gives the amx unit (AVX-512 BW/VBMI,
 # AMX-TILE, AMX-BF16) and links cpu_features.c for Linux's AMX permission.  Needs a CPU with AMX.
