@@ -9,6 +9,9 @@
 #         sed 's/^#define AMX_MIN_M .*/#define AMX_MIN_M 1/' ktfp8/_native/moe_amx.c > /tmp/amx_all.c
 #         bash tools/kernel_ab/kernel_ab.sh ktfp8/_native/moe_avx512bf16.c /tmp/amx_all.c dram 2048 1 2 4 8
 #
+# Before timing each m the two builds run once on the same tile pair and must agree (within 1e-4 of
+# the largest output; exit status 1 if not).
+#
 # Both copies compile against this tree's include/ with the flags setup.py gives the amx unit
 # (include/ktfp8/variants.def: AVX-512 BF16 + VBMI, and AMX, which an avx512_bf16 unit does not use),
 # one object each, linked into one binary: two separate binaries put the same loop at different
@@ -29,9 +32,17 @@ out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 flags=(-O3 -std=gnu11 -fno-strict-aliasing -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq
        -mavx512bf16 -mavx512vbmi -mamx-tile -mamx-bf16 -I"$root/include")
-gcc "${flags[@]}" -DKTFP8_VARIANT=ab_old -DKERNEL_AB_NAME=kernel_old -DUNIT="\"$old\"" -c "$here/one_build.c" -o "$out/old.o"
-gcc "${flags[@]}" -DKTFP8_VARIANT=ab_new -DKERNEL_AB_NAME=kernel_new -DUNIT="\"$new\"" -c "$here/one_build.c" -o "$out/new.o"
-gcc "${flags[@]}" -DKTFP8_VARIANT=avx512bf16 -c "$root/ktfp8/_native/moe_avx512bf16.c" -o "$out/small_m.o"
-gcc "${flags[@]}" -c "$root/ktfp8/_native/cpu_features.c" -o "$out/cpu_features.o" # ktfp8_amx_permission
+# the objects compile side by side; all are waited for before a failure ends the script
+gcc "${flags[@]}" -DKTFP8_VARIANT=ab_old -DKERNEL_AB_NAME=kernel_old -DUNIT="\"$old\"" -c "$here/one_build.c" -o "$out/old.o" &
+builds=($!)
+gcc "${flags[@]}" -DKTFP8_VARIANT=ab_new -DKERNEL_AB_NAME=kernel_new -DUNIT="\"$new\"" -c "$here/one_build.c" -o "$out/new.o" &
+builds+=($!)
+gcc "${flags[@]}" -DKTFP8_VARIANT=avx512bf16 -c "$root/ktfp8/_native/moe_avx512bf16.c" -o "$out/small_m.o" &
+builds+=($!)
+gcc "${flags[@]}" -c "$root/ktfp8/_native/cpu_features.c" -o "$out/cpu_features.o" & # ktfp8_amx_permission
+builds+=($!)
+failed=0
+for b in "${builds[@]}"; do wait "$b" || failed=1; done
+[ "$failed" = 0 ] || exit 1
 gcc "${flags[@]}" "$here/main.c" "$out/old.o" "$out/new.o" "$out/small_m.o" "$out/cpu_features.o" -o "$out/kernel_ab"
 "$out/kernel_ab" "$@"

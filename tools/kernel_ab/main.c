@@ -2,7 +2,10 @@
  * kernel_ab.sh says how to run it.  Each round times a batch of calls of each build, the first
  * one alternating; it prints each build's median time per tile pair and the median of the per-round
  * ratios new / old.  hot: one tile pair, calls after calls (codes in L1/L2: the loops' own speed);
- * dram: a walk over 256 MiB of tile pairs, each call's w_next the next pair, as the driver sets it. */
+ * dram: a walk over 256 MiB of tile pairs, each call's w_next the next pair, as the driver sets it.
+ * Before timing each m it checks that the two builds agree on one call (exit status 1 if not): a
+ * faster build with wrong sums is no A/B. */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +39,29 @@ static double median(double *v, int n) {
     return v[n / 2];
 }
 
+/* Both builds on the same tile pair, into outputs of their own: whether every output of new lies within
+ * AGREE_TOL of the largest |old| output (the builds may sum K in different orders, so not bit for bit;
+ * with K up to a few thousand FP32 terms the rounding differences stay below 1e-5 of it). */
+#define AGREE_TOL 1e-4
+static int builds_agree(void (*const build[2])(const ktfp8_tile_job *, const ktfp8_tile_job *), ktfp8_tile_job j0,
+                        ktfp8_tile_job j1, float *out[2][2], int m) {
+    for (int b = 0; b < 2; b++) {
+        j0.c = out[b][0];
+        j1.c = out[b][1];
+        build[b](&j0, &j1);
+    }
+    double biggest = 0, worst = 0;
+    for (int w = 0; w < 2; w++)
+        for (int i = 0; i < m * NB; i++) {
+            const double old_v = out[0][w][i], diff = (double)out[1][w][i] - old_v;
+            if (old_v > biggest || -old_v > biggest) biggest = old_v < 0 ? -old_v : old_v;
+            if (!(diff <= worst && -diff <= worst)) worst = diff != diff ? INFINITY : diff < 0 ? -diff : diff;
+        }
+    if (worst <= AGREE_TOL * biggest) return 1;
+    fprintf(stderr, "kernel_ab: m = %d: the builds disagree (max |new - old| %g, max |old| %g)\n", m, worst, biggest);
+    return 0;
+}
+
 static void *alloc64(size_t bytes) {
     void *p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!p) {
@@ -60,14 +86,18 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < pairs * 2 * tile; i++) w[i] = (uint8_t)(rand() & 0x77); /* finite, both signs */
     float *scale = alloc64(NB * sizeof(float)), *c0 = alloc64(MAX_M * NB * sizeof(float)),
           *c1 = alloc64(MAX_M * NB * sizeof(float));
-    for (int i = 0; i < NB; i++) scale[i] = 1.0f;
+    for (int i = 0; i < NB; i++) scale[i] = 0.5f + (float)(rand() % 64) / 32; /* per channel: a lost scale shows */
     /* activation rows as the driver lays them out (row_stride in moe_driver.c): a line more when
      * they would be a multiple of 4 KiB apart */
     const int64_t a_stride = (k * 2) % 4096 == 0 ? k + 32 : k;
     uint16_t *a = alloc64(MAX_M * a_stride * sizeof(uint16_t));
-    for (int64_t i = 0; i < MAX_M * a_stride; i++) a[i] = 0x3f80; /* bf16 1.0 */
+    for (int64_t i = 0; i < MAX_M * a_stride; i++) /* bf16 of both signs, 0.5 to 4: a wrong row shows */
+        a[i] = (uint16_t)(0x3f00 + (rand() & 0x17f) + ((rand() & 1) << 15));
+    float *agree_out[2][2];
+    for (int b = 0; b < 2; b++)
+        for (int w = 0; w < 2; w++) agree_out[b][w] = alloc64(MAX_M * NB * sizeof(float));
     void *scratch = alloc64(2 * tile * sizeof(uint16_t)); /* a bf16 copy of both tiles (amx's scratch) */
-    void (*build[2])(const ktfp8_tile_job *, const ktfp8_tile_job *) = {kernel_old, kernel_new};
+    void (*const build[2])(const ktfp8_tile_job *, const ktfp8_tile_job *) = {kernel_old, kernel_new};
     for (int arg = 3; arg < argc; arg++) {
         const int m = atoi(argv[arg]);
         if (m < 1 || m > MAX_M) {
@@ -88,6 +118,9 @@ int main(int argc, char **argv) {
         ktfp8_tile_job j1 = j0;
         j0.c = c0;
         j1.c = c1;
+        j0.w = w;
+        j1.w = w + tile;
+        if (!builds_agree(build, j0, j1, agree_out, m)) return 1;
         const size_t calls = dram ? pairs : 4000 / m + 100;
         double seconds[2][ROUNDS], ratio[ROUNDS];
         size_t pos = 0;

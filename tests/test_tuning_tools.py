@@ -1,0 +1,84 @@
+"""tools/kernel_ab and tools/amx_limits, the stand-alone timing tools of docs/tuning-notes.md: they build
+against this tree's headers on every machine, refuse bad arguments, and where the CPU can run them,
+kernel_ab's two builds are checked against each other before anything is timed."""
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import ktfp8
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_AB = ROOT / "tools" / "kernel_ab" / "kernel_ab.sh"
+AMX_LIMITS = ROOT / "tools" / "amx_limits" / "amx_limits.sh"
+NATIVE = ROOT / "ktfp8" / "_native"
+HAS_AMX = "amx" in ktfp8.available_backends()
+HAS_BF16 = "avx512_bf16" in ktfp8.available_backends()
+AB_LINE = re.compile(r"hot K=256 m=\s*(\d+): old\s+([\d.]+) us  new\s+([\d.]+) us .* new/old ([\d.]+)")
+
+
+def run(*args):
+    return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def test_amx_limits_builds_and_refuses_an_unknown_mix():
+    done = run(AMX_LIMITS, 128, "vpermt2b")
+    assert done.returncode == 2, done.stderr  # 1 would be a failed build
+    assert "mix | permute | shift | add" in done.stderr
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs AMX tiles")
+def test_amx_limits_times_every_piece_of_the_tile_pair():
+    done = run(AMX_LIMITS, 16, "shift")
+    assert done.returncode == 0, done.stderr
+    assert "16 vector instructions per slab (shift)" in done.stdout
+    times = dict(re.findall(r"^  (\S+(?: [AB]1)?)\s+([\d.]+) us", done.stdout, re.M))
+    assert set(times) == {"peak", "passes", "passes A1", "passes B1", "convert", "passes+cvt", "passes+alu",
+                          "alu", "peak+alu"}
+    assert all(float(t) > 0 for t in times.values())
+    assert re.search(r"^  peak .* 100 % of peak$", done.stdout, re.M)
+
+
+def test_kernel_ab_builds_and_refuses_an_unknown_mode():
+    unit = NATIVE / "moe_avx512bf16.c"
+    done = run(KERNEL_AB, unit, unit, "warm", 256, 1)
+    assert done.returncode == 2, done.stderr
+    assert "usage" in done.stderr
+
+
+def swapped_outputs_build(unit, tmp_path):
+    """A build of `unit` whose tile_matmul2 writes the first job's sums into the second job's output
+    and the reverse: fast as the original, wrong for every m."""
+    bad = tmp_path / "swapped.c"
+    bad.write_text(f'#include "{unit}"\n'
+                   "static void swapped(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {\n"
+                   "    ktfp8_tile_job a = *j0, b = *j1;\n"
+                   "    a.c = j1->c;\n"
+                   "    b.c = j0->c;\n"
+                   "    tile_matmul2(&a, &b);\n"
+                   "}\n"
+                   "#define tile_matmul2 swapped\n")
+    return bad
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="needs AVX-512 BF16 and VBMI")
+def test_kernel_ab_times_builds_that_agree_and_refuses_one_that_does_not(tmp_path):
+    old = NATIVE / "moe_avx512bf16.c"
+    if HAS_AMX:  # the tiles for every m against the register kernel: different summation orders
+        new = tmp_path / "amx_all.c"
+        source = (NATIVE / "moe_amx.c").read_text()
+        new.write_text(re.sub(r"(?m)^#define AMX_MIN_M .*$", "#define AMX_MIN_M 1", source))
+        assert new.read_text() != source
+    else:
+        new = old
+    done = run(KERNEL_AB, old, new, "hot", 256, 1, 3, 17)
+    assert done.returncode == 0, done.stderr
+    lines = AB_LINE.findall(done.stdout)
+    assert [int(m) for m, *_ in lines] == [1, 3, 17], done.stdout
+    assert all(float(t) > 0 for _, *times in lines for t in times)
+
+    done = run(KERNEL_AB, old, swapped_outputs_build(new, tmp_path), "hot", 256, 3)
+    assert done.returncode == 1
+    assert "m = 3: the builds disagree" in done.stderr
+    assert not AB_LINE.search(done.stdout)
