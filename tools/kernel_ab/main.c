@@ -53,9 +53,10 @@ static int builds_agree(void (*const build[2])(const ktfp8_tile_job *, const ktf
     double biggest = 0, worst = 0;
     for (int w = 0; w < 2; w++)
         for (int i = 0; i < m * NB; i++) {
-            const double old_v = out[0][w][i], diff = (double)out[1][w][i] - old_v;
-            if (old_v > biggest || -old_v > biggest) biggest = old_v < 0 ? -old_v : old_v;
-            if (!(diff <= worst && -diff <= worst)) worst = diff != diff ? INFINITY : diff < 0 ? -diff : diff;
+            const double old_v = out[0][w][i], diff = fabs((double)out[1][w][i] - old_v);
+            if (fabs(old_v) > biggest) biggest = fabs(old_v);
+            if (isnan(diff)) worst = INFINITY; /* a NaN in either build never agrees */
+            else if (diff > worst) worst = diff;
         }
     if (worst <= AGREE_TOL * biggest) return 1;
     fprintf(stderr, "kernel_ab: m = %d: the builds disagree (max |new - old| %g, max |old| %g)\n", m, worst, biggest);
