@@ -84,12 +84,13 @@ enum { MIX, PERMUTE, SHIFT, ADD };
 static const char *const mix_names[] = {"mix", "permute", "shift", "add"};
 static int alu_mix = MIX;
 
-/* alu_ops vector instructions of alu_mix on registers only, in 4 independent chains. */
-static void alu_work(void) {
+/* alu_ops vector instructions of one mix on registers only, in 4 independent chains; `mix` is a
+ * constant after inlining, so the loop holds the vector instructions and its counter only. */
+static inline __attribute__((always_inline)) void alu_chains(const int mix) {
     __m512i x0 = _mm512_set1_epi32(1), x1 = x0, x2 = x0, x3 = x0;
     const __m512i t = _mm512_set1_epi32(3);
     for (int r = 0; r < alu_ops / 4; r++) {
-        switch (alu_mix) {
+        switch (mix) {
         case MIX:
             x0 = _mm512_permutex2var_epi8(x0, t, x1);
             x1 = _mm512_add_epi16(x1, t);
@@ -115,6 +116,15 @@ static void alu_work(void) {
             x3 = _mm512_add_epi16(x3, t);
         }
         __asm__ volatile("" : "+v"(x0), "+v"(x1), "+v"(x2), "+v"(x3));
+    }
+}
+
+static void alu_work(void) {
+    switch (alu_mix) {
+    case MIX: alu_chains(MIX); break;
+    case PERMUTE: alu_chains(PERMUTE); break;
+    case SHIFT: alu_chains(SHIFT); break;
+    default: alu_chains(ADD);
     }
 }
 
