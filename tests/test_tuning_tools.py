@@ -1,6 +1,8 @@
 """tools/kernel_ab and tools/amx_limits, the stand-alone timing tools of docs/tuning-notes.md: they build
-against this tree's headers on every machine, refuse bad arguments, and where the CPU can run them,
+against this tree's headers with the ISA flags setup.py reads from variants.def, on every machine, refuse
+bad arguments, and where the CPU can run them,
 kernel_ab's two builds are checked against each other before anything is timed."""
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -20,6 +22,28 @@ AB_LINE = re.compile(r"hot K=256 m=\s*(\d+): old\s+([\d.]+) us  new\s+([\d.]+) u
 
 def run(*args):
     return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def isa_flags(unit):
+    """tools/isa_flags.sh's answer for one level, as the tools' scripts source it."""
+    return subprocess.run(["bash", "-c", f'source "{ROOT}/tools/isa_flags.sh" && isa_flags "$0"', unit],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_isa_flags_agree_with_setup_py_for_every_level():
+    # setup.py's own parse of variants.def is the oracle (importing it builds nothing)
+    spec = importlib.util.spec_from_file_location("ktfp8_setup", ROOT / "setup.py")
+    setup_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_py)
+    levels = setup_py.isa_levels()
+    assert {"amx", "avx512bf16", "avx512", "avx2"} <= set(levels)
+    for unit, (flags, _options, _twin) in levels.items():
+        done = isa_flags(unit)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == flags, unit
+    missing = isa_flags("avx1024")
+    assert missing.returncode == 1
+    assert "no level 'avx1024'" in missing.stderr
 
 
 def test_amx_limits_builds_and_refuses_an_unknown_mix():

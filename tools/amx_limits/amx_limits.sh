@@ -11,7 +11,10 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
-flags=(-O2 -std=gnu11 -fno-strict-aliasing -mavx2 -mfma -mavx512f -mavx512bw -mavx512vl -mavx512dq
-       -mavx512bf16 -mavx512vbmi -mamx-tile -mamx-bf16 -I"$root/include")
+# shellcheck source=../isa_flags.sh
+source "$root/tools/isa_flags.sh"
+amx_flags="$(isa_flags amx)"
+# shellcheck disable=SC2206  # the flags split into words
+flags=(-O2 -std=gnu11 -fno-strict-aliasing $amx_flags -I"$root/include")
 gcc "${flags[@]}" "$here/amx_limits.c" "$root/ktfp8/_native/cpu_features.c" -o "$out/amx_limits"
 "$out/amx_limits" "$@"

@@ -30,8 +30,11 @@ old="$(realpath "$1")" new="$(realpath "$2")"
 shift 2
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
-flags=(-O3 -std=gnu11 -fno-strict-aliasing -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq
-       -mavx512bf16 -mavx512vbmi -mamx-tile -mamx-bf16 -I"$root/include")
+# shellcheck source=../isa_flags.sh
+source "$root/tools/isa_flags.sh"
+amx_flags="$(isa_flags amx)"
+# shellcheck disable=SC2206  # the flags split into words
+flags=(-O3 -std=gnu11 -fno-strict-aliasing $amx_flags -I"$root/include")
 # the objects compile side by side; all are waited for before a failure ends the script
 gcc "${flags[@]}" -DKTFP8_VARIANT=ab_old -DKERNEL_AB_NAME=kernel_old -DUNIT="\"$old\"" -c "$here/one_build.c" -o "$out/old.o" &
 builds=($!)

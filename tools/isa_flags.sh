@@ -1,0 +1,19 @@
+# Sourced by the tuning tools' scripts: isa_flags UNIT prints the compiler flags include/ktfp8/
+# variants.def gives an ISA level, those of the levels it extends included (as setup.py reads them),
+# so a tool builds its kernels the way the package does.  The table is an X-macro: the C
+# preprocessor expands each KTFP8_ISA row to "unit extends flags".
+isa_flags() {
+    local root unit="$1" rows extends flags out=""
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    rows="$(printf '#define KTFP8_ISA(u, v, e, n, f, o, c, t) u e f\n#include "ktfp8/variants.def"\n' |
+            gcc -E -P -I"$root/include" -x c -)"
+    while [ "$unit" != none ]; do
+        read -r extends flags < <(awk -v u="$unit" '$1 == u { $1 = ""; print; found = 1 } END { exit !found }' <<<"$rows") || {
+            echo "isa_flags: no level '$unit' in include/ktfp8/variants.def" >&2
+            return 1
+        }
+        out="${flags//\"/} $out"
+        unit="$extends"
+    done
+    echo $out
+}
