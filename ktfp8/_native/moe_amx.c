@@ -23,10 +23,11 @@
  * while the TDPBF16PS of slab s run (the profile on the Xeon had 25 % of the kernel in the
  * conversion, stalled on DRAM, before any TDP could start); later passes reuse the scratch.
  *
- * Blocking: 4 C tiles per pass.  The gate and up tiles of an expert come together (tile_matmul2):
- * 2 A x 2 B -> 4 C as kt-kernel does, 4 tile loads per 4 TDPBF16PS, 32 tokens per pass; the down
- * projection (tile_matmul) has one weight tile: 4 A x 1 B -> 4 C, 5 loads per 4 TDPs, 64 tokens
- * per pass.  Either way each converted B tile feeds every chunk of a pass.
+ * Blocking: 4 C tiles per pass.  Two weight tiles over the same tokens (tile_matmul2: gate and up,
+ * or two adjacent down tiles): 2 A x 2 B -> 4 C as kt-kernel does, 4 tile loads per 4 TDPBF16PS, 32
+ * tokens per pass, except for FP8 weights and 17..64 tokens, measured faster one tile at a time
+ * (one_tile_at_a_time).  One weight tile (tile_matmul): 4 A x 1 B -> 4 C, 5 loads per 4 TDPs, 64
+ * tokens per pass.  Either way each converted B tile feeds every chunk of a pass.
  *
  * Tiles (palette 1, configured at the start of every call and released at its end, so a thread
  * never holds AMX state between calls):
@@ -259,10 +260,37 @@ static void tile_matmul(const ktfp8_tile_job *j) {
     run_passes(jobs, 1);
 }
 
-/* Gate and up (any two jobs over the same activations): each A tile feeds both B tiles. */
+/* Whether two FP8 jobs run faster one after the other, each in a single pass of 4 A x 1 B with its
+ * B tiles from an L1 ring, than together in passes of 2 A x 2 B (which for m > 32 convert both
+ * whole tiles into L2 scratch and read them back in later passes).  tools/kernel_ab, one over the
+ * other, per tile pair, on the Xeon VM above (both AMX modes, 2-4 runs each):
+ *   K = 2048: m = 17 0.59x-0.66x hot, 0.82x from DRAM; 32 0.75x-0.88x, 0.91x-1.02x; 48 0.81x-0.85x,
+ *             0.88x-0.89x; 64 0.86x-0.91x, 0.88x-0.90x; 72 0.92x-0.97x, 0.99x; 128 0.91x-0.95x, 0.97x-0.98x
+ *   K = 7168: m = 17 0.62x-0.68x, 0.74x-0.90x; 64 0.85x-0.86x, 0.89x-0.92x; 72 1.02x-1.05x; 128 1.20x-1.29x
+ *   K = 768:  m = 17 0.62x-0.65x, 0.83x-0.85x; 48 0.89x-0.91x, 0.94x-0.95x; 64 0.94x-0.98x, 0.93x-0.99x;
+ *             72 1.04x, 1.08x; 96 1.00x, 1.05x-1.18x
+ *   m = 4 and 16 from DRAM 1.17x-1.21x (the two tiles' codes no longer stream side by side).
+ * So from 17 tokens up to the 64 that one pass of a single tile holds. */
+static int one_tile_at_a_time(const ktfp8_tile_job *j) {
+    return j->format != KTFP8_FMT_BF16 && j->m > CHUNK && j->m <= CHUNKS * CHUNK;
+}
+
+/* Gate and up, or two adjacent down tiles (any two jobs over the same activations): each A tile
+ * feeds both B tiles, or each job runs on its own (one_tile_at_a_time). */
 static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
     if (!amx_takes(j0)) {
         SMALL_M_KERNEL.tile_matmul2(j0, j1);
+        return;
+    }
+    if (one_tile_at_a_time(j0)) {
+        /* the weight stream goes on from the first tile to the second, then to where the first
+         * one's stream was going (the driver's chain for kernels without tile_matmul2) */
+        ktfp8_tile_job first = *j0, second = *j1;
+        first.w_next = j1->w;
+        second.w_next = j0->w_next;
+        const ktfp8_tile_job *jobs0[1] = {&first}, *jobs1[1] = {&second};
+        run_passes(jobs0, 1);
+        run_passes(jobs1, 1);
         return;
     }
     const ktfp8_tile_job *jobs[2] = {j0, j1};
