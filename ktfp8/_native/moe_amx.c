@@ -185,10 +185,10 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
                 DOT1(2);
                 DOT1(3);
             } else {
-                /* with two chunks, weight tile 1's conversion goes between them, measured faster than the
-                 * time of converting both first at m = 72..128 (0.91x-0.97x: kernel_ab, K = 768, 2048 and 7168,
-                 * hot and from DRAM); with one chunk (m <= 16) both come first, as measured no
-                 * slower (0.96x-1.10x hot, 0.96x-1.03x from DRAM the other way) */
+                /* with two chunks, weight tile 1's conversion goes between their products: 0.91x-0.97x
+                 * the time of converting both first at m = 72..128 (kernel_ab, K = 768, 2048 and 7168,
+                 * hot and from DRAM); with one chunk (m <= 16) both come first, where going between
+                 * measured 0.96x-1.10x hot and 0.96x-1.03x from DRAM (no faster) */
                 CONVERT(0);
                 if (chunks == 1) CONVERT(1);
                 DOT2(0, 0, 1);
