@@ -434,6 +434,93 @@ def test_backend_choice_goal_is_the_worst_median_of_per_round_ratios_from_the_re
     assert f"worst T={worst_t} (middle half of its rounds {q1:.2f}x-{q3:.2f}x): {default}" in goal["note"]
 
 
+def _renamed_torch_peer(name):
+    """A factory of PyTorch BF16 sides that call themselves `name` (a kt-kernel build stand-in)."""
+    from ktfp8.bench.run import _torch_bf16
+
+    def build(layer, experts, threads, max_tokens, first=None, index=0):
+        side = _torch_bf16(layer, experts, threads, max_tokens, first, index)
+        side.name = name
+        return side
+    return build
+
+
+def _unavailable_peer(layer, experts, threads, max_tokens, first=None, index=0):
+    raise PeerUnavailable("kt_kernel cannot be imported: ModuleNotFoundError")
+
+
+def test_peer_goals_are_medians_of_per_round_ratios_from_the_recorded_numbers():
+    pytest.importorskip("torch")
+    from ktfp8.bench import peer_rounds
+    from ktfp8.bench.run import _torch_bf16
+    default = ktfp8.available_backends()[0]
+    peers = {"kt-kernel": _renamed_torch_peer("kt-kernel AMXBF16_MOE"), "torch bf16": _torch_bf16}
+    res = peer_rounds.measure(TINY, default, 1, [64, 512], walk_bytes=0, walk_memory_bytes=1 << 30,
+                              rounds={64: 3, 512: 2}, calls={64: 2}, peers=peers, log=lambda msg: None)
+    assert res["calls"] == {"64": 2, "512": 1} and res["n_rounds"] == {"64": 3, "512": 2}
+    assert res["names"] == {"ktfp8": f"ktfp8 {default}", "kt-kernel": "kt-kernel AMXBF16_MOE",
+                            "torch bf16": "torch bf16 F.linear"} and res["unavailable"] == {}
+    labels = ["ktfp8", "kt-kernel", "torch bf16"]
+    ratios = {("64", "torch bf16"): [], ("512", "kt-kernel"): [], ("512", "torch bf16"): []}
+    for r, record in enumerate(res["rounds"]):
+        assert set(record) == ({"64", "512"} if r < 2 else {"64"})  # T=512 takes part in two rounds
+        order = labels[r % 3:] + labels[:r % 3]  # the sides' order rotates, so none always runs first
+        assert record["64"]["order"] == [x for x in order if x != "kt-kernel"]  # T=64's goal names PyTorch only
+        for t, rec in record.items():
+            for label, samples in rec["samples_ms"].items():
+                assert len(samples) == res["calls"][t]
+                assert rec["ms"][label] == pytest.approx(float(np.median(samples)))
+            for label in rec["order"]:
+                if label != "ktfp8":
+                    ratios[t, label].append(rec["ms"][label] / rec["ms"]["ktfp8"])
+    fig = res["figures"]
+    for (t, label), values in ratios.items():
+        assert fig[t][label]["ratio"] == pytest.approx(float(np.median(values)))
+        assert fig[t][label]["spread"] == pytest.approx([float(np.percentile(values, q)) for q in (25, 75)])
+    json.dumps(res)  # stored as is in bench-results.json
+    goals = {g["goal"]: g for g in report.goals([], _limits(), "L", default, None, None, res)}
+    g = goals["T=512: faster than kt-kernel AMX BF16"]
+    assert g["measured"] == fig["512"]["kt-kernel"]["ratio"]
+    assert "interleaved: 2 rounds alternating" in g["note"] and "on 1 thread(s)" in g["note"]
+    assert goals["T=64: faster than PyTorch BF16"]["measured"] == fig["64"]["torch bf16"]["ratio"]
+    assert goals["T=512: faster than PyTorch BF16"]["measured"] == fig["512"]["torch bf16"]["ratio"]
+
+
+def test_peer_goals_say_which_kt_kernel_ran_and_fall_back_to_the_table_without_the_peer():
+    pytest.importorskip("torch")
+    from ktfp8.bench import peer_rounds
+    default = ktfp8.available_backends()[0]
+    other_build = peer_rounds.measure(TINY, default, 1, [512], walk_bytes=0, walk_memory_bytes=1 << 30,
+                                      rounds={512: 1}, peers={"kt-kernel": _renamed_torch_peer("kt-kernel AVX2BF16_MOE")},
+                                      log=lambda msg: None)
+    g = [g for g in report.goals([], _limits(), "L", default, None, None, other_build)
+         if g["goal"] == "T=512: faster than kt-kernel AMX BF16"][0]
+    ratio = other_build["figures"]["512"]["kt-kernel"]["ratio"]
+    assert g["measured"] is None and g["note"].startswith(
+        f"kt-kernel AMXBF16_MOE unavailable here (its build here runs kt-kernel AVX2BF16_MOE: {ratio:.2f}x")
+    missing = peer_rounds.measure(TINY, default, 1, [512], walk_bytes=0, walk_memory_bytes=1 << 30, rounds={512: 1},
+                                  peers={"kt-kernel": _unavailable_peer}, log=lambda msg: None)
+    assert missing["unavailable"] == {"kt-kernel": "kt_kernel cannot be imported: ModuleNotFoundError"}
+    assert missing["figures"] == {} and missing["rounds"][0]["512"]["order"] == ["ktfp8"]
+    # the table's rows decide where the step did not time the peer
+    rows = [_row(f"ktfp8 {default}", "fp8_per_channel", 512, 100.0), _row("kt-kernel AMXBF16_MOE", "bf16", 512, 400.0)]
+    g = [g for g in report.goals(rows, _limits(), "L", default, None, None, missing)
+         if g["goal"] == "T=512: faster than kt-kernel AMX BF16"][0]
+    assert g["measured"] == pytest.approx(4.0) and "400.00 ms" in g["note"]
+
+
+def test_peer_step_is_skipped_with_its_reason():
+    from ktfp8.bench import peer_rounds
+    from ktfp8.bench.run import Plan
+    default = ktfp8.available_backends()[0]
+    plan = dict(layers=[TINY], tokens=[1, 64, 512], threads=[1], backends=[default], walk_bytes=0)
+    for change, reason in ((dict(peers=False), "--no-peers"), (dict(layers=[]), "--layer"),
+                           (dict(tokens=[1, 4]), "neither T=64 nor T=512"), (dict(backends=[]), "--backends"),
+                           (dict(formats=("fp8_per_channel",)), "bf16 not in the plan (--formats)")):
+        res = peer_rounds.run(Plan(**{**plan, **change}), TINY, default, log=lambda msg: None)
+        assert reason in res["skipped"]
+
+
 def test_backend_choice_spread_is_the_middle_half_of_the_rounds_and_one_round_its_own_value():
     from ktfp8.bench import backend_choice
     assert backend_choice.middle_half([1.03, 0.97, 1.01, 0.99, 1.05]) == pytest.approx([0.99, 1.03])
@@ -555,6 +642,8 @@ def test_cli_writes_json_text_and_plot(tmp_path):
     peers_seen = {r["side"] for r in rows if r["kind"] == "peer"} | {s["side"] for s in res["skipped"]}
     assert any(p.startswith("kt-kernel") for p in peers_seen)
     assert all(s["reason"] for s in res["skipped"])
+    # not the benchmark layer: the interleaved peer step says so (test_peer_goals_... run it)
+    assert res["peer_rounds"] == {"skipped": f"the layer {L.BENCH_LAYER.name!r} is not in the plan (--layer)"}
     png = (tmp_path / "bench-results.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     text = (tmp_path / "bench-results.txt").read_text()

@@ -5,8 +5,9 @@ the goals, and writes bench-results.json, bench-results.txt and bench-results.pn
 this folder).  Every side walks distinct copies of the layer totalling at least 4x the L3 cache, as a
 model's forward walks its layers, so weights come from DRAM.  The goals that set a measurement against
 another or against a limit (decode at T=1, T=64 against the memory floor, T=512 against the compute
-peak, the default backend against the others) come from interleaved steps after the table
-(interleaved.py, backend_choice.py), not from its rows."""
+peak, the default backend against the others, ktfp8 against the peers at T=64 and T=512) come from
+interleaved steps after the table (interleaved.py, backend_choice.py, peer_rounds.py), not from its
+rows (the peer comparisons fall back to the rows where that step could not time the peer)."""
 import argparse
 import dataclasses
 import datetime
@@ -20,7 +21,7 @@ import tempfile
 
 from .. import __version__, backends, cpu
 from . import layers as L
-from . import backend_choice, interleaved, report
+from . import backend_choice, interleaved, peer_rounds, report
 from .run import Plan, Runner
 
 QUICK = dict(tokens=[1, 4, 16, 64, 512], layers=["bench"], case_seconds=2.0, max_call_seconds=10.0,
@@ -141,7 +142,8 @@ def main(argv=None):
     default = backends.resolve_backend(None)
     side_by_side = interleaved.run(plan, L.BENCH_LAYER, default, log=log)
     choice = backend_choice.run(plan, L.BENCH_LAYER, default, rows, log=log)
-    goal_rows = report.goals(rows, limits, goal_layer, default, side_by_side, choice) if goal_layer else []
+    against_peers = peer_rounds.run(plan, L.BENCH_LAYER, default, log=log)
+    goal_rows = report.goals(rows, limits, goal_layer, default, side_by_side, choice, against_peers) if goal_layer else []
     results = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         ktfp8=__version__, machine=_machine(), versions=runner.versions, limits=limits, default_backend=default,
@@ -153,7 +155,7 @@ def main(argv=None):
                 "copies of the layer in turn, one warm-up call first); kt-kernel: submit + sync of one "
                 "forward_task, its worker pool (shared by its copies) built per thread count"),
         results=rows, skipped=runner.skipped, speedups=report.speedups(rows), interleaved=side_by_side,
-        backend_choice=choice,
+        backend_choice=choice, peer_rounds=against_peers,
         goals=goal_rows)
     machine = results["machine"]
     header = (f"{machine['cpu']}: {machine['cores']} cores, L3 {machine['l3_mib']:.0f} MiB, {machine['ram_gb']} GiB; "
