@@ -153,6 +153,11 @@ def goals(rows, limits, layer, default, interleaved=None, choice=None, peers=Non
     def add(goal, kind, target, measured, note):
         out.append(_goal(goal, kind, target, measured, note))
 
+    def against_peer(goal, target, T, label, wanted, missing):
+        """From the interleaved peer step where it timed the peer (peer_goal), else the table's rows."""
+        if not peer_goal(peers, add, goal, target, T, label, wanted, default):
+            faster(goal, target, find(mine, T), peer(T, wanted, "bf16"), missing)
+
     def faster(goal, target, ours, theirs, missing):
         if ours is None or theirs is None:
             add(goal, "speedup", target, None, missing if theirs is None else f"no {mine} [{PC}] row at this T")
@@ -175,9 +180,8 @@ def goals(rows, limits, layer, default, interleaved=None, choice=None, peers=Non
         floor = machine_floor_ms(r, limits)[0] if r else None
         add(goal, "at_most", 1.5, r["ms"] / floor if r else None,
             f"{r['ms']:.2f} ms vs floor {floor:.2f} ms" if r else "not timed")
-    if not peer_goal(peers, add, "T=64: faster than PyTorch BF16", 2.5, 64, "torch bf16", "torch bf16", default):
-        faster("T=64: faster than PyTorch BF16", 2.5, r, peer(64, "torch bf16", "bf16"),
-               "PyTorch BF16 not timed at T=64 (see skipped)")
+    against_peer("T=64: faster than PyTorch BF16", 2.5, 64, "torch bf16", "torch bf16",
+                 "PyTorch BF16 not timed at T=64 (see skipped)")
     # 3. prefill near the roofline
     r = find(mine, 512)
     roof = roofline_goal_figures(interleaved, 512)
@@ -200,16 +204,12 @@ def goals(rows, limits, layer, default, interleaved=None, choice=None, peers=Non
             peak = max(roofline.peak_gflops(lim, unit) for lim in limits.values())
             add(goal, "fraction", 0.6, r["flops"] / (r["ms"] / 1e3) / 1e9 / peak if r else None,
                 f"{r['tflops'] * 1e3:.0f} of {peak:.0f} GFLOP/s" if r else "not timed")
-    goal = "T=512: faster than kt-kernel AMX BF16"
-    if not peer_goal(peers, add, goal, 3.0, 512, "kt-kernel", "kt-kernel AMXBF16_MOE", default):
-        amx_bf16 = peer(512, "kt-kernel AMXBF16_MOE", "bf16")
-        other = peer(512, "kt-kernel", "bf16")
-        faster(goal, 3.0, r, amx_bf16,
-               "kt-kernel AMXBF16_MOE unavailable here" + (f" (its build here runs {other['side']}: "
-                                                            f"{other['ms'] / r['ms']:.2f}x)" if other and r else ""))
-    if not peer_goal(peers, add, "T=512: faster than PyTorch BF16", 3.0, 512, "torch bf16", "torch bf16", default):
-        faster("T=512: faster than PyTorch BF16", 3.0, r, peer(512, "torch bf16", "bf16"),
-               "PyTorch BF16 not timed at T=512 (see skipped)")
+    other = peer(512, "kt-kernel", "bf16")
+    against_peer("T=512: faster than kt-kernel AMX BF16", 3.0, 512, "kt-kernel", "kt-kernel AMXBF16_MOE",
+                 "kt-kernel AMXBF16_MOE unavailable here" + (f" (its build here runs {other['side']}: "
+                                                              f"{other['ms'] / r['ms']:.2f}x)" if other and r else ""))
+    against_peer("T=512: faster than PyTorch BF16", 3.0, 512, "torch bf16", "torch bf16",
+                 "PyTorch BF16 not timed at T=512 (see skipped)")
     # 4. the default choice is the best backend at every T: interleaved (see backend_choice.py)
     out.append(choice_goal(choice))
     return out
