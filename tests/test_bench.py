@@ -445,6 +445,17 @@ def _renamed_torch_peer(name):
     return build
 
 
+def _fixed_pool_peer(name):
+    """Like _renamed_torch_peer, but its thread count is fixed when built, as kt-kernel's pool is."""
+    renamed = _renamed_torch_peer(name)
+
+    def build(layer, experts, threads, max_tokens, first=None, index=0):
+        side = renamed(layer, experts, threads, max_tokens, first, index)
+        side.threads_fixed = True
+        return side
+    return build
+
+
 def _unavailable_peer(layer, experts, threads, max_tokens, first=None, index=0):
     raise PeerUnavailable("kt_kernel cannot be imported: ModuleNotFoundError")
 
@@ -481,7 +492,7 @@ def test_peer_goals_are_medians_of_per_round_ratios_from_the_recorded_numbers():
     goals = {g["goal"]: g for g in report.goals([], _limits(), "L", default, None, None, res)}
     g = goals["T=512: faster than kt-kernel AMX BF16"]
     assert g["measured"] == fig["512"]["kt-kernel"]["ratio"]
-    assert "interleaved: 2 rounds alternating" in g["note"] and "on 1 thread(s)" in g["note"]
+    assert "interleaved: 2 rounds alternating" in g["note"] and "kt-kernel AMXBF16_MOE [bf16] 1 thr" in g["note"]
     assert goals["T=64: faster than PyTorch BF16"]["measured"] == fig["64"]["torch bf16"]["ratio"]
     assert goals["T=512: faster than PyTorch BF16"]["measured"] == fig["512"]["torch bf16"]["ratio"]
 
@@ -507,6 +518,48 @@ def test_peer_goals_say_which_kt_kernel_ran_and_fall_back_to_the_table_without_t
     g = [g for g in report.goals(rows, _limits(), "L", default, None, None, missing)
          if g["goal"] == "T=512: faster than kt-kernel AMX BF16"][0]
     assert g["measured"] == pytest.approx(4.0) and "400.00 ms" in g["note"]
+
+
+def test_peer_step_takes_each_sides_fastest_thread_count_in_the_table():
+    from ktfp8.bench import peer_rounds
+    default = ktfp8.available_backends()[0]
+    layer = L.Layer("L", 8, 2, 64, 32)
+    rows = [_row(f"ktfp8 {default}", "fp8_per_channel", 512, 10.0, threads=2),
+            _row(f"ktfp8 {default}", "fp8_per_channel", 512, 12.0, threads=1),
+            _row(f"ktfp8 {default}", "bf16", 512, 5.0, threads=1),  # another format: not ktfp8's side here
+            _row(f"ktfp8 {default}x", "fp8_per_channel", 64, 1.0, threads=1),  # another backend's name
+            _row("kt-kernel AMXBF16_MOE", "bf16", 512, 30.0, threads=1),
+            _row("kt-kernel AMXBF16_MOE", "bf16", 512, 35.0, threads=2),
+            _row("kt-kernel AMXBF16_MOE", "fp8_per_channel", 512, 20.0, threads=2),
+            _row("torch bf16 F.linear", "bf16", 64, 8.0, threads=2),
+            _row("torch bf16 F.linear", "bf16", 64, 9.0, threads=1),
+            _row("torch bf16 F.linear", "bf16", 512, 40.0, threads=1),
+            _row("torch bf16 F.linear", "bf16", 512, 45.0, threads=2)]
+    assert peer_rounds.best_threads(rows, layer, default, [64, 512], 4) == {
+        "ktfp8": {64: 4, 512: 2}, "kt-kernel": {64: 4, 512: 1}, "torch bf16": {64: 2, 512: 1}}
+    assert peer_rounds.best_threads(rows, TINY, default, [512], 4) == {  # rows of another layer
+        "ktfp8": {512: 4}, "kt-kernel": {512: 4}, "torch bf16": {512: 4}}
+
+
+def test_peer_rounds_run_each_side_at_its_thread_count_and_a_fixed_pool_at_its_largest_Ts():
+    pytest.importorskip("torch")
+    from ktfp8.bench import peer_rounds
+    from ktfp8.bench.run import _torch_bf16
+    default = ktfp8.available_backends()[0]
+    peers = {"kt-kernel": _fixed_pool_peer("kt-kernel AMXBF16_MOE"), "torch bf16": _torch_bf16}
+    threads = {"ktfp8": {64: 1, 512: 2}, "kt-kernel": {64: 2, 512: 1}, "torch bf16": {64: 2, 512: 1}}
+    res = peer_rounds.measure(TINY, default, threads, [64, 512], walk_bytes=0, walk_memory_bytes=1 << 30,
+                              rounds={64: 2, 512: 2}, calls={64: 1}, peers=peers, log=lambda msg: None)
+    for record in res["rounds"]:
+        assert record["64"]["threads"] == {"ktfp8": 1, "torch bf16": 2}
+        assert record["512"]["threads"] == {"ktfp8": 2, "kt-kernel": 1, "torch bf16": 1}
+    fig = res["figures"]
+    assert (fig["512"]["kt-kernel"]["ours_threads"], fig["512"]["kt-kernel"]["peer_threads"]) == (2, 1)
+    assert (fig["64"]["torch bf16"]["ours_threads"], fig["64"]["torch bf16"]["peer_threads"]) == (1, 2)
+    goals = {g["goal"]: g for g in report.goals([], _limits(), "L", default, None, None, res)}
+    note = goals["T=512: faster than kt-kernel AMX BF16"]["note"]
+    assert f"ktfp8 {default} [fp8_per_channel] 2 thr" in note and "kt-kernel AMXBF16_MOE [bf16] 1 thr" in note
+    assert "torch bf16 F.linear [bf16] 2 thr" in goals["T=64: faster than PyTorch BF16"]["note"]
 
 
 def test_peer_step_is_skipped_with_its_reason():

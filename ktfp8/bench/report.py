@@ -224,11 +224,12 @@ def peer_goal(peers, add, goal, target, tokens, label, wanted, default):
     if fig is None:
         return False
     t = str(tokens)
-    sides = " / ".join(f"ktfp8 {default} [{PC}]" if s == "ktfp8" else f"{peers['names'][s]} [bf16]"
-                       for s in peers["rounds"][0][t]["order"])
+    first = peers["rounds"][0][t]
+    sides = " / ".join((f"ktfp8 {default} [{PC}]" if s == "ktfp8" else f"{peers['names'][s]} [bf16]")
+                       + f" {first['threads'][s]} thr" for s in first["order"])
     q1, q3 = fig["spread"]
-    how = (f"interleaved: {peers['n_rounds'][t]} rounds alternating {sides} on {peers['threads']} thread(s), "
-           f"median of per-round ratios (middle half {q1:.2f}x-{q3:.2f}x)")
+    how = (f"interleaved: {peers['n_rounds'][t]} rounds alternating {sides}, median of per-round ratios "
+           f"(middle half {q1:.2f}x-{q3:.2f}x)")
     name = peers["names"][label]
     if not name.startswith(wanted):
         add(goal, "speedup", target, None, f"{wanted} unavailable here (its build here runs {name}: "
