@@ -342,6 +342,16 @@ def test_interleaved_decode_goals_are_medians_of_per_round_ratios_from_the_recor
     assert "not measured decode T=1: FP8 per-channel faster than BF16" in report.goals_lines(goals)
 
 
+def test_goal_lines_print_a_digit_more_where_rounding_would_show_the_target_itself():
+    goals = [report._goal("ratio", "at_most", 1.0, 1.0019, ""), report._goal("met", "at_most", 1.0, 1.0, ""),
+             report._goal("fraction", "fraction", 0.5, 0.4962, ""), report._goal("far", "speedup", 3.0, 2.371, "")]
+    lines = report.goals_lines(goals).splitlines()[1:]
+    assert lines[0].startswith("  NOT reached  ratio (target <= 1.0x): 1.002x")
+    assert lines[1].startswith("  reached      met (target <= 1.0x): 1.00x")
+    assert lines[2].startswith("  NOT reached  fraction (target >= 50%): 49.6%")
+    assert lines[3].startswith("  NOT reached  far (target >= 3.0x): 2.37x")
+
+
 def test_interleaved_roofline_goals_are_medians_of_per_round_ratios_from_the_recorded_numbers():
     from ktfp8.bench import interleaved
     from ktfp8.bench.run import Plan
