@@ -52,6 +52,9 @@ typedef struct ktfp8_cpu {
      * family 6 model 207 is Intel's Emerald Rapids, family 23 AMD's Zen to Zen 2, 25 Zen 3 and 4,
      * 26 Zen 5.  The brand string alone does not tell them apart under a hypervisor ("AMD EPYC"). */
     unsigned family, model, stepping;
+    /* L2 cache per core in KiB, CPUID 0x80000006 ECX[31:16] (AMD and Intel both fill it); 0 where
+     * the CPU does not say.  Sizes the MoE driver's phase-2 accumulator (moe_driver.c). */
+    unsigned l2_kib;
 } ktfp8_cpu;
 
 /* This CPU, detected on the first call and cached for the process (CPUID is slow under a

@@ -52,11 +52,16 @@ static void detect(ktfp8_cpu *cpu) {
     memcpy(cpu->vendor + 8, &r[2], 4);
 
     cpuid(0x80000000u, 0, r);
-    if (r[0] >= 0x80000004u) {
+    const unsigned max_extended = r[0];
+    if (max_extended >= 0x80000004u) {
         for (unsigned i = 0; i < 3; i++) {
             cpuid(0x80000002u + i, 0, r);
             memcpy(cpu->brand + 16 * i, r, 16);
         }
+    }
+    if (max_extended >= 0x80000006u) {
+        cpuid(0x80000006u, 0, r);
+        cpu->l2_kib = r[ecx] >> 16;
     }
 
 #define KTFP8_READ_CPUID(name, leaf, sub, reg, bit)                         \

@@ -25,6 +25,7 @@
 #include <math.h>
 
 #include "ktfp8/arena.h"
+#include "ktfp8/cpu_features.h"
 #include "ktfp8/fp8.h"
 #include "ktfp8/fpenv.h"
 #include "ktfp8/moe.h"
@@ -32,8 +33,8 @@
 
 #define ALIGN64(x) (((x) + 63) & ~(size_t)63)
 
-/* Items per thread of phases 1 and 2, handed out in runs (dynamic schedule, chunk items / (this x
- * threads)).  Consecutive items are adjacent tiles of one expert (phase 1) or adjacent column tiles
+/* Runs per thread of phase 1 (phase 2 takes half as many, below): the items are handed out in runs
+ * (dynamic schedule, chunk items / (this x threads)).  Consecutive items are adjacent tiles of one expert (phase 1) or adjacent column tiles
  * (phase 2), so a run reads each expert's weights as one stream that the hardware prefetcher follows
  * across tile boundaries; single items alternated between threads, restarting it at every tile.  Runs
  * this short still balance prefill's uneven experts and a thread that shares its core.  Measured on
@@ -45,12 +46,22 @@
 /* Phase 2 takes its runs of items as groups, experts outer, items inner.  Items inner (one item at a
  * time, every expert for it) read each expert's down weights as a tile here and a tile there, and
  * all of h once per item; experts outer read each expert's tiles of the group as one stream and its
- * h rows once per group.  The price is the thread's y accumulator, T x group x DW x NB floats: a
- * group stays within GROUP_ACC_BYTES of it, L2-sized, so long prefills fall back to single items.
- * Measured on Zen 3 (benchmark layer, 2 threads, weights from DRAM, group 8 against single items in
- * one process): T = 1 0.92-0.95x the time (1 thread 0.96x), T = 8 0.96x, T = 64 0.99x, T = 512
- * 0.86x; 16 and 32 items no better than 8 at T = 1. */
-#define GROUP_ACC_BYTES (256 * 1024)
+ * h rows once per group.  The price is the thread's y accumulator, T x group x DW x NB floats, which
+ * stays within half the L2 (group_acc_bytes), so long prefills fall back to single items.
+ * Measured on Zen 3 (L2 512 KiB; benchmark layer, 2 threads, weights from DRAM, group 8 against
+ * single items in one process): T = 1 0.92-0.95x the time (1 thread 0.96x), T = 8 0.96x, T = 64
+ * 0.99x, T = 512 0.86x; 16 and 32 items no better than 8 at T = 1.
+ * A group is a run of PHASE2_RUNS_PER_THREAD per thread, half as many runs as phase 1 takes: every
+ * group visits every active expert for the same columns, so its runs cost the same and fewer of them
+ * still balance, where phase 1's items cost what their expert's token count says.  At T = 512 that
+ * halves how often all of h (6 MiB on the benchmark layer, past L2) is read again.  Measured on the
+ * Intel Xeon VM with AMX (L2 2 MiB: an accumulator of up to 1 MiB; 2 down tiles per item), these
+ * rules against 8 runs per thread and 256 KiB (tools/ab_builds.py, benchmark layer, 2 threads, FP8
+ * per-channel unless said): T = 512 0.93x-1.01x in six runs (median 0.95x; 1 thread 0.93x and
+ * 0.95x), T = 256 0.92x-1.02x (three runs), T = 128 0.97x-1.07x (three), T = 64 0.99x-1.01x, T = 16
+ * 0.97x, T = 1 0.97x-1.00x; T = 512 on BF16 weights 0.99x, block-wise 1.01x.  A quarter as many runs
+ * as phase 1 (16 items, 16 down tiles a group at T = 512): 1.02x the time of half as many. */
+#define PHASE2_RUNS_PER_THREAD 4
 /* Lines of a job's weights requested before the kernel runs it.  The kernels prefetch a fixed
  * distance ahead within a tile, so without this each tile starts on demand misses; with it the
  * first lines are in flight together, and the scales (read after the K loop) arrive early too.
@@ -184,15 +195,21 @@ static void prefetch_tile(const ktfp8_packed_proj *p, int64_t e, int64_t tile) {
     for (size_t f = 0; f < p->tile_scale_floats; f += 16) __builtin_prefetch(scale + f, 0, 3); /* 16 floats a line */
 }
 
-static int64_t run_length(int64_t items, int threads) {
-    const int64_t run = items / ((int64_t)RUNS_PER_THREAD * threads);
+static int64_t run_length(int64_t items, int threads, int runs_per_thread) {
+    const int64_t run = items / ((int64_t)runs_per_thread * threads);
     return run > 1 ? run : 1;
 }
 
-/* Phase-2 items per group: a run of them, as far as GROUP_ACC_BYTES of y accumulator allows. */
+/* Bytes of y accumulator a phase-2 group may take: half the L2, 256 KiB where CPUID does not say. */
+static int64_t group_acc_bytes(void) {
+    const unsigned l2_kib = ktfp8_cpu_get()->l2_kib;
+    return l2_kib ? (int64_t)l2_kib * 1024 / 2 : 256 * 1024;
+}
+
+/* Phase-2 items per group: a run of them, as far as group_acc_bytes() of y accumulator allows. */
 static int64_t group_size(int64_t items, int threads, int64_t tokens, int64_t item_cols) {
     const int64_t row_bytes = (int64_t)sizeof(float) * (tokens > 0 ? tokens : 1) * item_cols;
-    const int64_t fit = GROUP_ACC_BYTES / row_bytes, run = run_length(items, threads);
+    const int64_t fit = group_acc_bytes() / row_bytes, run = run_length(items, threads, PHASE2_RUNS_PER_THREAD);
     return fit < 1 ? 1 : fit < run ? fit : run;
 }
 
@@ -339,7 +356,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
         /* phase 1: h = silu(x @ gate^T) * (x @ up^T), per (expert, intermediate tile), in runs of
          * run1 items (the dynamic schedule's chunks, spelled out so that an item knows its successor) */
         const int64_t tiles1 = proj[KTFP8_GATE].n_tiles, items1 = b.n_active * tiles1;
-        const int64_t run1 = run_length(items1, threads), runs1 = (items1 + run1 - 1) / run1;
+        const int64_t run1 = run_length(items1, threads, RUNS_PER_THREAD), runs1 = (items1 + run1 - 1) / run1;
 #pragma omp for schedule(dynamic, 1) reduction(max : h_amax)
         for (int64_t r = 0; r < runs1; r++) {
             const int64_t end = (r + 1) * run1 < items1 ? (r + 1) * run1 : items1;
