@@ -24,6 +24,7 @@ _testing = pytest.importorskip("ktfp8._native._testing",
 PAIRED = [v for v in ("avx2", "avx512_bf16", "amx", "avx512_bf16_emulated", "amx_emulated")
           if v in backends.usable_variants()]
 NB = 16
+ROW_TILE = 16  # activation rows the tile kernels read at a time (amx: layout.row_pad)
 # 192: six 32-K AMX slabs, 96 pairs; 32: one slab (the smallest padded K: a ring of slabs must not
 # outgrow the scratch of a whole tile)
 KS = (192, 32)
@@ -77,18 +78,24 @@ def test_paired_tiles_give_the_bits_of_single_tiles(variant, fmt, K):
     s = [rng.uniform(0.5, 2.0, NB * n_kblocks).astype(np.float32) for _ in range(2)]
     a_stride = K + 32  # rows not back to back, as the driver's gathered rows
     for m in pair_token_counts(variant):
-        a = random_activations(rng, variant, m * a_stride)
+        # the rows up to a whole 16-row tile, which the amx kernel reads (layout.row_pad), hold other
+        # values in a third call: they must not reach the m rows written out
+        padded = -(-m // ROW_TILE) * ROW_TILE
+        a = random_activations(rng, variant, padded * a_stride)
+        other_pad = a.copy()
+        other_pad[m * (len(a) // padded):] = random_activations(rng, variant, (padded - m) * a_stride)
         out = {}
-        for paired in (True, False):
+        for case, paired, rows in (("paired", True, a), ("single", False, a), ("other pad rows", True, other_pad)):
             c = [np.full(m * NB, np.nan, np.float32) for _ in range(2)]
             _testing.tile_pair(v, paired, code, K, block_k, n_kblocks, w[0], w[1], s[0], s[1],
-                               a, a_stride, m, c[0], c[1])
-            assert all(np.isfinite(ci).all() for ci in c), (m, paired)
-            out[paired] = c
-        assert not np.array_equal(out[True][0], out[True][1]), m
+                               rows, a_stride, m, c[0], c[1])
+            assert all(np.isfinite(ci).all() for ci in c), (m, case)
+            out[case] = [ci.view(np.uint32) for ci in c]
+        assert not np.array_equal(out["paired"][0], out["paired"][1]), m
         for t in range(2):
-            np.testing.assert_array_equal(out[True][t].view(np.uint32), out[False][t].view(np.uint32),
-                                          err_msg=f"{variant} {fmt} m={m} tile {t}")
+            np.testing.assert_array_equal(out["paired"][t], out["single"][t], err_msg=f"{variant} {fmt} m={m} tile {t}")
+            np.testing.assert_array_equal(out["other pad rows"][t], out["paired"][t],
+                                          err_msg=f"{variant} {fmt} m={m} tile {t}: the rows past m changed it")
 
 
 def test_tile_pair_refuses_jobs_its_buffers_do_not_fit():

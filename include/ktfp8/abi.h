@@ -71,6 +71,10 @@ typedef struct ktfp8_layout {
      * that could overflow, the driver applies a smaller power of two and gives the job the rest
      * (ktfp8_tile_job.rescale_exp). */
     int32_t act_exp;
+    /* Activation rows the kernel reads a tile of at a time (0 or 1: it reads the job's m rows only).
+     * A job's rows m .. round_up(m, row_pad) - 1 are then readable and finite (other pairs' rows, or
+     * zeros after the last one): the kernel may compute whole tiles and write out only the m rows. */
+    int32_t row_pad;
 } ktfp8_layout;
 
 /* Orders of the FP8 bytes inside each 64-byte group of a packed tile (moe_pack.c says where each
@@ -91,7 +95,8 @@ typedef struct ktfp8_tile_job {
     int64_t k;            /* padded K, a multiple of KTFP8_K_ALIGN */
     int64_t block_k;      /* block-wise only: scale block b covers K [b * block_k, (b + 1) * block_k), */
     int64_t n_kblocks;    /* b < n_kblocks, except that the last block runs on to k (the padding) */
-    const void *a;        /* [m][a_stride] activations in the variant's act_dtype, zero padded to k */
+    const void *a;        /* [m][a_stride] activations in the variant's act_dtype, zero padded to k (and
+                           * readable to a whole tile of rows: layout.row_pad) */
     int64_t a_stride;     /* elements */
     int32_t act_dtype;    /* KTFP8_F32 or KTFP8_BF16 */
     int64_t m;

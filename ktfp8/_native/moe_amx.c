@@ -31,11 +31,18 @@
  *
  * Tiles (palette 1, configured at the start of every call and released at its end, so a thread
  * never holds AMX state between calls):
- *   tmm0..3  C: FP32 [16][16]; tile ch * NW + w = chunk ch (16 tokens) x weight tile w; the last
- *            chunk of the last pass is configured with fewer rows when m is not a multiple of 16
- *   tmm4     A: bf16 [16][32] of a full chunk, one 32-K slab (row stride a_stride * 2 bytes)
- *   tmm5     A of the short last chunk (rows = m % 16)
+ *   tmm0..3  C: FP32 [16][16]; tile ch * NW + w = chunk ch (16 tokens) x weight tile w
+ *   tmm4     A: bf16 [16][32] of a chunk, one 32-K slab (row stride a_stride * 2 bytes)
  *   tmm6, 7  B: bf16 pairs [16][16][2], one 32-K slab of weight tile 0 (and 1)
+ * From 16 tokens on every chunk is 16 rows, the last one running on into the rows the driver keeps
+ * readable past m (layout.row_pad); only the m rows are written out.  Fewer than 16 tokens make one
+ * short chunk (tmm4 and the C tiles configured with m rows).  Why not a short last chunk after full
+ * ones, with an A tile of its own: timed inside the MoE at T = 512 (rdtsc around each tile_matmul2),
+ * experts of 56..60 tokens took 1.09x-1.11x the time per tile pair of experts of 64, those of 48
+ * 0.75x.  Whole chunks against that (tools/ab_builds.py, benchmark layer, 2 threads): T = 512
+ * 0.86x-0.97x (three runs; 1 thread 0.99x; BF16 weights 0.97x, block-wise 0.85x), T = 256 1.01x,
+ * T = 128 0.88x and 0.97x, T = 64 0.97x (two), T = 16 0.99x.  Whole chunks below 16 tokens too:
+ * T = 16 1.16x, T = 64 1.20x, T = 128 1.25x (their few tokens padded to twice the rows, or more).
  * Per-channel scale: once on the FP32 result.  Block-wise: each K block accumulates in freshly
  * zeroed C tiles, which are then scaled and added into the FP32 output.  A block size that is not
  * a multiple of the 32-K slab (never the case for DeepSeek-V3's 128) goes to avx512_bf16. */
@@ -61,7 +68,6 @@
 /* Tile register numbers: literals, as the tile instructions take them as immediates (GCC's
  * intrinsics paste them into the asm text). */
 #define TILE_A 4
-#define TILE_A_TAIL 5
 #define TILE_B 6
 #define TILE_B2 7 /* the second weight tile of a tile_matmul2 call */
 
@@ -81,23 +87,18 @@ extern const ktfp8_moe_kernel SMALL_M_KERNEL;
  * config and the converted weights are in memory first. */
 INLINE void compiler_barrier(void) { __asm__ __volatile__("" ::: "memory"); }
 
-/* NW weight tiles (1, or 2 for tile_matmul2) against `chunks` chunks of 16 tokens, the last one
- * tail_rows high when non-zero: C tile ch * NW + w holds chunk ch x weight tile w. */
-static void configure(int nw, int chunks, int tail_rows) {
+/* NW weight tiles (1, or 2 for tile_matmul2) against `chunks` chunks of `rows` tokens (16, or fewer
+ * in a single chunk): C tile ch * NW + w holds chunk ch x weight tile w. */
+static void configure(int nw, int chunks, int rows) {
     ktfp8_amx_tilecfg cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
-    for (int ch = 0; ch < chunks; ch++)
-        for (int w = 0; w < nw; w++) {
-            cfg.rows[ch * nw + w] = (uint8_t)(ch == chunks - 1 && tail_rows ? tail_rows : CHUNK);
-            cfg.colsb[ch * nw + w] = NB * 4;
-        }
-    cfg.rows[TILE_A] = CHUNK;
-    cfg.colsb[TILE_A] = SLAB * 2;
-    if (tail_rows) {
-        cfg.rows[TILE_A_TAIL] = (uint8_t)tail_rows;
-        cfg.colsb[TILE_A_TAIL] = SLAB * 2;
+    for (int t = 0; t < chunks * nw; t++) {
+        cfg.rows[t] = (uint8_t)rows;
+        cfg.colsb[t] = NB * 4;
     }
+    cfg.rows[TILE_A] = (uint8_t)rows;
+    cfg.colsb[TILE_A] = SLAB * 2;
     for (int w = 0; w < nw; w++) {
         cfg.rows[TILE_B + w] = SLAB / 2;
         cfg.colsb[TILE_B + w] = NB * 4;
@@ -106,8 +107,8 @@ static void configure(int nw, int chunks, int tail_rows) {
     _tile_loadconfig(&cfg);
 }
 
-/* The per-tile steps of one pass.  Tile numbers are literals (see TILE_A); with NW, chunks and
- * tail_rows constants the conditions fold away.  NW = 1: chunk c into C tile c, 4 chunks, each A
+/* The per-tile steps of one pass.  Tile numbers are literals (see TILE_A); with NW and chunks
+ * constants the conditions fold away.  NW = 1: chunk c into C tile c, 4 chunks, each A
  * tile used once, the B tile by all 4 (5 loads per 4 TDPBF16PS).  NW = 2: chunk ch against both
  * weight tiles into C tiles c0, c1, 2 chunks: 2 A x 2 B -> 4 C (4 loads per 4 TDPBF16PS). */
 #define ZERO_C(t) \
@@ -115,30 +116,19 @@ static void configure(int nw, int chunks, int tail_rows) {
 #define STORE_C(t) \
     if (t < chunks * NW) _tile_stored(t, cbuf[t], NB * sizeof(float))
 #define LOAD_A(ch, tile) _tile_loadd(tile, a + (m0 + (ch) * CHUNK) * a_stride + s * SLAB, a_bytes)
-#define DOT1(c)                                     \
-    if (c < chunks) {                               \
-        if (c == chunks - 1 && tail_rows) {         \
-            LOAD_A(c, TILE_A_TAIL);                 \
-            _tile_dpbf16ps(c, TILE_A_TAIL, TILE_B); \
-        } else {                                    \
-            LOAD_A(c, TILE_A);                      \
-            _tile_dpbf16ps(c, TILE_A, TILE_B);      \
-        }                                           \
+#define DOT1(c)                            \
+    if (c < chunks) {                      \
+        LOAD_A(c, TILE_A);                 \
+        _tile_dpbf16ps(c, TILE_A, TILE_B); \
     }
-#define DOT2(ch, c0, c1)                              \
-    if (ch < chunks) {                                \
-        if (ch == chunks - 1 && tail_rows) {          \
-            LOAD_A(ch, TILE_A_TAIL);                  \
-            _tile_dpbf16ps(c0, TILE_A_TAIL, TILE_B);  \
-            _tile_dpbf16ps(c1, TILE_A_TAIL, TILE_B2); \
-        } else {                                      \
-            LOAD_A(ch, TILE_A);                       \
-            _tile_dpbf16ps(c0, TILE_A, TILE_B);       \
-            _tile_dpbf16ps(c1, TILE_A, TILE_B2);      \
-        }                                             \
+#define DOT2(ch, c0, c1)                     \
+    if (ch < chunks) {                       \
+        LOAD_A(ch, TILE_A);                  \
+        _tile_dpbf16ps(c0, TILE_A, TILE_B);  \
+        _tile_dpbf16ps(c1, TILE_A, TILE_B2); \
     }
 
-/* Tokens m0 .. m0 + rows - 1 of NW jobs sharing their activations and K: the K reduction slab by
+/* Tokens m0 .. m0 + 16 * chunks - 1 of NW jobs sharing their activations and K (those before m written out): the K reduction slab by
  * slab, block by block, scaled into each job's FP32 output.  codes[w] != NULL: w_bf16[w] is
  * scratch still to be filled slab by slab from those codes (the first pass); the conversion of
  * slab s + 1 runs beside the products of slab s.  ring: this is the only pass, so no slab is read
@@ -146,15 +136,14 @@ static void configure(int nw, int chunks, int tail_rows) {
  * converted tile (64 KiB at K = 2048, written to L2 and read back); slab s + 1 overwrites slab s - 1,
  * whose tile loads came before in program order.  ahead[w]: the software prefetch of codes[w]. */
 INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes, const uint8_t *const *w_bf16,
-                 const ktfp8_prefetch_ahead *ahead, const int NW, int64_t m0, const int chunks, const int tail_rows,
-                 const int ring) {
+                 const ktfp8_prefetch_ahead *ahead, const int NW, int64_t m0, const int chunks, const int ring) {
     const ktfp8_tile_job *j = jobs[0];
     const uint16_t *a = (const uint16_t *)j->a;
     const int64_t a_stride = j->a_stride, a_bytes = a_stride * 2;
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t slabs = j->k / SLAB, nkb = blockwise ? j->n_kblocks : 1;
     const int64_t block_slabs = blockwise ? j->block_k / SLAB : slabs;
-    const int64_t rows = (chunks - (tail_rows != 0)) * CHUNK + tail_rows;
+    const int64_t rows = chunks * CHUNK < j->m - m0 ? chunks * CHUNK : j->m - m0;
     float cbuf[CHUNKS][CHUNK][NB] __attribute__((aligned(64)));
 
     for (int w = 0; w < NW; w++)
@@ -222,11 +211,13 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
 #undef DOT1
 #undef DOT2
 
-/* All m tokens of NW jobs: full passes (constant shape, no per-chunk tests), then the rest. */
+/* All m tokens of NW jobs: fewer than 16 in one short chunk, else in whole chunks: full passes
+ * (constant shape, no per-chunk tests), then the rest. */
 INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
     const ktfp8_tile_job *j = jobs[0];
     const int per_pass = CHUNKS / NW; /* chunks per pass: the four C tiles */
-    const int64_t step = per_pass * CHUNK, full = j->m / step * step, left = j->m - full;
+    const int64_t chunked = j->m < CHUNK ? j->m : (j->m + CHUNK - 1) / CHUNK * CHUNK;
+    const int64_t step = per_pass * CHUNK, full = chunked / step * step, left = chunked - full;
     /* weights as bf16 [k/2][16][2]: BF16 weights are already packed that way; FP8 codes are
      * converted into scratch during the first pass: the whole tile when later passes reuse it,
      * else a ring of two slabs (see pass) */
@@ -243,14 +234,14 @@ INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
     }
     const uint8_t *none[2] = {NULL, NULL};
     if (full) {
-        configure(NW, per_pass, 0);
+        configure(NW, per_pass, CHUNK);
         for (int64_t m0 = 0; m0 < full; m0 += step)
-            pass(jobs, m0 == 0 ? codes : none, w_bf16, ahead, NW, m0, per_pass, 0, ring);
+            pass(jobs, m0 == 0 ? codes : none, w_bf16, ahead, NW, m0, per_pass, ring);
     }
-    if (left) { /* the last pass: fewer chunks, maybe a short one */
-        const int chunks = (int)((left + CHUNK - 1) / CHUNK), tail_rows = (int)(left % CHUNK);
-        configure(NW, chunks, tail_rows);
-        pass(jobs, full == 0 ? codes : none, w_bf16, ahead, NW, full, chunks, tail_rows, ring);
+    if (left) { /* the last pass: fewer chunks, or one short one */
+        const int chunks = left < CHUNK ? 1 : (int)(left / CHUNK);
+        configure(NW, chunks, left < CHUNK ? (int)left : CHUNK);
+        pass(jobs, full == 0 ? codes : none, w_bf16, ahead, NW, full, chunks, ring);
     }
     _tile_release();
 }
@@ -315,7 +306,7 @@ static size_t tile_scratch_bytes(int64_t k) {
 KTFP8_EPILOGUE_OPS(epilogue);
 
 const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
-    .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .code_order = KTFP8_CODES_VBMI64},
+    .layout = {.rows_per_tile = NB, .k_pack = 2, .scale_mul = 1.0f, .code_order = KTFP8_CODES_VBMI64, .row_pad = CHUNK},
     .act_dtype = KTFP8_BF16,
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,

@@ -20,7 +20,8 @@
  * Each job names the tile its thread runs next (w_next), so that the kernel's software prefetch runs
  * on from one tile into the next as one stream (prefetch_ahead.h).
  * Buffers come from per-thread arenas (arena.h): no allocation and no zeroing in the hot path;
- * only the K padding of the gathered rows and of h is written with zeros, as the kernels read it. */
+ * only the K padding of the gathered rows and of h is written with zeros, as the kernels read it,
+ * and for a kernel that reads whole tiles of rows (layout.row_pad) the rows after the last pair's. */
 #include <float.h>
 #include <math.h>
 
@@ -115,7 +116,6 @@ static void group_pairs(const ktfp8_moe_call *c, call_buffers *b) {
     }
 }
 
-/* Carves every per-call buffer out of one arena allocation, then groups the pairs. */
 /* Row stride (elements) of k_pad activations: one cache line more when the rows would be a multiple
  * of 4 KiB apart, which maps all 16 rows of an AMX A tile (or a register block's broadcasts) to one
  * L1 set (12 ways on Sapphire Rapids): H = 2048 in BF16 is exactly that. */
@@ -123,16 +123,21 @@ static int64_t row_stride(int64_t k_pad, size_t esz) {
     return (k_pad * (int64_t)esz) % 4096 == 0 ? k_pad + 64 / (int64_t)esz : k_pad;
 }
 
-static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t esz, call_buffers *b) {
+/* Carves every per-call buffer out of one arena allocation, then groups the pairs.  The gathered
+ * rows and h get row_pad - 1 rows of zeros after the last pair's: a kernel that reads row_pad rows at
+ * a time (layout.row_pad) may read that far past its last expert's rows. */
+static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t esz, int64_t row_pad,
+                        call_buffers *b) {
     const int64_t E = c->shape->experts;
     const int64_t routed = routed_pairs(c);
     if (routed < 0) return (int)routed;
-    const size_t n = (size_t)routed;
+    const size_t n = (size_t)routed, pad = (size_t)(row_pad > 1 ? row_pad - 1 : 0);
     b->x_stride = row_stride(Hp, esz);
     b->h_stride = row_stride(Ip, esz);
     const size_t sizes[] = {
         sizeof(int64_t) * (size_t)(E + 1), sizeof(int64_t) * (size_t)E, sizeof(int64_t) * (size_t)E,
-        sizeof(int64_t) * n, sizeof(float) * n, esz * n * (size_t)b->x_stride, esz * n * (size_t)b->h_stride};
+        sizeof(int64_t) * n, sizeof(float) * n, esz * (n + pad) * (size_t)b->x_stride,
+        esz * (n + pad) * (size_t)b->h_stride};
     enum { N_BUFS = sizeof(sizes) / sizeof(sizes[0]) };
     size_t total = 0;
     for (int i = 0; i < N_BUFS; i++) total += ALIGN64(sizes[i]);
@@ -150,6 +155,8 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     b->pair_weight = at[4];
     b->xa = at[5];
     b->h = at[6];
+    memset((char *)b->xa + esz * n * (size_t)b->x_stride, 0, esz * pad * (size_t)b->x_stride);
+    memset((char *)b->h + esz * n * (size_t)b->h_stride, 0, esz * pad * (size_t)b->h_stride);
     b->n_pairs = routed;
     group_pairs(c, b);
     return 0;
@@ -318,7 +325,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     const int64_t Hp = proj[KTFP8_GATE].k_pad, Ip = proj[KTFP8_DOWN].k_pad;
 
     call_buffers b;
-    int rc = prepare_call(c, Hp, Ip, esz, &b);
+    int rc = prepare_call(c, Hp, Ip, esz, kern->layout.row_pad, &b);
     if (rc) return rc;
 
     const size_t scratch_bytes = kern->tile_scratch_bytes ? kern->tile_scratch_bytes(Hp > Ip ? Hp : Ip) : 0;
