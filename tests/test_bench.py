@@ -488,9 +488,9 @@ def test_peer_goals_are_medians_of_per_round_ratios_from_the_recorded_numbers():
         order = labels[r % 3:] + labels[:r % 3]  # the sides' order rotates, so none always runs first
         assert record["64"]["order"] == [x for x in order if x != "kt-kernel"]  # T=64's goal names PyTorch only
         for t, rec in record.items():
-            for label, samples in rec["samples_ms"].items():
-                assert len(samples) == res["calls"][t]
-                assert rec["ms"][label] == pytest.approx(float(np.median(samples)))
+            for label, by_n in rec["samples_ms"].items():
+                assert list(by_n) == ["1"] and len(by_n["1"]) == res["calls"][t]  # the one thread count asked
+                assert rec["ms"][label] == pytest.approx(float(np.median(by_n["1"])))
             for label in rec["order"]:
                 if label != "ktfp8":
                     ratios[t, label].append(rec["ms"][label] / rec["ms"]["ktfp8"])
@@ -502,7 +502,7 @@ def test_peer_goals_are_medians_of_per_round_ratios_from_the_recorded_numbers():
     goals = {g["goal"]: g for g in report.goals([], _limits(), "L", default, None, None, res)}
     g = goals["T=512: faster than kt-kernel AMX BF16"]
     assert g["measured"] == fig["512"]["kt-kernel"]["ratio"]
-    assert "interleaved: 2 rounds alternating" in g["note"] and "kt-kernel AMXBF16_MOE [bf16] 1 thr" in g["note"]
+    assert "interleaved: 2 rounds alternating" in g["note"] and "each at its fastest of 1 thread(s)" in g["note"]
     assert goals["T=64: faster than PyTorch BF16"]["measured"] == fig["64"]["torch bf16"]["ratio"]
     assert goals["T=512: faster than PyTorch BF16"]["measured"] == fig["512"]["torch bf16"]["ratio"]
 
@@ -551,25 +551,49 @@ def test_peer_step_takes_each_sides_fastest_thread_count_in_the_table():
         "ktfp8": {512: 4}, "kt-kernel": {512: 4}, "torch bf16": {512: 4}}
 
 
-def test_peer_rounds_run_each_side_at_its_thread_count_and_a_fixed_pool_at_its_largest_Ts():
+def test_peer_rounds_time_each_side_at_every_thread_count_and_a_fixed_pool_at_its_own():
     pytest.importorskip("torch")
     from ktfp8.bench import peer_rounds
     from ktfp8.bench.run import _torch_bf16
     default = ktfp8.available_backends()[0]
     peers = {"kt-kernel": _fixed_pool_peer("kt-kernel AMXBF16_MOE"), "torch bf16": _torch_bf16}
-    threads = {"ktfp8": {64: 1, 512: 2}, "kt-kernel": {64: 2, 512: 1}, "torch bf16": {64: 2, 512: 1}}
-    res = peer_rounds.measure(TINY, default, threads, [64, 512], walk_bytes=0, walk_memory_bytes=1 << 30,
-                              rounds={64: 2, 512: 2}, calls={64: 1}, peers=peers, log=lambda msg: None)
+    res = peer_rounds.measure(TINY, default, [1, 2], [64, 512], walk_bytes=0, walk_memory_bytes=1 << 30,
+                              rounds={64: 2, 512: 2}, calls={64: 2}, peers=peers, build_threads={"kt-kernel": 1},
+                              log=lambda msg: None)
+    assert res["threads"] == [1, 2] and res["fixed_threads"] == {"kt-kernel": 1}
     for record in res["rounds"]:
-        assert record["64"]["threads"] == {"ktfp8": 1, "torch bf16": 2}
-        assert record["512"]["threads"] == {"ktfp8": 2, "kt-kernel": 1, "torch bf16": 1}
+        for t, rec in record.items():
+            expected = {"ktfp8": ["1", "2"], "torch bf16": ["1", "2"], "kt-kernel": ["1"]}
+            assert {label: list(by_n) for label, by_n in rec["samples_ms"].items()} == {
+                label: expected[label] for label in rec["order"]}
+            for label, by_n in rec["samples_ms"].items():  # each side's time: its fastest count's batch
+                medians = {int(n): float(np.median(v)) for n, v in by_n.items()}
+                assert rec["ms"][label] == pytest.approx(min(medians.values()))
+                assert medians[rec["threads"][label]] == pytest.approx(rec["ms"][label])
     fig = res["figures"]
-    assert (fig["512"]["kt-kernel"]["ours_threads"], fig["512"]["kt-kernel"]["peer_threads"]) == (2, 1)
-    assert (fig["64"]["torch bf16"]["ours_threads"], fig["64"]["torch bf16"]["peer_threads"]) == (1, 2)
+    assert fig["512"]["kt-kernel"]["peer_threads"] == [1]
+    assert fig["64"]["torch bf16"]["ours_threads"] == sorted({rec["64"]["threads"]["ktfp8"] for rec in res["rounds"]})
     goals = {g["goal"]: g for g in report.goals([], _limits(), "L", default, None, None, res)}
     note = goals["T=512: faster than kt-kernel AMX BF16"]["note"]
-    assert f"ktfp8 {default} [fp8_per_channel] 2 thr" in note and "kt-kernel AMXBF16_MOE [bf16] 1 thr" in note
-    assert "torch bf16 F.linear [bf16] 2 thr" in goals["T=64: faster than PyTorch BF16"]["note"]
+    assert "each at its fastest of 1/2 thread(s) in the round; kt-kernel AMXBF16_MOE's pool of 1" in note
+    assert "kt-kernel's pool" not in goals["T=64: faster than PyTorch BF16"]["note"]
+
+
+def test_peer_step_builds_kt_kernels_pool_at_its_fastest_count_in_the_table(monkeypatch):
+    from ktfp8.bench import peer_rounds
+    from ktfp8.bench.run import Plan
+    default = ktfp8.available_backends()[0]
+    seen = {}
+    monkeypatch.setattr(peer_rounds, "measure", lambda *args, **kw: seen.update(args=args, kw=kw))
+    rows = [_row("kt-kernel AMXBF16_MOE", "bf16", 512, 30.0, threads=1),
+            _row("kt-kernel AMXBF16_MOE", "bf16", 512, 35.0, threads=2),
+            _row(f"ktfp8 {default}", "fp8_per_channel", 64, 10.0, threads=1),
+            _row(f"ktfp8 {default}", "fp8_per_channel", 64, 12.0, threads=2)]
+    layer = L.Layer("L", 8, 2, 64, 32)
+    peer_rounds.run(Plan(layers=[layer], tokens=[64, 512], threads=[1, 2], backends=[default], walk_bytes=0),
+                    layer, default, rows, log=lambda msg: None)
+    assert seen["args"][2] == [1, 2]  # every side that can change its count tries both each round
+    assert seen["kw"]["build_threads"]["kt-kernel"] == 1
 
 
 def test_peer_step_is_skipped_with_its_reason():

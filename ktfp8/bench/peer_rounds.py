@@ -6,12 +6,14 @@ speed changes from minute to minute (its resident tdpbf16ps loop at 2.2 or 1.0 T
 three --quick runs there put ktfp8 at T=512 at 1.83x, 3.57x and 1.33x kt-kernel's AMXBF16_MOE from
 table rows.  Here each side walks its own copies of the layer (its own random weights: FP8
 per-channel for ktfp8, BF16 for the peers), all alive together, and each round times a short batch
-of calls of each side in turn, the order rotating from round to round.  Each side runs at the thread
-count of its fastest row in the table at that T (all of the plan's threads where it has none):
-kt-kernel's dispatcher thread busy-waits beside its workers, so on a 2-core VM its pool of 1 worker
-ran T=512 faster than its pool of 2 (302 against 348 us per token), and timing it on all threads
-would have flattered ktfp8.  kt-kernel's pool is built for one thread count: that of the largest T it
-takes part in.  A goal figure is the median over rounds of that round's peer time over ktfp8's."""
+of calls of each side in turn, the order rotating from round to round, at each of the plan's thread
+counts; a side's time in a round is that of its fastest count.  kt-kernel's pool is built for one
+thread count: the one of its fastest row in the table at the largest T it takes part in (its
+dispatcher thread busy-waits beside its workers, so on a 2-core VM a pool of 1 worker can be its
+fastest, and a pool of all threads would flatter ktfp8).  The table's rows do not choose for the
+others: one --quick there had ktfp8's 2-thread T=64 row slower than its 1-thread row (a slow minute),
+which would have put ktfp8 at 1 thread against PyTorch at 2.  A goal figure is the median over rounds
+of that round's peer time over ktfp8's."""
 import contextlib
 import gc
 import math
@@ -51,15 +53,17 @@ def step_tokens(plan):
 
 
 def run(plan, layer, backend, rows=(), log=print):
-    """The step for a Plan, each side at its best thread count in the table's `rows`, walks sized as
-    the table's; {"skipped": reason} where it is left out."""
+    """The step for a Plan on its thread counts (kt-kernel's pool at its best count in the table's
+    `rows`), walks sized as the table's; {"skipped": reason} where it is left out."""
     reason = skip_reason(plan, layer, backend)
     if reason:
         log(f"interleaved peers skipped: {reason}")
         return {"skipped": reason}
     tokens = step_tokens(plan)
-    threads = best_threads(rows, layer, backend, tokens, max(plan.threads))
-    return measure(layer, backend, threads, tokens, plan.walk_bytes, plan.walk_memory_bytes, log=log)
+    best = best_threads(rows, layer, backend, tokens, max(plan.threads))
+    pools = {label: best[label][max(ts)] for label, ts in takes_part([OURS, *PEERS], tokens).items() if ts}
+    return measure(layer, backend, plan.threads, tokens, plan.walk_bytes, plan.walk_memory_bytes,
+                   build_threads=pools, log=log)
 
 
 def best_threads(rows, layer, backend, tokens, otherwise):
@@ -74,34 +78,39 @@ def best_threads(rows, layer, backend, tokens, otherwise):
     return {label: {t: fastest(label, t) for t in tokens} for label in [OURS, *PEERS]}
 
 
+def takes_part(labels, tokens):
+    """{label: [the T of `tokens` whose goals time that side]}."""
+    return {label: [t for t in tokens if label == OURS or label in GOAL_PEERS[t]] for label in labels}
+
+
 def measure(layer, backend, threads, tokens, walk_bytes, walk_memory_bytes, rounds=None, calls=None, peers=None,
-            log=print):
+            build_threads=None, log=print):
     """ktfp8 `backend` on FP8 per-channel against the peers GOAL_PEERS names at each T of `tokens`
-    (peers: {label: factory}, default PEERS), on `threads`: a count for every side and T, or {label:
-    {T: count}} (best_threads()).  The result's rounds[r][str(T)] = {order, threads: {label: count},
-    ms: {label: median of the batch}, samples_ms: {label: [...]}} for the T that take part in round r;
-    names: {label: the side's name}; unavailable: {label: why} for peers that cannot run here;
-    figures: see figures()."""
+    (peers: {label: factory}, default PEERS).  `threads`: the thread counts (or one count) each side
+    runs in every round; a side whose count is fixed when it is built (kt-kernel's pool) runs
+    build_threads[label] (default: the most of `threads`).  The result's rounds[r][str(T)] = {order,
+    samples_ms: {label: {str(n): [...]}}, ms: {label: the median of its fastest count's batch},
+    threads: {label: that count}} for the T that take part in round r; names: {label: the side's
+    name}; fixed_threads: {label: n} of the fixed sides; unavailable: {label: why} for peers that
+    cannot run here; figures: see figures()."""
     peers = PEERS if peers is None else peers
-    if isinstance(threads, int):
-        threads = {label: {t: threads for t in tokens} for label in [OURS, *peers]}
+    threads = sorted({threads} if isinstance(threads, int) else set(threads))
+    build_threads = build_threads or {}
     n_rounds = {t: (rounds or ROUNDS).get(t, min(ROUNDS.values())) for t in tokens}
     per_batch = {t: (calls or CALLS).get(t, 1) + 1 for t in tokens}  # time_calls' warm-up call, then the timed
     wanted = [p for p in peers if any(p in GOAL_PEERS[t] for t in tokens)]
     sides = [(OURS, _ktfp8_factory(backend), PC)] + [(p, peers[p], BF16) for p in wanted]
-    takes_part = {label: [t for t in tokens if label == OURS or label in GOAL_PEERS[t]] for label, _, _ in sides}
+    part = takes_part([label for label, _, _ in sides], tokens)
     log(f"interleaved peers: T={','.join(f'{t} ({n_rounds[t]} rounds)' for t in tokens)}, "
-        f"ktfp8 {backend} [{PC}] against {', '.join(wanted)} [{BF16}] in turn, threads "
-        + "; ".join(f"{label} " + ", ".join(f"{threads[label][t]} at T={t}" for t in takes_part[label])
-                    for label, _, _ in sides))
+        f"ktfp8 {backend} [{PC}] against {', '.join(wanted)} [{BF16}] in turn, each at "
+        f"{' and '.join(map(str, threads))} thread(s) (a fixed pool at its own)")
     with contextlib.ExitStack() as alive:
         walks, unavailable = {}, {}
         for label, factory, fmt in sides:  # one side's random weights at a time
             budget = min(walk_memory_bytes, available_memory() // (len(sides) + 1))
             try:
-                # a pool of fixed size (kt-kernel) keeps the count of the largest T it takes part in
                 walk = build_walk(factory, layer, L.random_experts(layer, fmt, seed=3),
-                                  threads[label][max(takes_part[label])], max(tokens), walk_bytes, budget)
+                                  build_threads.get(label, threads[-1]), max(tokens), walk_bytes, budget)
             except PeerUnavailable as why:
                 if label == OURS:
                     raise
@@ -112,33 +121,37 @@ def measure(layer, backend, threads, tokens, walk_bytes, walk_memory_bytes, roun
                 gc.collect()
             alive.callback(walk.close)
             walks[label] = walk
+        counts = {label: [w.threads] if w.threads_fixed else threads for label, w in walks.items()}
         xs = {t: L.activations(layer, t, seed=3) for t in tokens}
         # fresh routing for every batch, as a forward's layers draw theirs
-        draws = {label: {t: L.routing_rounds(layer, t, n_rounds[t] * per_batch[t], seed=3, copies=len(w.copies))
-                         for t in tokens} for label, w in walks.items()}
+        draws = {label: {t: L.routing_rounds(layer, t, n_rounds[t] * len(threads) * per_batch[t], seed=3,
+                                             copies=len(w.copies)) for t in tokens} for label, w in walks.items()}
         out = []
         for r in range(max(n_rounds.values())):
             labels = list(walks)
             order = labels[r % len(labels):] + labels[:r % len(labels)]
             record = {}
             for t in (t for t in tokens if r < n_rounds[t]):
-                in_turn = [label for label in order if t in takes_part[label]]
-                start = r * per_batch[t]
-                samples, used = {}, {}
+                in_turn = [label for label in order if t in part[label]]
+                samples = {}
                 for label in in_turn:
-                    walk = walks[label]
-                    if not walk.threads_fixed:
-                        walk.threads = threads[label][t]
-                    used[label] = walk.threads
-                    samples[label] = [s * 1e3 for s in time_calls(walk, xs[t], draws[label][t][start:start + per_batch[t]],
-                                                                  math.inf)]
-                record[str(t)] = dict(order=in_turn, threads=used, samples_ms=samples,
-                                      ms={label: statistics.median(s) for label, s in samples.items()})
+                    walk, samples[label] = walks[label], {}
+                    for i, n in enumerate(counts[label]):
+                        if not walk.threads_fixed:
+                            walk.threads = n
+                        start = (r * len(threads) + i) * per_batch[t]
+                        batch = draws[label][t][start:start + per_batch[t]]
+                        samples[label][str(n)] = [s * 1e3 for s in time_calls(walk, xs[t], batch, math.inf)]
+                medians = {label: {n: statistics.median(v) for n, v in by_n.items()} for label, by_n in samples.items()}
+                fastest = {label: min(by_n, key=by_n.get) for label, by_n in medians.items()}
+                record[str(t)] = dict(order=in_turn, samples_ms=samples, threads={k: int(n) for k, n in fastest.items()},
+                                      ms={label: medians[label][n] for label, n in fastest.items()})
             out.append(record)
         names = {label: w.name for label, w in walks.items()}
+        fixed = {label: w.threads for label, w in walks.items() if w.threads_fixed}
         walk_bytes_of = {label: w.walk_bytes for label, w in walks.items()}
     gc.collect()
-    result = dict(layer=layer.name, backend=backend, tokens=list(tokens),
+    result = dict(layer=layer.name, backend=backend, threads=threads, fixed_threads=fixed, tokens=list(tokens),
                   calls={str(t): per_batch[t] - 1 for t in tokens}, n_rounds={str(t): n for t, n in n_rounds.items()},
                   names=names, walk_bytes=walk_bytes_of, unavailable=unavailable, rounds=out)
     result["figures"] = figures(result)
@@ -148,8 +161,8 @@ def measure(layer, backend, threads, tokens, walk_bytes, walk_memory_bytes, roun
 def figures(result):
     """{str(T): {peer label: {ratio, spread, ours_ms, peer_ms, ours_threads, peer_threads}}}: ratio
     the median over the rounds T took part in of the peer's ms over ktfp8's, spread the middle half of
-    those ratios, the ms medians over the same rounds, the thread counts each side ran (the same in
-    every round)."""
+    those ratios, the ms medians over the same rounds, the thread counts each side was fastest at in
+    some round (sorted)."""
     out = {}
     for t in map(str, result["tokens"]):
         recs = [rec[t] for rec in result["rounds"] if t in rec]
@@ -161,5 +174,6 @@ def figures(result):
                 ratio=statistics.median(per_round), spread=middle_half(per_round),
                 ours_ms=statistics.median(rec["ms"][OURS] for rec in recs),
                 peer_ms=statistics.median(rec["ms"][label] for rec in recs),
-                ours_threads=recs[0]["threads"][OURS], peer_threads=recs[0]["threads"][label])
+                ours_threads=sorted({rec["threads"][OURS] for rec in recs}),
+                peer_threads=sorted({rec["threads"][label] for rec in recs}))
     return out

@@ -224,19 +224,23 @@ def peer_goal(peers, add, goal, target, tokens, label, wanted, default):
     if fig is None:
         return False
     t = str(tokens)
-    first = peers["rounds"][0][t]
-    sides = " / ".join((f"ktfp8 {default} [{PC}]" if s == "ktfp8" else f"{peers['names'][s]} [bf16]")
-                       + f" {first['threads'][s]} thr" for s in first["order"])
+    sides = " / ".join(f"ktfp8 {default} [{PC}]" if s == "ktfp8" else f"{peers['names'][s]} [bf16]"
+                       for s in peers["rounds"][0][t]["order"])
+    fixed = "".join(f"; {peers['names'][s]}'s pool of {n} (its fastest in the table)"
+                    for s, n in peers["fixed_threads"].items() if s in peers["rounds"][0][t]["order"])
     q1, q3 = fig["spread"]
-    how = (f"interleaved: {peers['n_rounds'][t]} rounds alternating {sides}, median of per-round ratios "
+    how = (f"interleaved: {peers['n_rounds'][t]} rounds alternating {sides}, each at its fastest of "
+           f"{'/'.join(map(str, peers['threads']))} thread(s) in the round{fixed}; median of per-round ratios "
            f"(middle half {q1:.2f}x-{q3:.2f}x)")
     name = peers["names"][label]
     if not name.startswith(wanted):
         add(goal, "speedup", target, None, f"{wanted} unavailable here (its build here runs {name}: "
                                            f"{fig['ratio']:.2f}x; {how})")
         return True
+    counts = [",".join(map(str, fig[k])) for k in ("ours_threads", "peer_threads")]
     add(goal, "speedup", target, fig["ratio"],
-        f"{how}; ktfp8 {default} {fig['ours_ms']:.2f} ms vs {name} {fig['peer_ms']:.2f} ms (medians over rounds)")
+        f"{how}; ktfp8 {default} {fig['ours_ms']:.2f} ms ({counts[0]} thr) vs {name} {fig['peer_ms']:.2f} ms "
+        f"({counts[1]} thr) (medians over rounds; the thread counts each was fastest at)")
     return True
 
 
