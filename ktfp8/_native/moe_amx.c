@@ -128,13 +128,14 @@ static void configure(int nw, int chunks, int rows) {
         _tile_dpbf16ps(c1, TILE_A, TILE_B2); \
     }
 
-/* Tokens m0 .. m0 + 16 * chunks - 1 of NW jobs sharing their activations and K (those before m written out): the K reduction slab by
- * slab, block by block, scaled into each job's FP32 output.  codes[w] != NULL: w_bf16[w] is
- * scratch still to be filled slab by slab from those codes (the first pass); the conversion of
- * slab s + 1 runs beside the products of slab s.  ring: this is the only pass, so no slab is read
- * twice and the scratch is a ring of two slabs per weight tile (2 KiB, in L1) instead of the whole
- * converted tile (64 KiB at K = 2048, written to L2 and read back); slab s + 1 overwrites slab s - 1,
- * whose tile loads came before in program order.  ahead[w]: the software prefetch of codes[w]. */
+/* Tokens m0 .. m0 + 16 * chunks - 1 of NW jobs sharing their activations and K (those before m
+ * written out): the K reduction slab by slab, block by block, scaled into each job's FP32
+ * output.  codes[w] != NULL: w_bf16[w] is scratch still to be filled slab by slab from those codes
+ * (the first pass); the conversion of slab s + 1 runs beside the products of slab s.  ring: this is
+ * the only pass, so no slab is read twice and the scratch is a ring of two slabs per weight tile
+ * (2 KiB, in L1) instead of the whole converted tile (64 KiB at K = 2048, written to L2 and read
+ * back); slab s + 1 overwrites slab s - 1, whose tile loads came before in program order.
+ * ahead[w]: the software prefetch of codes[w]. */
 INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes, const uint8_t *const *w_bf16,
                  const ktfp8_prefetch_ahead *ahead, const int NW, int64_t m0, const int chunks, const int ring) {
     const ktfp8_tile_job *j = jobs[0];

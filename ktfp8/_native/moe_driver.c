@@ -35,14 +35,15 @@
 #define ALIGN64(x) (((x) + 63) & ~(size_t)63)
 
 /* Runs per thread of phase 1 (phase 2 takes half as many, below): the items are handed out in runs
- * (dynamic schedule, chunk items / (this x threads)).  Consecutive items are adjacent tiles of one expert (phase 1) or adjacent column tiles
- * (phase 2), so a run reads each expert's weights as one stream that the hardware prefetcher follows
- * across tile boundaries; single items alternated between threads, restarting it at every tile.  Runs
- * this short still balance prefill's uneven experts and a thread that shares its core.  Measured on
- * Zen 3 with HEAD_LINES below (benchmark layer, weights from DRAM, 2 threads, the old and new schedule
- * alternated in one process), time against single items: T = 1 0.94x (0.80x in a slow minute of the
- * VM's memory), T = 64 0.98x, T = 512 0.98x; T = 1 with another process spinning on one of the two
- * cores 0.67x.  Runs of items / 2 .. items / 64 were within the noise of each other. */
+ * (dynamic schedule, chunk items / (this x threads)).  Consecutive items are adjacent tiles of one
+ * expert (phase 1) or adjacent column tiles (phase 2), so a run reads each expert's weights as one
+ * stream that the hardware prefetcher follows across tile boundaries; single items alternated
+ * between threads, restarting it at every tile.  Runs this short still balance prefill's uneven
+ * experts and a thread that shares its core.  Measured on Zen 3 with HEAD_LINES below (benchmark
+ * layer, weights from DRAM, 2 threads, the old and new schedule alternated in one process), time
+ * against single items: T = 1 0.94x (0.80x in a slow minute of the VM's memory), T = 64 0.98x,
+ * T = 512 0.98x; T = 1 with another process spinning on one of the two cores 0.67x.  Runs of
+ * items / 2 .. items / 64 were within the noise of each other. */
 #define RUNS_PER_THREAD 8
 /* Phase 2 takes its runs of items as groups, experts outer, items inner.  Items inner (one item at a
  * time, every expert for it) read each expert's down weights as a tile here and a tile there, and

@@ -144,7 +144,8 @@ def measure(layer, backend, threads, tokens, walk_bytes, walk_memory_bytes, roun
                         samples[label][str(n)] = [s * 1e3 for s in time_calls(walk, xs[t], batch, math.inf)]
                 medians = {label: {n: statistics.median(v) for n, v in by_n.items()} for label, by_n in samples.items()}
                 fastest = {label: min(by_n, key=by_n.get) for label, by_n in medians.items()}
-                record[str(t)] = dict(order=in_turn, samples_ms=samples, threads={k: int(n) for k, n in fastest.items()},
+                record[str(t)] = dict(order=in_turn, samples_ms=samples,
+                                      threads={label: int(n) for label, n in fastest.items()},
                                       ms={label: medians[label][n] for label, n in fastest.items()})
             out.append(record)
         names = {label: w.name for label, w in walks.items()}
