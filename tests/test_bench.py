@@ -545,9 +545,9 @@ def test_peer_step_takes_each_sides_fastest_thread_count_in_the_table():
             _row("torch bf16 F.linear", "bf16", 64, 9.0, threads=1),
             _row("torch bf16 F.linear", "bf16", 512, 40.0, threads=1),
             _row("torch bf16 F.linear", "bf16", 512, 45.0, threads=2)]
-    assert peer_rounds.best_threads(rows, layer, default, [64, 512], 4) == {
+    assert peer_rounds.table_thread_counts(rows, layer, default, [64, 512], 4) == {
         "ktfp8": {64: 4, 512: 2}, "kt-kernel": {64: 4, 512: 1}, "torch bf16": {64: 2, 512: 1}}
-    assert peer_rounds.best_threads(rows, TINY, default, [512], 4) == {  # rows of another layer
+    assert peer_rounds.table_thread_counts(rows, TINY, default, [512], 4) == {  # rows of another layer
         "ktfp8": {512: 4}, "kt-kernel": {512: 4}, "torch bf16": {512: 4}}
 
 

@@ -60,13 +60,13 @@ def run(plan, layer, backend, rows=(), log=print):
         log(f"interleaved peers skipped: {reason}")
         return {"skipped": reason}
     tokens = step_tokens(plan)
-    best = best_threads(rows, layer, backend, tokens, max(plan.threads))
+    best = table_thread_counts(rows, layer, backend, tokens, max(plan.threads))
     pools = {label: best[label][max(ts)] for label, ts in takes_part([OURS, *PEERS], tokens).items() if ts}
     return measure(layer, backend, plan.threads, tokens, plan.walk_bytes, plan.walk_memory_bytes,
                    build_threads=pools, log=log)
 
 
-def best_threads(rows, layer, backend, tokens, otherwise):
+def table_thread_counts(rows, layer, backend, tokens, otherwise):
     """{label: {T: n}}: the thread count of each side's fastest row on `layer` at each T of `tokens`
     (ktfp8 on `backend` with FP8 per-channel weights, a peer on BF16 weights, its rows' side name
     starting with its label), `otherwise` where the rows have none."""
