@@ -87,25 +87,32 @@ extern const ktfp8_moe_kernel SMALL_M_KERNEL;
  * config and the converted weights are in memory first. */
 INLINE void compiler_barrier(void) { __asm__ __volatile__("" ::: "memory"); }
 
-/* NW weight tiles (1, or 2 for tile_matmul2) against `chunks` chunks of `rows` tokens (16, or fewer
- * in a single chunk): C tile ch * NW + w holds chunk ch x weight tile w. */
-static void configure(int nw, int chunks, int rows) {
+/* One configuration for all the passes of a call: the 4 C tiles, A and both B tiles, with `rows`
+ * rows in the C and A tiles (16, or m for one short chunk), whether a pass uses every tile or not.
+ * LDTILECFG and TILERELEASE once per call, not per run of passes (two runs for one weight tile at a
+ * time, two configurations for whole passes and the last one): tools/kernel_ab on the Xeon VM with
+ * AMX, per tile pair, K = 768: m = 64 0.90x-0.93x hot and 0.95x from DRAM, m = 48 0.97x-1.00x, m =
+ * 72 and 80 0.97x-0.98x, m = 8 1.00x; K = 2048 m = 64 0.98x-0.99x, K = 256 m = 64 0.90x. */
+static void configure(int rows) {
     ktfp8_amx_tilecfg cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
-    for (int t = 0; t < chunks * nw; t++) {
+    for (int t = 0; t < CHUNKS; t++) {
         cfg.rows[t] = (uint8_t)rows;
         cfg.colsb[t] = NB * 4;
     }
     cfg.rows[TILE_A] = (uint8_t)rows;
     cfg.colsb[TILE_A] = SLAB * 2;
-    for (int w = 0; w < nw; w++) {
-        cfg.rows[TILE_B + w] = SLAB / 2;
-        cfg.colsb[TILE_B + w] = NB * 4;
+    for (int t = TILE_B; t <= TILE_B2; t++) {
+        cfg.rows[t] = SLAB / 2;
+        cfg.colsb[t] = NB * 4;
     }
     compiler_barrier();
     _tile_loadconfig(&cfg);
 }
+
+/* The C and A tiles' rows for m tokens: whole chunks from 16 tokens on, else one short chunk. */
+static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
 
 /* The per-tile steps of one pass.  Tile numbers are literals (see TILE_A); with NW and chunks
  * constants the conditions fold away.  NW = 1: chunk c into C tile c, 4 chunks, each A
@@ -212,8 +219,8 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
 #undef DOT1
 #undef DOT2
 
-/* All m tokens of NW jobs: fewer than 16 in one short chunk, else in whole chunks: full passes
- * (constant shape, no per-chunk tests), then the rest. */
+/* All m tokens of NW jobs, under configure(chunk_rows(m)): fewer than 16 in one short chunk, else
+ * in whole chunks: full passes (constant shape, no per-chunk tests), then the rest. */
 INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
     const ktfp8_tile_job *j = jobs[0];
     const int per_pass = CHUNKS / NW; /* chunks per pass: the four C tiles */
@@ -234,17 +241,10 @@ INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
         ahead[w] = ktfp8_prefetch_ahead_of(jobs[w]->w, jobs[w]->w_next, j->k * NB, KTFP8_AVX512_PREFETCH_BYTES);
     }
     const uint8_t *none[2] = {NULL, NULL};
-    if (full) {
-        configure(NW, per_pass, CHUNK);
-        for (int64_t m0 = 0; m0 < full; m0 += step)
-            pass(jobs, m0 == 0 ? codes : none, w_bf16, ahead, NW, m0, per_pass, ring);
-    }
-    if (left) { /* the last pass: fewer chunks, or one short one */
-        const int chunks = left < CHUNK ? 1 : (int)(left / CHUNK);
-        configure(NW, chunks, left < CHUNK ? (int)left : CHUNK);
-        pass(jobs, full == 0 ? codes : none, w_bf16, ahead, NW, full, chunks, ring);
-    }
-    _tile_release();
+    for (int64_t m0 = 0; m0 < full; m0 += step)
+        pass(jobs, m0 == 0 ? codes : none, w_bf16, ahead, NW, m0, per_pass, ring);
+    if (left) /* the last pass: fewer chunks, or one short one */
+        pass(jobs, full == 0 ? codes : none, w_bf16, ahead, NW, full, left < CHUNK ? 1 : (int)(left / CHUNK), ring);
 }
 
 /* Whether the tile path takes this job (else the small-m kernel does). */
@@ -258,7 +258,9 @@ static void tile_matmul(const ktfp8_tile_job *j) {
         return;
     }
     const ktfp8_tile_job *jobs[1] = {j};
+    configure(chunk_rows(j->m));
     run_passes(jobs, 1);
+    _tile_release();
 }
 
 /* Whether two FP8 jobs run faster one after the other, each in a single pass of 4 A x 1 B with its
@@ -290,12 +292,16 @@ static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
         first.w_next = j1->w;
         second.w_next = j0->w_next;
         const ktfp8_tile_job *jobs0[1] = {&first}, *jobs1[1] = {&second};
+        configure(chunk_rows(j0->m));
         run_passes(jobs0, 1);
         run_passes(jobs1, 1);
+        _tile_release();
         return;
     }
     const ktfp8_tile_job *jobs[2] = {j0, j1};
+    configure(chunk_rows(j0->m));
     run_passes(jobs, 2);
+    _tile_release();
 }
 
 static size_t tile_scratch_bytes(int64_t k) {
