@@ -24,16 +24,18 @@
  * conversion, stalled on DRAM, before any TDP could start); later passes reuse the scratch.
  *
  * Blocking: 4 C tiles per pass.  Two weight tiles over the same tokens (tile_matmul2: gate and up,
- * or two adjacent down tiles): 2 A x 2 B -> 4 C as kt-kernel does, 4 tile loads per 4 TDPBF16PS, 32
- * tokens per pass, except for FP8 weights and 17..64 tokens, measured faster one tile at a time
- * (one_tile_at_a_time).  One weight tile (tile_matmul): 4 A x 1 B -> 4 C, 5 loads per 4 TDPs, 64
- * tokens per pass.  Either way each converted B tile feeds every chunk of a pass.
+ * or two adjacent down tiles): 2 A x 2 B -> 4 C (kt-kernel's blocking) through one A and one B
+ * register, 5 tile loads per 4 TDPBF16PS (see pass), 32 tokens per pass, except for FP8 weights and
+ * 17..64 tokens, measured faster one tile at a time (one_tile_at_a_time).  One weight tile
+ * (tile_matmul): 4 A x 1 B -> 4 C, 5 loads per 4 TDPs, 64 tokens per pass.  Either way each
+ * converted B tile feeds every chunk of a pass.
  *
  * Tiles (palette 1, configured at the start of every call and released at its end, so a thread
  * never holds AMX state between calls):
  *   tmm0..3  C: FP32 [16][16]; tile ch * NW + w = chunk ch (16 tokens) x weight tile w
  *   tmm4     A: bf16 [16][32] of a chunk, one 32-K slab (row stride a_stride * 2 bytes)
- *   tmm6, 7  B: bf16 pairs [16][16][2], one 32-K slab of weight tile 0 (and 1)
+ *   tmm6     B: bf16 pairs [16][16][2], one 32-K slab of a weight tile
+ *   tmm7     B of weight tile 1 where a single chunk converts its weights (see pass)
  * From 16 tokens on every chunk is 16 rows, the last one running on into the rows the driver keeps
  * readable past m (layout.row_pad); only the m rows are written out.  Fewer than 16 tokens make one
  * short chunk (tmm4 and the C tiles configured with m rows).  Why not a short last chunk after full
@@ -69,7 +71,7 @@
  * intrinsics paste them into the asm text). */
 #define TILE_A 4
 #define TILE_B 6
-#define TILE_B2 7 /* the second weight tile of a tile_matmul2 call */
+#define TILE_B2 7 /* the second weight tile of a single chunk that converts its weights (see pass) */
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -114,10 +116,9 @@ static void configure(int rows) {
 /* The C and A tiles' rows for m tokens: whole chunks from 16 tokens on, else one short chunk. */
 static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
 
-/* The per-tile steps of one pass.  Tile numbers are literals (see TILE_A); with NW and chunks
- * constants the conditions fold away.  NW = 1: chunk c into C tile c, 4 chunks, each A
- * tile used once, the B tile by all 4 (5 loads per 4 TDPBF16PS).  NW = 2: chunk ch against both
- * weight tiles into C tiles c0, c1, 2 chunks: 2 A x 2 B -> 4 C (4 loads per 4 TDPBF16PS). */
+/* The per-tile steps of one pass (NW = 1; NW = 2 is spelled out in pass).  Tile numbers are
+ * literals (see TILE_A); with NW and chunks constants the conditions fold away.  Chunk c into C
+ * tile c, 4 chunks, each A tile used once, the B tile by all 4 (5 loads per 4 TDPBF16PS). */
 #define ZERO_C(t) \
     if (t < chunks * NW) _tile_zero(t)
 #define STORE_C(t) \
@@ -127,12 +128,6 @@ static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
     if (c < chunks) {                      \
         LOAD_A(c, TILE_A);                 \
         _tile_dpbf16ps(c, TILE_A, TILE_B); \
-    }
-#define DOT2(ch, c0, c1)                     \
-    if (ch < chunks) {                       \
-        LOAD_A(ch, TILE_A);                  \
-        _tile_dpbf16ps(c0, TILE_A, TILE_B);  \
-        _tile_dpbf16ps(c1, TILE_A, TILE_B2); \
     }
 
 /* Tokens m0 .. m0 + 16 * chunks - 1 of NW jobs sharing their activations and K (those before m
@@ -164,10 +159,15 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
         ZERO_C(2);
         ZERO_C(3);
         for (int64_t s = s0; s < s1; s++) {
+            /* a single chunk that converts (m <= 16 on FP8 weights) loads both B tiles before the
+             * conversion, into registers of their own: against one B register, benchmark layer
+             * T = 128 0.97x and 0.99x, T = 16 0.98x; where a single chunk follows full passes (B
+             * from the converted tiles in L2; 65..80 tokens), one register: T = 512 0.98x */
+            const int two_b = NW == 2 && chunks == 1 && codes[0];
 #define SLAB_AT(w, s_) (w_bf16[w] + (ring ? (s_) & 1 : (s_)) * SLAB_BYTES)
-            _tile_loadd(TILE_B, SLAB_AT(0, s), NB * 4);
-            if (NW == 2) _tile_loadd(TILE_B2, SLAB_AT(1, s), NB * 4);
-            /* slab s + 1 of weight tile w into its slot; the tile loads above read the other one */
+            if (NW == 1 || two_b) _tile_loadd(TILE_B, SLAB_AT(0, s), NB * 4);
+            if (two_b) _tile_loadd(TILE_B2, SLAB_AT(1, s), NB * 4);
+            /* slab s + 1 of weight tile w into its slot; slab s's tile loads read the other one */
 #define CONVERT(w)                                                                                          \
     if (s + 1 < slabs && codes[w]) {                                                                        \
         compiler_barrier();                                                                                 \
@@ -182,15 +182,37 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
                 DOT1(2);
                 DOT1(3);
             } else {
-                /* with two chunks, weight tile 1's conversion goes between their products: 0.91x-0.97x
-                 * the time of converting both first at m = 72..128 (kernel_ab, K = 768, 2048 and 7168,
-                 * hot and from DRAM); with one chunk (m <= 16) both come first, where going between
-                 * measured 0.96x-1.10x hot and 0.96x-1.03x from DRAM (no faster) */
+                /* chunk ch x weight tile w into C tile 2 ch + w, in the order A0 B0, A0 B1, A1 B1,
+                 * A1 B0: one A and one B register, each product sharing an operand with the one
+                 * before it, 5 tile loads per 4 products.  Against 4 loads through two B registers
+                 * (tmm6, tmm7; A0 B0, A0 B1, A1 B0, A1 B1), tools/kernel_ab on the Xeon VM with AMX,
+                 * per tile pair: m = 72..128 0.90x-0.93x hot (K = 768 and 2048) and 0.92x-0.94x from
+                 * DRAM, one chunk 0.98x-1.01x; a second A register besides (tmm5 for chunk 1)
+                 * measured 1.18x-1.29x.  Here a product's tile registers seem to cost more than a
+                 * load of B, which comes from L1 or L2.  Weight tile 1's conversion goes between the
+                 * two chunks' products: 0.91x-0.97x the time of converting both first at m = 72..128
+                 * (K = 768, 2048 and 7168, hot and from DRAM); with one chunk (m <= 16) both come
+                 * first, where going between measured no faster (0.96x-1.10x hot, 0.96x-1.03x from
+                 * DRAM). */
                 CONVERT(0);
                 if (chunks == 1) CONVERT(1);
-                DOT2(0, 0, 1);
-                if (chunks > 1) CONVERT(1);
-                DOT2(1, 2, 3);
+                LOAD_A(0, TILE_A);
+                if (two_b) {
+                    _tile_dpbf16ps(0, TILE_A, TILE_B);
+                    _tile_dpbf16ps(1, TILE_A, TILE_B2);
+                } else {
+                    _tile_loadd(TILE_B, SLAB_AT(0, s), NB * 4);
+                    _tile_dpbf16ps(0, TILE_A, TILE_B);
+                    _tile_loadd(TILE_B, SLAB_AT(1, s), NB * 4);
+                    _tile_dpbf16ps(1, TILE_A, TILE_B);
+                }
+                if (chunks > 1) {
+                    CONVERT(1);
+                    LOAD_A(1, TILE_A);
+                    _tile_dpbf16ps(3, TILE_A, TILE_B);
+                    _tile_loadd(TILE_B, SLAB_AT(0, s), NB * 4);
+                    _tile_dpbf16ps(2, TILE_A, TILE_B);
+                }
             }
 #undef CONVERT
 #undef SLAB_AT
@@ -217,7 +239,6 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
 #undef STORE_C
 #undef LOAD_A
 #undef DOT1
-#undef DOT2
 
 /* All m tokens of NW jobs, under configure(chunk_rows(m)): fewer than 16 in one short chunk, else
  * in whole chunks: full passes (constant shape, no per-chunk tests), then the rest. */
@@ -273,7 +294,9 @@ static void tile_matmul(const ktfp8_tile_job *j) {
  *   K = 768:  m = 17 0.62x-0.65x, 0.83x-0.85x; 48 0.89x-0.91x, 0.94x-0.95x; 64 0.94x-0.98x, 0.93x-0.99x;
  *             72 1.04x, 1.08x; 96 1.00x, 1.05x-1.18x
  *   m = 4 and 16 from DRAM 1.17x-1.21x (the two tiles' codes no longer stream side by side).
- * So from 17 tokens up to the 64 that one pass of a single tile holds. */
+ * So from 17 tokens up to the 64 that one pass of a single tile holds.  Against the later 2 A x 2 B
+ * order (one B register, see pass), m = 52..64: 0.91x-1.00x from DRAM (K = 2048, two runs), hot
+ * 1.02x-1.06x in the VM's slow AMX mode (K = 768 and 2048) and 0.97x in its fast one. */
 static int one_tile_at_a_time(const ktfp8_tile_job *j) {
     return j->format != KTFP8_FMT_BF16 && j->m > CHUNK && j->m <= CHUNKS * CHUNK;
 }
