@@ -198,10 +198,12 @@ def _check_paths(src, dst, overwrite):
 
 
 def _remove_stale_partials(dst):
-    """Deletes temporary folders of earlier runs for the same output that were killed (their pid is gone)."""
+    """Deletes temporary folders of earlier runs for the same output that were killed (their pid is gone),
+    with or without the in-progress marker: a run killed between creating its folder and writing the
+    marker, or between removing the marker and publishing, leaves one without it."""
     for path in dst.parent.glob(f".{dst.name}{PARTIAL_TAG}*"):
         pid = path.name.rsplit("-", 1)[-1]
-        if not (pid.isdigit() and (path / PARTIAL_MARKER).is_file()) or _alive(int(pid)):
+        if not (pid.isdigit() and path.is_dir()) or _alive(int(pid)):
             continue
         log.info("removing %s, left by an interrupted run", path)
         shutil.rmtree(path, ignore_errors=True)

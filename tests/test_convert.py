@@ -330,6 +330,33 @@ def test_killed_conversion_leaves_nothing_that_looks_finished(big_input, tmp_pat
     assert FP8SafeTensorLoader(dst).load_experts(0).expert_num == 16
 
 
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("marker", [True, False], ids=["marked", "unmarked"])
+def test_next_run_removes_a_dead_runs_partial_folder(qwen, tmp_path, marker):
+    """A run killed between creating its folder and writing the in-progress marker (or between
+    removing it and publishing) leaves a hidden folder without the marker: gone after the next run,
+    as a marked one is.  A live run's folder stays."""
+    dst = tmp_path / "out"
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead, live = (tmp_path / f".out.ktfp8-partial-{pid}" for pid in (_dead_pid(), alive.pid))
+        for folder in (dead, live):
+            folder.mkdir()
+            (folder / "model-00001-of-00002.safetensors").write_bytes(b"half a shard")
+            if marker:
+                (folder / "KTFP8_CONVERSION_IN_PROGRESS").write_text("in progress\n")
+        assert run(qwen, dst) == 0
+    finally:
+        alive.kill()
+        alive.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name])
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
 def test_interrupted_conversion_cleans_up(big_input, tmp_path, sig, code):
     dst = tmp_path / "out"
