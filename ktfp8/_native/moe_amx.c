@@ -148,6 +148,11 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
     const int64_t block_slabs = blockwise ? j->block_k / SLAB : slabs;
     const int64_t rows = chunks * CHUNK < j->m - m0 ? chunks * CHUNK : j->m - m0;
     float cbuf[CHUNKS][CHUNK][NB] __attribute__((aligned(64)));
+    /* a single chunk that converts (m <= 16 on FP8 weights) loads both B tiles before the conversion,
+     * into registers of their own: against one B register, benchmark layer T = 128 0.97x and 0.99x,
+     * T = 16 0.98x; where a single chunk follows full passes (B from the converted tiles in L2; 65..80
+     * tokens), one register: T = 512 0.98x */
+    const int two_b = NW == 2 && chunks == 1 && codes[0];
 
     for (int w = 0; w < NW; w++)
         if (codes[w]) ktfp8_e4m3_tile_to_bf16(codes[w], SLAB, (uint16_t *)w_bf16[w], &ahead[w], 0);
@@ -159,11 +164,6 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
         ZERO_C(2);
         ZERO_C(3);
         for (int64_t s = s0; s < s1; s++) {
-            /* a single chunk that converts (m <= 16 on FP8 weights) loads both B tiles before the
-             * conversion, into registers of their own: against one B register, benchmark layer
-             * T = 128 0.97x and 0.99x, T = 16 0.98x; where a single chunk follows full passes (B
-             * from the converted tiles in L2; 65..80 tokens), one register: T = 512 0.98x */
-            const int two_b = NW == 2 && chunks == 1 && codes[0];
 #define SLAB_AT(w, s_) (w_bf16[w] + (ring ? (s_) & 1 : (s_)) * SLAB_BYTES)
             if (NW == 1 || two_b) _tile_loadd(TILE_B, SLAB_AT(0, s), NB * 4);
             if (two_b) _tile_loadd(TILE_B2, SLAB_AT(1, s), NB * 4);
