@@ -19,6 +19,8 @@
  *               (port 0 or 5): amx_limits.sh 128 shift.  Which ports these take: Intel's optimization
  *               manual's tables for Ice Lake and later (512-bit work on ports 0 and 5).
  *   alu         those instructions alone          peak+alu  beside the peak loop (no tile loads)
+ *   loads       the passes' 512 tile loads alone, no tdpbf16ps (A and B from L2, as in passes)
+ *   loads L1    the same loads, every A tile from one address and every B tile from another
  * Needs AMX-TILE, AMX-BF16, AVX-512 BW and VBMI, and Linux's permission to use the tiles. */
 #include <stdint.h>
 #include <stdio.h>
@@ -169,6 +171,18 @@ static void passes(int from, int extra) {
     }
 }
 
+/* The passes' tile loads without their products: what the loads alone cost. */
+static void loads(int fixed) {
+    for (int p = 0; p < M / 32; p++)
+        for (int s = 0; s < SLABS; s++) {
+            const int at = fixed ? 0 : s;
+            _tile_loadd(6, b_tile(0, at), 64);
+            _tile_loadd(7, b_tile(1, at), 64);
+            _tile_loadd(4, a_tile(fixed ? 0 : 2 * p, at), A_STRIDE * 2);
+            _tile_loadd(5, a_tile(fixed ? 1 : 2 * p + 1, at), A_STRIDE * 2);
+        }
+}
+
 /* The same tdpbf16ps count with every operand tile loaded once. */
 static void peak(int extra) {
     _tile_loadd(4, a_tile(0, 0), A_STRIDE * 2);
@@ -208,6 +222,8 @@ static void v_b_fixed(void) { passes(B_FIXED, EXTRA_NONE); }
 static void v_passes_convert(void) { passes(FROM_L2, EXTRA_CONVERT); }
 static void v_passes_alu(void) { passes(FROM_L2, EXTRA_ALU); }
 static void v_peak_alu(void) { peak(EXTRA_ALU); }
+static void v_loads(void) { loads(0); }
+static void v_loads_l1(void) { loads(1); }
 
 static const struct {
     const char *name;
@@ -217,6 +233,7 @@ static const struct {
     {"peak", v_peak, 1},          {"passes", v_passes, 1},         {"passes A1", v_a_fixed, 1},
     {"passes B1", v_b_fixed, 1},  {"convert", convert_pair, 0},    {"passes+cvt", v_passes_convert, 1},
     {"passes+alu", v_passes_alu, 1}, {"alu", alu_alone, 0},        {"peak+alu", v_peak_alu, 1},
+    {"loads", v_loads, 0},        {"loads L1", v_loads_l1, 0},
 };
 enum { N_VARIANTS = sizeof(variants) / sizeof(variants[0]) };
 
