@@ -131,9 +131,9 @@ static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
     }
 
 /* BF16 weights need no conversion, so the first pass's B tile loads read them straight from DRAM,
- * where the FP8 conversion's loop prefetches its codes.  This asks for the 16 lines of the slab 4
- * KiB ahead of slab s (the stream `ahead`, prefetch_ahead.h, which runs on into the next tile).
- * Against none, tools/ab_builds.py on the Xeon VM with AMX (benchmark layer, BF16 weights, 2
+ * and no conversion loop prefetches them as it does FP8 codes.  This asks for the 16 lines of the
+ * slab 4 KiB ahead of slab s (the stream `ahead`, prefetch_ahead.h, which runs on into the next
+ * tile).  Against none, tools/ab_builds.py on the Xeon VM with AMX (benchmark layer, BF16 weights, 2
  * threads): T = 512 0.936x, 0.945x, 0.981x (1 thread 0.917x), T = 128 0.926x, T = 64 0.928x, T = 16
  * 0.923x, T = 4 0.917x; FP8 per-channel T = 512 0.991x, T = 64 0.980x (unchanged code).  8 KiB
  * ahead against 4: T = 512 1.024x, T = 64 0.979x. */
