@@ -710,8 +710,16 @@ def test_cli_writes_json_text_and_plot(tmp_path):
     layer = L.Layer("x", 8, 2, 128, 64)
     ours = [r for r in rows if r["kind"] == "ktfp8"]
     assert "ktfp8 reference" not in {r["side"] for r in ours} or ktfp8.available_backends() == ["reference"]
-    assert {(r["format"], r["threads"], r["tokens"]) for r in ours if r["side"] == "ktfp8 avx2"} >= {
-        (f, n, t) for f in L.FORMATS for n in (1, 2) for t in (1, 4, 32)} or "avx2" not in ktfp8.available_backends()
+    # --quick: the default backend in every format, the others in FP8 per-channel only, saying so
+    default = f"ktfp8 {res['default_backend']}"
+    assert {(r["format"], r["threads"], r["tokens"]) for r in ours if r["side"] == default} == {
+        (f, n, t) for f in L.FORMATS for n in (1, 2) for t in (1, 4, 32)}
+    others = {f"ktfp8 {b}" for b in res["plan"]["backends"]} - {default}
+    assert res["plan"]["other_backend_formats"] == ["fp8_per_channel"]
+    for side in others:
+        assert {(r["format"], r["threads"], r["tokens"]) for r in ours if r["side"] == side} == {
+            ("fp8_per_channel", n, t) for n in (1, 2) for t in (1, 4, 32)}
+        assert {s["format"] for s in res["skipped"] if s["side"] == side} == {"fp8_block", "bf16"}
     for r in rows:
         lim = res["limits"][str(r["threads"])]
         assert r["tflops"] == pytest.approx(layer.flops(r["tokens"]) / (r["ms"] / 1e3) / 1e12, rel=1e-9)
@@ -748,6 +756,17 @@ def test_cli_says_up_front_that_the_plot_needs_matplotlib(monkeypatch, capsys, t
         cli.parse_args(["--out", str(tmp_path)])
     assert exit_.value.code == 2 and "pip install matplotlib, or pass --no-plot" in capsys.readouterr().err
     assert cli.parse_args(["--out", str(tmp_path), "--no-plot"]).no_plot
+
+
+@pytest.mark.parametrize("args, others", [
+    (["--quick"], ("fp8_per_channel",)),                     # the format the default choice is judged in
+    (["--quick", "--formats", "bf16,fp8_block"], ("bf16", "fp8_block")),  # asked for: every backend
+    ([], L.FORMATS),
+])
+def test_quick_times_the_other_backends_in_fp8_per_channel_only(tmp_path, args, others):
+    from ktfp8.bench import __main__ as cli
+    plan = cli.make_plan(cli.parse_args(["--out", str(tmp_path), "--no-plot", *args]))
+    assert plan.other_backend_formats == others
 
 
 @pytest.mark.parametrize("args, message", [

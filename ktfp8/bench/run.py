@@ -24,6 +24,8 @@ class Plan:
     threads: list
     formats: tuple = L.FORMATS
     backends: list = dataclasses.field(default_factory=backends.available_backends)
+    # the formats the backends other than the default one are timed in (the default: every format)
+    other_backend_formats: tuple = L.FORMATS
     peers: bool = True
     case_seconds: float = 20.0      # time budget of one (side, threads, T) case (see time_calls)
     max_call_seconds: float = 30.0  # a side whose call would take longer stops growing T
@@ -226,14 +228,22 @@ class Runner:
         return self
 
     def _sides(self, fmt):
-        sides = [(f"ktfp8 {b}", _ktfp8_factory(b)) for b in self.plan.backends]
-        return sides + (PEERS[fmt] if self.plan.peers else [])
+        """(label, factory) of every side timed in fmt, and {label: why not} of the ktfp8 backends left out."""
+        default = backends.resolve_backend(None)
+        timed = [b for b in self.plan.backends if b == default or fmt in self.plan.other_backend_formats]
+        left = {f"ktfp8 {b}": f"backends other than the default ({default}) are timed in "
+                              f"{', '.join(self.plan.other_backend_formats)} only (--quick; --formats times them all)"
+                for b in self.plan.backends if b not in timed}
+        return [(f"ktfp8 {b}", _ktfp8_factory(b)) for b in timed] + (PEERS[fmt] if self.plan.peers else []), left
 
     def _run_format(self, layer, fmt):
         self.log(f"{layer.name}, {fmt}: drawing random experts ...")
         experts = L.random_experts(layer, fmt)
         check = OracleCheck(layer, experts)
-        for label, factory in self._sides(fmt):
+        sides, left = self._sides(fmt)
+        for label, reason in left.items():
+            self._skip(layer, label, fmt, reason)
+        for label, factory in sides:
             tokens = self.plan.tokens
             if label == "ktfp8 reference" and max(tokens) > REFERENCE_MAX_TOKENS:
                 tokens = [t for t in tokens if t <= REFERENCE_MAX_TOKENS]
