@@ -33,7 +33,13 @@ ROOT = Path(__file__).resolve().parent
 NATIVE = Path("ktfp8") / "_native"
 VARIANTS_DEF = ROOT / "include" / "ktfp8" / "variants.def"
 INCLUDE = ["include", np.get_include()]
-BASE_CFLAGS = ["-O3", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wall"]
+# -falign-functions=64: every function starts on a cache line, so where a kernel's hot loop falls
+# within the 64-byte windows the core fetches and decodes depends on that kernel's own source only,
+# not on how much code the units linked before it hold (the ISA units link best first, so a change
+# to the amx kernel used to move the avx2 loops).  Measured on the Zen 3 VM: the avx2 one-token loop
+# (tile_matmul2's dot_pair) started 8 or 56 bytes into a line in the fast builds, 24 or 40 in two
+# builds that were 1.04x-1.10x slower at T = 1 with the same avx2 source (docs/tuning-notes.md).
+BASE_CFLAGS = ["-O3", "-falign-functions=64", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wall"]
 EMULATION_FLAGS = ["-DKTFP8_EMULATE_SIMD", "-DKTFP8_EMULATE_AMX", "-Wno-psabi"]
 TWIN_BASES = ("fp8_codec", "moe")  # kernels worth checking under emulation (not the speed probes)
 
