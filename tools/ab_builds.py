@@ -13,8 +13,8 @@ median time per call and the median of the per-round ratios new / old: the drift
 over minutes cancels in a round's ratio.
 
 Give the same tree twice (A/A) to see the noise.  Code placement alone moved the figures by up to
-about 6 % on the Zen 3 VM (docs/tuning-notes.md): a smaller difference between two builds is not yet
-a property of either.
+about 6 % on the Zen 3 VM, 10 % at T = 1 before functions started on 64-byte lines
+(docs/tuning-notes.md): a smaller difference between two builds is not yet a property of either.
 """
 import argparse
 import importlib
