@@ -12,7 +12,7 @@
  * BF16 weights: their bits << 16 are the fp32 value, no scale, activations as they are.
  *
  * Decode (m <= DECODE_M): the codes stream once and are converted in registers, with software
- * prefetch and enough accumulators per token for the FMA latency.  Prefill: the first block of
+ * prefetch and enough accumulators per token for the FMA latency (m = 6: twice, 3 tokens a pass).  Prefill: the first block of
  * KEEP_M tokens streams the codes in the same way and also stores each converted row into scratch
  * (fp32 [k][16]); the later blocks of MR tokens sweep the scratch.  BF16 weights are converted per
  * block (a shift per weight costs less than the scratch round trip).
@@ -55,9 +55,15 @@
  * access.  Measured as pair_row says, against the kernel before both changes (a first block of 6
  * tokens, the up-front conversion), K = 2048 / 768: m = 7 0.92x / 0.95x, 8 0.88x / 0.84x, 10 0.97x /
  * 0.90x, 12 1.01x / 1.01x, 14 0.90x / 0.87x; with the old conversion a block of 5 gained nothing
- * (0.94x-1.09x).  The 6-token decode loop (m = 6) still spills, yet beat a first block of 5 and a
- * sweep of 1 (that took 1.04x-1.09x). */
+ * (0.94x-1.09x).  The same count rules out a 6-token streaming loop: see DECODE_HALVES_M. */
 #define KEEP_M 5
+/* m = 6 streams the codes in two passes of 3 tokens, the second reading the tile again from L2:
+ * the one-pass 6-token loop needs the 17 ymm KEEP_M's comment counts, and GCC 12 kept five of its
+ * accumulators on the stack (a store and a reload in their FMA chains every two K steps).  The
+ * 3-token loop has no stack access.  Zen 3, every token on every expert (E = 16, H = 2048, I = 768,
+ * tools/ab_builds.py --layer 16,16,2048,768 --tokens 6), time against the one 6-token pass: 0.89x-0.91x
+ * on 2 threads, 0.88x-0.89x on 1; a first block of 5 and a sweep of 1 had taken 1.04x-1.09x. */
+#define DECODE_HALVES_M 6
 _Static_assert(KEEP_M < DECODE_M && DECODE_M <= MR, "prefill (m > DECODE_M) starts with a whole first block");
 /* Software prefetch distance of the FP8 code stream.  Zen 3, benchmark layer, distances alternated
  * in one process, time against 2 KiB: T = 1 on 2 threads 4 KiB 0.94x / 0.96x (two runs), 8 KiB
@@ -374,6 +380,10 @@ static void tile_matmul(const ktfp8_tile_job *j) {
     if (j->m <= 0) return;
     if (j->format == KTFP8_FMT_BF16) {
         sweep(j, SRC_BF16, j->w, 0);
+    } else if (j->m == DECODE_HALVES_M) {
+        const int half = DECODE_HALVES_M / 2;
+        tile_rows(j, SRC_FP8, j->w, (const float *)j->a, j->c, half);
+        tile_rows(j, SRC_FP8, j->w, (const float *)j->a + half * j->a_stride, j->c + half * j->c_stride, half);
     } else if (j->m <= DECODE_M) {
 #define DECODE(M_) tile_rows(j, SRC_FP8, j->w, (const float *)j->a, j->c, M_)
         KTFP8_FOR_M6(j->m, DECODE)
