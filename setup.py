@@ -38,7 +38,8 @@ INCLUDE = ["include", np.get_include()]
 # not on how much code the units linked before it hold (the ISA units link best first, so a change
 # to the amx kernel used to move the avx2 loops).  Measured on the Zen 3 VM: the avx2 one-token loop
 # (tile_matmul2's dot_pair) started 8 or 56 bytes into a line in the fast builds, 24 or 40 in two
-# builds that were 1.04x-1.10x slower at T = 1 with the same avx2 source (docs/tuning-notes.md).
+# builds that took 1.07x-1.11x the time at T = 1 on 1 thread with the same avx2 source
+# (docs/tuning-notes.md).
 BASE_CFLAGS = ["-O3", "-falign-functions=64", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wall"]
 EMULATION_FLAGS = ["-DKTFP8_EMULATE_SIMD", "-DKTFP8_EMULATE_AMX", "-Wno-psabi"]
 TWIN_BASES = ("fp8_codec", "moe")  # kernels worth checking under emulation (not the speed probes)

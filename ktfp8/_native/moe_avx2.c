@@ -12,10 +12,10 @@
  * BF16 weights: their bits << 16 are the fp32 value, no scale, activations as they are.
  *
  * Decode (m <= DECODE_M): the codes stream once and are converted in registers, with software
- * prefetch and enough accumulators per token for the FMA latency (m = 6: twice, 3 tokens a pass).  Prefill: the first block of
- * KEEP_M tokens streams the codes in the same way and also stores each converted row into scratch
- * (fp32 [k][16]); the later blocks of MR tokens sweep the scratch.  BF16 weights are converted per
- * block (a shift per weight costs less than the scratch round trip).
+ * prefetch and enough accumulators per token for the FMA latency (m = 6: twice, 3 tokens a pass).
+ * Prefill: the first block of KEEP_M tokens streams the codes in the same way and also stores each
+ * converted row into scratch (fp32 [k][16]); the later blocks of MR tokens sweep the scratch.  BF16
+ * weights are converted per block (a shift per weight costs less than the scratch round trip).
  * Two tiles at once (tile_matmul2: gate and up, or two adjacent down tiles): one token streams both
  * tiles' weights in one K loop, each broadcast activation feeding both (dot_pair); more tokens run
  * the two tiles one after the other.  Each tile's sums are its one-tile path's, bit for bit
@@ -61,8 +61,9 @@
  * the one-pass 6-token loop needs the 17 ymm KEEP_M's comment counts, and GCC 12 kept five of its
  * accumulators on the stack (a store and a reload in their FMA chains every two K steps).  The
  * 3-token loop has no stack access.  Zen 3, every token on every expert (E = 16, H = 2048, I = 768,
- * tools/ab_builds.py --layer 16,16,2048,768 --tokens 6), time against the one 6-token pass: 0.89x-0.91x
- * on 2 threads, 0.88x-0.89x on 1; a first block of 5 and a sweep of 1 had taken 1.04x-1.09x. */
+ * tools/ab_builds.py --layer 16,16,2048,768 --tokens 6), time against the one 6-token pass:
+ * 0.88x-0.91x on 2 threads, 0.88x-0.90x on 1 (docs/tuning-notes.md); a first block of 5 and a sweep
+ * of 1 had taken 1.04x-1.09x. */
 #define DECODE_HALVES_M 6
 _Static_assert(KEEP_M < DECODE_M && DECODE_M <= MR, "prefill (m > DECODE_M) starts with a whole first block");
 /* Software prefetch distance of the FP8 code stream.  Zen 3, benchmark layer, distances alternated
