@@ -1,6 +1,6 @@
 """tools/kernel_ab and tools/amx_limits, the stand-alone timing tools of docs/tuning-notes.md: they build
 against this tree's headers with the ISA flags setup.py reads from variants.def, on every machine, refuse
-bad arguments, and where the CPU can run them,
+bad arguments, and where the CPU can run them (the avx2 kernel on every CPU the suite runs on with AVX2),
 kernel_ab's two builds are checked against each other before anything is timed."""
 import importlib.util
 import re
@@ -17,6 +17,7 @@ AMX_LIMITS = ROOT / "tools" / "amx_limits" / "amx_limits.sh"
 NATIVE = ROOT / "ktfp8" / "_native"
 HAS_AMX = "amx" in ktfp8.available_backends()
 HAS_BF16 = "avx512_bf16" in ktfp8.available_backends()
+HAS_AVX2 = "avx2" in ktfp8.available_backends()
 AB_LINE = re.compile(r"hot K=256 m=\s*(\d+): old\s+([\d.]+) us  new\s+([\d.]+) us .* new/old ([\d.]+)")
 
 
@@ -71,6 +72,13 @@ def test_kernel_ab_builds_and_refuses_an_unknown_mode():
     assert "usage" in done.stderr
 
 
+def test_kernel_ab_refuses_an_unknown_level():
+    unit = NATIVE / "moe_avx2.c"
+    done = run(KERNEL_AB, "--isa", "avx1024", unit, unit, "hot", 256, 1)
+    assert done.returncode == 2
+    assert "no level 'avx1024'" in done.stderr
+
+
 def swapped_outputs_build(unit, tmp_path):
     """A build of `unit` whose tile_matmul2 writes the first job's sums into the second job's output
     and the reverse: fast as the original, wrong for every m."""
@@ -106,3 +114,19 @@ def test_kernel_ab_times_builds_that_agree_and_refuses_one_that_does_not(tmp_pat
     assert done.returncode == 1
     assert "m = 3: the builds disagree" in done.stderr
     assert not AB_LINE.search(done.stdout)
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2 and FMA")
+def test_kernel_ab_times_avx2_builds_on_fp32_activations_and_refuses_wrong_sums(tmp_path):
+    # m = 1 (the paired one-token loop), 6 (two streaming passes), 7 and 17 (scratch sweeps); the
+    # driver's scaled FP32 activations come from the kernel's own table (layout.act_exp)
+    unit = NATIVE / "moe_avx2.c"
+    done = run(KERNEL_AB, "--isa", "avx2", unit, unit, "hot", 256, 1, 6, 7, 17)
+    assert done.returncode == 0, done.stderr
+    lines = AB_LINE.findall(done.stdout)
+    assert [int(m) for m, *_ in lines] == [1, 6, 7, 17], done.stdout
+    assert all(float(t) > 0 for _, *times in lines for t in times)
+
+    done = run(KERNEL_AB, "--isa", "avx2", unit, swapped_outputs_build(unit, tmp_path), "hot", 256, 7)
+    assert done.returncode == 1
+    assert "m = 7: the builds disagree" in done.stderr

@@ -17,6 +17,8 @@
 
 void kernel_old(const ktfp8_tile_job *, const ktfp8_tile_job *);
 void kernel_new(const ktfp8_tile_job *, const ktfp8_tile_job *);
+const ktfp8_moe_kernel *kernel_old_table(void);
+const ktfp8_moe_kernel *kernel_new_table(void);
 
 #define ROUNDS 15
 #define WALK_BYTES (256u << 20)
@@ -88,16 +90,38 @@ int main(int argc, char **argv) {
     float *scale = alloc64(NB * sizeof(float)), *c0 = alloc64(MAX_M * NB * sizeof(float)),
           *c1 = alloc64(MAX_M * NB * sizeof(float));
     for (int i = 0; i < NB; i++) scale[i] = 0.5f + (float)(rand() % 64) / 32; /* per channel: a lost scale shows */
+    /* the activations as the kernels read them: both builds must agree on what that is */
+    const ktfp8_moe_kernel *table[2] = {kernel_old_table(), kernel_new_table()};
+    if (table[0]->act_dtype != table[1]->act_dtype || table[0]->layout.act_exp != table[1]->layout.act_exp) {
+        fprintf(stderr, "kernel_ab: the builds read different activations (act_dtype %d / %d, act_exp %d / %d)\n",
+                table[0]->act_dtype, table[1]->act_dtype, table[0]->layout.act_exp, table[1]->layout.act_exp);
+        return 2;
+    }
+    const int f32 = table[0]->act_dtype == KTFP8_F32;
+    const size_t act_bytes = f32 ? sizeof(float) : sizeof(uint16_t);
     /* activation rows as the driver lays them out (row_stride in moe_driver.c): a line more when
      * they would be a multiple of 4 KiB apart */
-    const int64_t a_stride = (k * 2) % 4096 == 0 ? k + 32 : k;
-    uint16_t *a = alloc64(MAX_M * a_stride * sizeof(uint16_t));
-    for (int64_t i = 0; i < MAX_M * a_stride; i++) /* bf16 of both signs, 0.5 to 4: a wrong row shows */
-        a[i] = (uint16_t)(0x3f00 + (rand() & 0x17f) + ((rand() & 1) << 15));
+    const int64_t a_stride = (k * (int64_t)act_bytes) % 4096 == 0 ? k + 64 / (int64_t)act_bytes : k;
+    void *a = alloc64(MAX_M * a_stride * act_bytes);
+    for (int64_t i = 0; i < MAX_M * a_stride; i++) { /* both signs, 0.5 to 4: a wrong row shows */
+        const uint16_t bf16 = (uint16_t)(0x3f00 + (rand() & 0x17f) + ((rand() & 1) << 15));
+        if (f32) { /* the same values as fp32, times 2^act_exp as the driver hands them over */
+            const uint32_t bits = (uint32_t)bf16 << 16;
+            float v;
+            memcpy(&v, &bits, sizeof v);
+            ((float *)a)[i] = ldexpf(v, table[0]->layout.act_exp);
+        } else {
+            ((uint16_t *)a)[i] = bf16;
+        }
+    }
     float *agree_out[2][2];
     for (int b = 0; b < 2; b++)
         for (int w = 0; w < 2; w++) agree_out[b][w] = alloc64(MAX_M * NB * sizeof(float));
-    void *scratch = alloc64(2 * tile * sizeof(uint16_t)); /* a bf16 copy of both tiles (amx's scratch) */
+    size_t scratch_bytes = 64; /* what either build asks for (tile_matmul2's scratch is the first job's) */
+    for (int b = 0; b < 2; b++)
+        if (table[b]->tile_scratch_bytes && table[b]->tile_scratch_bytes(k) > scratch_bytes)
+            scratch_bytes = table[b]->tile_scratch_bytes(k);
+    void *scratch = alloc64(scratch_bytes);
     void (*const build[2])(const ktfp8_tile_job *, const ktfp8_tile_job *) = {kernel_old, kernel_new};
     for (int arg = 3; arg < argc; arg++) {
         const int m = atoi(argv[arg]);
@@ -111,7 +135,7 @@ int main(int argc, char **argv) {
         j0.k = k;
         j0.a = a;
         j0.a_stride = a_stride;
-        j0.act_dtype = KTFP8_BF16;
+        j0.act_dtype = table[0]->act_dtype;
         j0.m = m;
         j0.c_stride = NB;
         j0.scratch = scratch;
