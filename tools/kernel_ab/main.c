@@ -2,7 +2,8 @@
  * kernel_ab.sh says how to run it.  Each round times a batch of calls of each build, the first
  * one alternating; it prints each build's median time per tile pair and the median of the per-round
  * ratios new / old.  hot: one tile pair, calls after calls (codes in L1/L2: the loops' own speed);
- * dram: a walk over 256 MiB of tile pairs, each call's w_next the next pair, as the driver sets it.
+ * dram: a walk over 256 MiB of tile pairs (in huge pages, as the package's experts), each call's
+ * w_next the next pair, as the driver sets it.
  * Before timing each m it checks that the two builds agree on one call (exit status 1 if not): a
  * faster build with wrong sums is no A/B. */
 #include <math.h>
@@ -10,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "ktfp8/abi.h"
@@ -74,6 +76,22 @@ static void *alloc64(size_t bytes) {
     return p;
 }
 
+/* The weights' buffer, in transparent huge pages where Linux gives them to a program that asks, as
+ * the package's packed experts are (ktfp8/pages.py): advised before the first touch. */
+#define HUGE_PAGE_BYTES (2u << 20)
+static void *alloc_stream(size_t bytes) {
+    bytes = (bytes + HUGE_PAGE_BYTES - 1) & ~(size_t)(HUGE_PAGE_BYTES - 1);
+    void *p = aligned_alloc(HUGE_PAGE_BYTES, bytes);
+    if (!p) {
+        fprintf(stderr, "kernel_ab: out of memory\n");
+        exit(1);
+    }
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE); /* refused where THP is off: then 4 KiB pages, as the package gets */
+#endif
+    return p;
+}
+
 int main(int argc, char **argv) {
     if (argc < 4 || (strcmp(argv[1], "hot") && strcmp(argv[1], "dram")) || atoll(argv[2]) <= 0 || atoll(argv[2]) % 4) {
         fprintf(stderr, "usage: %s hot|dram K m [m ...]   (K a positive multiple of 4, 1 <= m <= %d)\n", argv[0], MAX_M);
@@ -85,7 +103,7 @@ int main(int argc, char **argv) {
     const int dram = argv[1][0] == 'd';
     const int64_t k = atoll(argv[2]), tile = k * NB; /* FP8 code bytes of one tile */
     const size_t pairs = dram ? WALK_BYTES / (2 * tile) : 1;
-    uint8_t *w = alloc64(pairs * 2 * tile);
+    uint8_t *w = alloc_stream(pairs * 2 * tile);
     for (size_t i = 0; i < pairs * 2 * tile; i++) w[i] = (uint8_t)(rand() & 0x77); /* finite, both signs */
     float *scale = alloc64(NB * sizeof(float)), *c0 = alloc64(MAX_M * NB * sizeof(float)),
           *c1 = alloc64(MAX_M * NB * sizeof(float));
