@@ -65,9 +65,13 @@ def test_amx_limits_times_every_piece_of_the_tile_pair():
     assert re.search(r"^  peak .* 100 % of peak$", done.stdout, re.M)
 
 
-def test_kernel_ab_builds_and_refuses_an_unknown_mode():
-    unit = NATIVE / "moe_avx512bf16.c"
-    done = run(KERNEL_AB, unit, unit, "warm", 256, 1)
+@pytest.mark.parametrize("level, unit", [(None, "moe_avx512bf16.c"), ("amx", "moe_amx.c"),
+                                         ("avx512", "moe_avx512.c"), ("avx2", "moe_avx2.c")])
+def test_kernel_ab_builds_every_level_and_refuses_an_unknown_mode(level, unit):
+    # the build links (moe_avx512.c has no tile_matmul2: its tiles are timed one after the other), and
+    # the usage check comes before any instruction of the level runs
+    isa = ["--isa", level] if level else []
+    done = run(KERNEL_AB, *isa, NATIVE / unit, NATIVE / unit, "warm", 256, 1)
     assert done.returncode == 2, done.stderr
     assert "usage" in done.stderr
 
