@@ -117,18 +117,6 @@ static void group_pairs(const ktfp8_moe_call *c, call_buffers *b) {
     }
 }
 
-/* Row stride (elements) of k_pad activations: an odd number of 64-byte lines, so that the rows
- * of an AMX A tile (16 rows, 64 in a pass) spread over all 64 L1 sets of Sapphire Rapids (12 ways)
- * instead of sharing a few.  A multiple of 4 KiB put all 16 in one set (H = 2048 in BF16); any even
- * count shares them out unevenly: I = 768 in BF16 is 24 lines, 8 sets for the 64 rows of a pass.
- * Measured on the Xeon VM with AMX (tools/kernel_ab, the amx kernel, K = 768, 25 lines apart against
- * 24): m = 32..128 0.86x-0.98x hot, m = 48..80 0.92x-0.98x from DRAM; K = 2048, 66 lines against 65:
- * 1.06x-1.10x. */
-static int64_t row_stride(int64_t k_pad, size_t esz) {
-    const int64_t line = 64 / (int64_t)esz; /* elements per line; k_pad is a whole number of lines */
-    return (k_pad / line) % 2 ? k_pad : k_pad + line;
-}
-
 /* Carves every per-call buffer out of one arena allocation, then groups the pairs.  The gathered
  * rows and h get row_pad - 1 rows of zeros after the last pair's: a kernel that reads row_pad rows at
  * a time (layout.row_pad) may read that far past its last expert's rows. */
@@ -138,8 +126,8 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     const int64_t routed = routed_pairs(c);
     if (routed < 0) return (int)routed;
     const size_t n = (size_t)routed, pad = (size_t)(row_pad > 1 ? row_pad - 1 : 0);
-    b->x_stride = row_stride(Hp, esz);
-    b->h_stride = row_stride(Ip, esz);
+    b->x_stride = ktfp8_row_stride(Hp, esz);
+    b->h_stride = ktfp8_row_stride(Ip, esz);
     const size_t sizes[] = {
         sizeof(int64_t) * (size_t)(E + 1), sizeof(int64_t) * (size_t)E, sizeof(int64_t) * (size_t)E,
         sizeof(int64_t) * n, sizeof(float) * n, esz * (n + pad) * (size_t)b->x_stride,

@@ -36,7 +36,7 @@
 #define SLABS (K / 32)
 #define M 64
 #define SLAB_BYTES 1024          /* one BF16 B tile: 16 K pairs x 16 columns x 2 */
-#define A_STRIDE (K + 32)        /* elements: moe_driver.c's row_stride for 4 KiB multiples */
+#define A_STRIDE (K + 32)        /* elements: ktfp8_row_stride (moe.h) for K = 2048 in BF16 */
 #define ALU_OPS_DEFAULT 128      /* per slab, about the conversion's instruction count */
 #define ROUNDS 15
 

@@ -16,6 +16,7 @@
 
 #include "ktfp8/abi.h"
 #include "ktfp8/cpu_features.h"
+#include "ktfp8/moe.h"
 
 void kernel_old(const ktfp8_tile_job *, const ktfp8_tile_job *);
 void kernel_new(const ktfp8_tile_job *, const ktfp8_tile_job *);
@@ -117,9 +118,8 @@ int main(int argc, char **argv) {
     }
     const int f32 = table[0]->act_dtype == KTFP8_F32;
     const size_t act_bytes = f32 ? sizeof(float) : sizeof(uint16_t);
-    /* activation rows as the driver lays them out (row_stride in moe_driver.c): a line more when
-     * they would be a multiple of 4 KiB apart */
-    const int64_t a_stride = (k * (int64_t)act_bytes) % 4096 == 0 ? k + 64 / (int64_t)act_bytes : k;
+    /* activation rows as the driver lays them out: an odd number of lines apart (ktfp8_row_stride) */
+    const int64_t line = 64 / (int64_t)act_bytes, a_stride = ktfp8_row_stride((k + line - 1) / line * line, act_bytes);
     void *a = alloc64(MAX_M * a_stride * act_bytes);
     for (int64_t i = 0; i < MAX_M * a_stride; i++) { /* both signs, 0.5 to 4: a wrong row shows */
         const uint16_t bf16 = (uint16_t)(0x3f00 + (rand() & 0x17f) + ((rand() & 1) << 15));
