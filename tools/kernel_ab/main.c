@@ -68,8 +68,10 @@ static int builds_agree(void (*const build[2])(const ktfp8_tile_job *, const ktf
     return 0;
 }
 
-static void *alloc64(size_t bytes) {
-    void *p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+/* bytes rounded up to a whole number of `align` (a power of two), from an address aligned so; exits
+ * when memory runs out. */
+static void *alloc_aligned(size_t align, size_t bytes) {
+    void *p = aligned_alloc(align, (bytes + align - 1) & ~(align - 1));
     if (!p) {
         fprintf(stderr, "kernel_ab: out of memory\n");
         exit(1);
@@ -77,18 +79,16 @@ static void *alloc64(size_t bytes) {
     return p;
 }
 
+static void *alloc64(size_t bytes) { return alloc_aligned(64, bytes); }
+
 /* The weights' buffer, in transparent huge pages where Linux gives them to a program that asks, as
  * the package's packed experts are (ktfp8/pages.py): advised before the first touch. */
-#define HUGE_PAGE_BYTES (2u << 20)
+#define HUGE_PAGE_BYTES ((size_t)2 << 20)
 static void *alloc_stream(size_t bytes) {
-    bytes = (bytes + HUGE_PAGE_BYTES - 1) & ~(size_t)(HUGE_PAGE_BYTES - 1);
-    void *p = aligned_alloc(HUGE_PAGE_BYTES, bytes);
-    if (!p) {
-        fprintf(stderr, "kernel_ab: out of memory\n");
-        exit(1);
-    }
+    const size_t whole = (bytes + HUGE_PAGE_BYTES - 1) & ~(HUGE_PAGE_BYTES - 1);
+    void *p = alloc_aligned(HUGE_PAGE_BYTES, whole);
 #ifdef MADV_HUGEPAGE
-    madvise(p, bytes, MADV_HUGEPAGE); /* refused where THP is off: then 4 KiB pages, as the package gets */
+    madvise(p, whole, MADV_HUGEPAGE); /* refused where THP is off: then 4 KiB pages, as the package gets */
 #endif
     return p;
 }
