@@ -17,3 +17,20 @@ isa_flags() {
     done
     echo $out
 }
+
+# package_cflags prints the flags setup.py compiles every unit with (its BASE_CFLAGS), read from
+# setup.py itself so that a tool's copy of a kernel cannot drift from the package's build.
+package_cflags() {
+    local root
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    python3 - "$root/setup.py" <<'PY'
+import ast, sys
+tree = ast.parse(open(sys.argv[1]).read())
+for node in tree.body:
+    if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["BASE_CFLAGS"]:
+        print(" ".join(ast.literal_eval(node.value)))
+        break
+else:
+    sys.exit("package_cflags: no BASE_CFLAGS list in setup.py")
+PY
+}

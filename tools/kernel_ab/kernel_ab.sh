@@ -16,13 +16,14 @@
 # they read (act_dtype, and FP32 ones times 2^layout.act_exp as the driver hands them over).
 #
 # Both copies compile against this tree's include/ with the flags setup.py gives the level LEVEL
-# (include/ktfp8/variants.def; default amx: AVX-512 BF16 + VBMI, and AMX, which an avx512_bf16 unit
-# does not use), one object each, linked into one binary: two separate binaries put the same loop at
-# different addresses, which on the Zen 5 VM moved a call by up to 30 % (m = 4 from L2: 1.8 against
-# 2.4 us per tile pair), and on the Zen 3 VM the same avx2 source ran 1.2x faster in one binary than
-# in another with the loops at the same offsets in their lines.  With --isa amx a third object, this
-# tree's moe_avx512bf16.c, is the small-m kernel an amx copy hands its few-token calls to.  Needs a
-# CPU that runs LEVEL (and Linux's permission to use AMX tiles, to time an amx copy).
+# (its BASE_CFLAGS, and the ISA flags of include/ktfp8/variants.def; default amx: AVX-512 BF16 +
+# VBMI, and AMX, which an avx512_bf16 unit does not use), one object each, linked into one binary:
+# two separate binaries put the same loop at different addresses, which on the Zen 5 VM moved a call
+# by up to 30 % (m = 4 from L2: 1.8 against 2.4 us per tile pair), and on the Zen 3 VM the same avx2
+# source ran 1.2x faster in one binary than in another with the loops at the same offsets in their
+# lines.  With --isa amx a third object, this tree's moe_avx512bf16.c, is the small-m kernel an amx
+# copy hands its few-token calls to.  Needs a CPU that runs LEVEL (and Linux's permission to use AMX
+# tiles, to time an amx copy).
 set -euo pipefail
 isa=amx
 if [ "${1:-}" = --isa ]; then
@@ -42,8 +43,9 @@ trap 'rm -rf "$out"' EXIT
 # shellcheck source=../isa_flags.sh
 source "$root/tools/isa_flags.sh"
 level_flags="$(isa_flags "$isa")" || exit 2
+base_flags="$(package_cflags)" || exit 2
 # shellcheck disable=SC2206  # the flags split into words
-flags=(-O3 -falign-functions=64 -std=gnu11 -fno-strict-aliasing $level_flags -I"$root/include")
+flags=($base_flags $level_flags -I"$root/include")
 # the objects compile side by side; all are waited for before a failure ends the script
 builds=()
 for side in old new; do
