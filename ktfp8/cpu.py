@@ -60,19 +60,33 @@ def _mark(ok):
     return "✅" if ok else "❌"
 
 
+# the report's non-ASCII characters, for a stdout that cannot encode them (an ASCII locale or pipe)
+_ASCII = {"✅": "yes", "❌": "no ", "⚠️": "!!", "–": "-"}
+
+
+def _encodable(text, out):
+    try:
+        text.encode(getattr(out, "encoding", None) or "utf-8")
+        return True
+    except (UnicodeEncodeError, LookupError):
+        return False
+
+
 def print_report(r, out=sys.stdout):
-    print(f"CPU: {describe(r)}", file=out)
-    print("Instruction sets (CPUID):", file=out)
-    for name, ok in r["flags"].items():
-        print(f"  {_mark(ok)} {name}", file=out)
-    print("OS support (XCR0):", file=out)
-    for name, ok in r["os_support"].items():
-        print(f"  {_mark(ok)} {name}", file=out)
-    print(f"Compiled variants: {', '.join(r['compiled_variants'])}", file=out)
-    print(f"Usable backends (best first): {', '.join(r['usable_backends'])}", file=out)
-    print(f"Selected backend: {r['selected_backend']}", file=out)
-    print(numa.format_report(r["numa_nodes"]), file=out)
-    print(r["verdict"], file=out)
+    lines = [f"CPU: {describe(r)}", "Instruction sets (CPUID):"]
+    lines += [f"  {_mark(ok)} {name}" for name, ok in r["flags"].items()]
+    lines += ["OS support (XCR0):"]
+    lines += [f"  {_mark(ok)} {name}" for name, ok in r["os_support"].items()]
+    lines += [f"Compiled variants: {', '.join(r['compiled_variants'])}",
+              f"Usable backends (best first): {', '.join(r['usable_backends'])}",
+              f"Selected backend: {r['selected_backend']}",
+              numa.format_report(r["numa_nodes"]), r["verdict"]]
+    text = "\n".join(lines) + "\n"
+    if not _encodable(text, out):
+        for mark, word in _ASCII.items():
+            text = text.replace(mark, word)
+        text = text.encode("ascii", "replace").decode("ascii")
+    out.write(text)
 
 
 def main(argv=None):
@@ -81,7 +95,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     r = report()
     if args.json:
-        print(json.dumps(r, indent=2, ensure_ascii=False))
+        text = json.dumps(r, indent=2, ensure_ascii=False)
+        print(text if _encodable(text, sys.stdout) else json.dumps(r, indent=2))
     else:
         print_report(r)
     return 0

@@ -1,5 +1,6 @@
 """`python -m ktfp8.cpu` / tools/check_cpu_features.py: the same report, from CPUID, exit status 0."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,8 @@ from ktfp8 import backends, cpu
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(*args):
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+def run(*args, env=None):
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -35,6 +36,19 @@ def test_json_report_agrees_with_cpuid():
     assert r["flags"]["avx2"] == bool(f["avx2"]) and r["flags"]["avx512f"] == bool(f["avx512f"])
     assert r["usable_backends"] == ktfp8.available_backends()
     assert r["compiled_variants"] == backends.compiled_variants()
+
+
+def test_a_stdout_without_unicode_gets_ascii_marks():
+    """PYTHONIOENCODING=ascii (a pipe or terminal that cannot take the check marks) used to end in a
+    UnicodeEncodeError; the same report comes out with words for the marks, the JSON with escapes."""
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    text = run("-m", "ktfp8.cpu", env=env)
+    f = ktfp8.cpu_features()
+    assert text.isascii()
+    assert f"  {'yes' if f['avx2'] else 'no '} avx2\n" in text
+    assert f"  {'yes' if f['avx512f'] else 'no '} avx512f\n" in text
+    r = json.loads(run("-m", "ktfp8.cpu", "--json", env=env))
+    assert r["verdict"] == cpu.report()["verdict"] and r["flags"]["avx2"] == bool(f["avx2"])
 
 
 def test_verdict_names_what_is_missing():
