@@ -135,7 +135,7 @@ class ExpertParallelMoE:
         self.expert_range = split_experts(config.expert_num, self.world_size, name="world size")[self.rank]
         shard = experts if experts.expert_range == self.expert_range else experts.shard(self.expert_range)
         self.moe = MoE(config, shard, backend=backend, threads=threads)
-        self.config = config
+        self.config = self.moe.config   # a copy, as MoE keeps
         check_same_on_all_ranks((config.expert_num, config.hidden_size, config.intermediate_size,
                                  config.num_experts_per_tok, FORMATS.index(experts.format)),
                                 "(expert_num, hidden_size, intermediate_size, num_experts_per_tok, format)",

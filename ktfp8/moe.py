@@ -4,6 +4,8 @@ Also the classes with the names KTransformers users know (AMXFP8PerChannel_MOE, 
 AMXBF16_MOE): they run the native AVX-512-BF16 path or AMX; on a CPU without either, constructing one
 raises RuntimeError saying what the CPU lacks (ktfp8.MoE runs everywhere).  _HAS_FP8_PERCHANNEL_SUPPORT
 is True exactly when they can be constructed."""
+import copy
+
 import ml_dtypes
 import numpy as np
 
@@ -71,11 +73,14 @@ class MoE:
 
     `experts` may be a shard of the layer (ExpertWeights.expert_range inside range(config.expert_num)):
     ids are global, those outside the shard are skipped like ids < 0, so the outputs of MoEs over
-    disjoint shards that cover the layer sum to the whole layer's output."""
+    disjoint shards that cover the layer sum to the whole layer's output.
+
+    The layer keeps a copy of `config` taken when it is built: changing that config afterwards (or
+    reusing it for another layer) does not change this one."""
 
     def __init__(self, config, experts, backend=None, threads=None, copy_to_cpu=False):
         _check_matches(config, experts)
-        self.config = config
+        self._config = copy.deepcopy(config)
         self.copy_to_cpu = bool(copy_to_cpu)
         variant = backends.variant(backend)
         self.backend = variant.name
@@ -91,6 +96,11 @@ class MoE:
         scales = [None if s is None else np.ascontiguousarray(s, dtype=np.float32)
                   for s in (experts.gate_scale, experts.up_scale, experts.down_scale)]
         self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, threads)
+
+    @property
+    def config(self):
+        """A copy of the MoeConfig this layer was built with (its sizes and routing are fixed)."""
+        return copy.deepcopy(self._config)
 
     @property
     def threads(self):
@@ -109,7 +119,7 @@ class MoE:
 
     @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def __call__(self, x, topk_ids, topk_weights, out=None, accumulate=False):
-        cfg = self.config
+        cfg = self._config
         x = _as_c_array("x", x, _X_DTYPES, 2)
         if x.shape[1] != cfg.hidden_size:
             raise ValueError(f"x must have shape [T, {cfg.hidden_size}], got {x.shape}")
@@ -138,10 +148,11 @@ class MoE:
         """int64 ids into the packed experts: global id - first expert, -1 (skip) outside the shard."""
         ids = topk_ids.astype(np.int64, copy=False)
         own = self.expert_range
-        if len(own) == self.config.expert_num:
+        expert_num = self._config.expert_num
+        if len(own) == expert_num:
             return ids
-        if ids.size and ids.max() >= self.config.expert_num:   # the kernel only sees local ids
-            raise ValueError(f"topk_ids holds expert id {int(ids.max())} >= expert_num {self.config.expert_num}")
+        if ids.size and ids.max() >= expert_num:   # the kernel only sees local ids
+            raise ValueError(f"topk_ids holds expert id {int(ids.max())} >= expert_num {expert_num}")
         held = (ids >= own.start) & (ids < own.stop)
         return np.where(held, ids - own.start, -1)
 
@@ -153,14 +164,15 @@ class MoE:
             if topk_ids is not None or topk_weights is not None:
                 raise ValueError("pass either router_logits= or topk_ids/topk_weights, not both")
             from .routing import route
-            topk_ids, topk_weights = route(router_logits, self.config, correction_bias=correction_bias)
+            topk_ids, topk_weights = route(router_logits, self._config, correction_bias=correction_bias)
         elif topk_ids is None or topk_weights is None:
             raise ValueError("forward needs topk_ids and topk_weights, or router_logits=")
         return self(x, topk_ids, topk_weights, out=out, accumulate=accumulate)
 
     def __repr__(self):
         own = self.expert_range
-        held = "" if len(own) == self.config.expert_num else f" ({own!r} of {self.config.expert_num})"
+        expert_num = self._config.expert_num
+        held = "" if len(own) == expert_num else f" ({own!r} of {expert_num})"
         return (f"MoE(backend={self.backend!r}, experts={self._shape[0]}{held}, hidden={self._shape[1]}, "
                 f"intermediate={self._shape[2]}, nbytes={self.nbytes})")
 

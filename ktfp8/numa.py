@@ -155,7 +155,7 @@ class NumaMoE:
         futures = [team.submit(MoE, config, experts.shard(p.experts), backend=backend, threads=len(p.cpus))
                    for team, p in zip(self._teams, self.placements)]
         self.moes = [f.result() for f in futures]
-        self.config = config
+        self.config = self.moes[0].config   # a copy, as MoE keeps
 
     @property
     def nbytes(self):

@@ -184,3 +184,23 @@ def test_forward_with_router_logits(layer):
     moe = MoE(cfg, experts)
     ids, w = ktfp8.route(logits, cfg)
     np.testing.assert_array_equal(moe.forward(x, router_logits=logits), moe(x, ids, w))
+
+
+def test_config_changed_after_building_does_not_reach_the_layer(layer):
+    """One MoeConfig reused for the next layer, or edited: a built MoE keeps the sizes and routing it
+    was built with (before, a larger expert_num let ids past the layer's experts through, skipped)."""
+    fmt, _, experts, dense = layer
+    cfg = config(fmt)
+    moe = MoE(cfg, experts)
+    rng = np.random.default_rng(17)
+    x, ids, w = _inputs(5, seed=17)
+    logits = rng.standard_normal((5, E)).astype(np.float32)
+    routed, called = moe.forward(x, router_logits=logits), moe(x, ids, w)
+    cfg.expert_num, cfg.num_experts_per_tok, cfg.norm_topk_prob = 2 * E, 1, False
+    moe.config.expert_num = 2 * E                   # a copy: editing it changes nothing either
+    assert moe.config.expert_num == E and moe.config.num_experts_per_tok == K
+    np.testing.assert_array_equal(moe.forward(x, router_logits=logits), routed)
+    np.testing.assert_array_equal(moe(x, ids, w), called)
+    with pytest.raises(ValueError, match=f"expert id {E} >= expert_num {E}"):
+        moe(x, np.where(ids == ids.max(), E, ids), w)
+
