@@ -13,6 +13,9 @@ import numpy as np
 
 QUANT_METHODS = ("FP8", "BF16")
 DEFAULT_BLOCK = 128              # block edge of block-wise FP8 when none is given (DeepSeek-V3's)
+# why every MoE kernel refuses an odd K block edge (and so QuantConfig and ktfp8.convert refuse it)
+ODD_BLOCK_EDGE = ("the kernels read K two weights at a time (a BF16 pair per 32-bit lane), and a block "
+                  "edge inside a pair would need two scales for one lane")
 SCORING_FUNCS = ("softmax", "sigmoid")
 HIDDEN_ACTS = ("silu",)          # the kernels compute silu(gate) * up and nothing else
 
@@ -45,7 +48,7 @@ class QuantConfig:
     method:      "FP8" (E4M3 codes + float32 scales) or "BF16".
     per_channel: FP8 scales: True = one scale per output row; False = block-wise, one scale per
                  group_size x group_size block (DeepSeek-V3 `weight_scale_inv`).
-    group_size:  0 when per_channel; the block edge (> 0, default 128) when block-wise.
+    group_size:  0 when per_channel; the block edge (even, > 0, default 128) when block-wise.
 
     per_channel and group_size state one fact twice (group_size 0 <=> per-channel), and KTransformers
     code sets them one at a time, so the order of assignment does not matter: a field you have not set
@@ -102,6 +105,7 @@ class QuantConfig:
                 raise ValueError(f"QuantConfig.{name} = {value!r} contradicts {other} = {getattr(self, other)!r} "
                                  f"set before (group_size 0 means per-channel); to change both, assign them at "
                                  f"once: cfg.quant_config = {wanted}")
+        _check_scale_mode(per_channel, group_size)
         object.__setattr__(self, "per_channel", per_channel)
         object.__setattr__(self, "group_size", group_size)
         object.__setattr__(self, "_chosen", self._chosen | {name})
@@ -124,6 +128,8 @@ def _check_scale_mode(per_channel, group_size):
     if not per_channel and group_size <= 0:
         raise ValueError(f"QuantConfig.group_size must be > 0 (the block edge, e.g. {DEFAULT_BLOCK}) with "
                          f"per_channel=False, got {group_size}; use per_channel=True for per-channel scales")
+    if not per_channel and group_size % 2:
+        raise ValueError(f"QuantConfig.group_size must be even, got {group_size}: {ODD_BLOCK_EDGE}")
 
 
 _MOE_FIELDS = ("expert_num", "num_experts_per_tok", "hidden_size", "intermediate_size", "scoring_func",

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from .config import ODD_BLOCK_EDGE
 from .loader import EXPERT_RE, block_size_of
 from .safetensors_io import SafetensorsError, tensor_nbytes
 
@@ -54,6 +55,8 @@ def parse_quant_config(text):
         return QuantSpec(True)
     if group <= 0:
         raise ValueError(f"--quant-config: block-wise (per_channel false) needs group_size > 0, got {group}")
+    if group % 2:
+        raise ValueError(f"--quant-config: group_size must be even, got {group}: {ODD_BLOCK_EDGE}")
     return QuantSpec(False, (group, group))
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from . import backends
 from ._native import _ext
 from ._torch import accepts_tensors
-from .config import MoeConfig
+from .config import ODD_BLOCK_EDGE, MoeConfig
 from .experts import ExpertWeights
 
 _W = _ext.ktfp8_wformat
@@ -45,7 +45,8 @@ def _check_matches(config, experts):
         raise ValueError(f"experts are {experts.format!r} but config.quant_config asks for {fmt!r}")
     if fmt == "fp8_block":
         if experts.block[1] % 2:
-            raise ValueError(f"block-wise FP8 needs an even K block edge, got block={experts.block}")
+            raise ValueError(f"block-wise FP8 needs an even K block edge, got block={experts.block}: "
+                             f"{ODD_BLOCK_EDGE}")
         if tuple(experts.block) != (config.quant_config.group_size,) * 2:
             raise ValueError(f"experts use block {tuple(experts.block)}, config.quant_config.group_size "
                              f"is {config.quant_config.group_size}")

@@ -85,6 +85,11 @@ class Ctx:
         import shutil
         return Path(shutil.copytree(self.ckpt, self.tmp / name))
 
+    def odd_block_experts(self):
+        """Block-wise experts with 8 x 7 blocks, quantized with fp8.quantize: QuantConfig refuses odd edges."""
+        q = [ktfp8.fp8.quantize(self.w[n], per_channel=False, block=(8, 7)) for n in ("gate", "up", "down")]
+        return ExpertWeights("fp8_block", *(codes for codes, _ in q), *(scale for _, scale in q), block=(8, 7))
+
     def experts_with(self, **changes):
         fields = dict(format=self.experts.format, gate=self.experts.gate, up=self.experts.up,
                       down=self.experts.down, gate_scale=self.experts.gate_scale,
@@ -248,6 +253,11 @@ CASES = [
          ValueError, "group_size must be 0 with per_channel=True"),
     Case("QuantConfig", "block-wise with group_size=0", lambda c: ktfp8.QuantConfig("FP8", False, 0),
          ValueError, "group_size must be > 0"),
+    Case("QuantConfig", "block-wise with an odd group_size", lambda c: ktfp8.QuantConfig("FP8", False, 127),
+         ValueError, "QuantConfig.group_size must be even, got 127"),
+    Case("QuantConfig (assignment)", "group_size = 15 on a block-wise config",
+         lambda c: setattr(ktfp8.QuantConfig("FP8", per_channel=False), "group_size", 15), ValueError,
+         "QuantConfig.group_size must be even, got 15"),
     Case("QuantConfig (assignment)", "group_size = 128 after per_channel = True",
          lambda c: setattr(ktfp8.QuantConfig("FP8", per_channel=True), "group_size", 128), ValueError,
          "QuantConfig.group_size = 128 contradicts per_channel = True set before"),
@@ -366,9 +376,8 @@ CASES = [
     Case("MoE", "per-channel experts, block-wise config", lambda c: ktfp8.MoE(c.block_config(64), c.experts),
          ValueError, "experts are 'fp8_per_channel' but config.quant_config asks for 'fp8_block'"),
     Case("MoE", "block-wise experts with an odd K block",
-         lambda c: ktfp8.MoE(c.block_config(7), ktfp8.quantize_experts(
-             c.w["gate"], c.w["up"], c.w["down"], c.block_config(7).quant_config)), ValueError,
-         "block-wise FP8 needs an even K block edge"),
+         lambda c: ktfp8.MoE(c.block_config(8), c.odd_block_experts()), ValueError,
+         "block-wise FP8 needs an even K block edge, got block=(8, 7)"),
     Case("MoE", "an unknown backend name",
          lambda c: ktfp8.MoE(c.cfg, c.experts, backend="no_such_backend"), ValueError,
          "backend='no_such_backend' is not compiled in this build; usable backends:"),

@@ -194,6 +194,7 @@ def test_output_folder_rules(qwen, tmp_path, capsys):
     ('{"per_channel":"yes"}', "per_channel must be true or false"),
     ('{"per_channel":true,"group_size":128}', "per_channel needs group_size 0"),
     ('{"per_channel":false,"group_size":0}', "needs group_size > 0"),
+    ('{"per_channel":false,"group_size":15}', "group_size must be even, got 15"),  # no MoE could run it
     ('{"method":"FP8","bits":8}', "unknown keys"),
 ])
 def test_malformed_quant_config(qwen, tmp_path, capsys, bad, message):
