@@ -9,7 +9,10 @@ The *_emulated variants (the AVX-512 / AMX sources compiled against software emu
 the test suite and live in the test-only module ktfp8._native._testing, which is imported only when
 one of them is named or listed: they can be forced by name but are never chosen automatically."""
 import importlib
+import numbers
 import os
+
+import numpy as np
 
 from ._native import _ext
 
@@ -120,9 +123,9 @@ def default_threads(threads=None):
             if env:
                 return _positive_env(var, env.split(",")[0] if var == ENV_OMP_THREADS else env)
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:
+    if isinstance(threads, (bool, np.bool_)) or not isinstance(threads, numbers.Integral) or threads <= 0:
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
-    return threads
+    return int(threads)
 
 
 def _positive_env(var, text):

@@ -13,6 +13,7 @@ import numpy as np
 
 QUANT_METHODS = ("FP8", "BF16")
 DEFAULT_BLOCK = 128              # block edge of block-wise FP8 when none is given (DeepSeek-V3's)
+MAX_BLOCK_EDGE = 2**31 - 1
 # why every MoE kernel refuses an odd K block edge (and so QuantConfig and ktfp8.convert refuse it)
 ODD_BLOCK_EDGE = ("the kernels read K two weights at a time (a BF16 pair per 32-bit lane), and a block "
                   "edge inside a pair would need two scales for one lane")
@@ -28,6 +29,22 @@ def _as_int(owner, name, value, minimum):
     if value < minimum:
         raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
     return value
+
+
+def as_block(block, name="block"):
+    """(block_out, block_in) from an int or a pair of ints, each in 1 .. MAX_BLOCK_EDGE (the kernels
+    and the codec take the edges as C integers)."""
+    pair = (block, block) if isinstance(block, numbers.Integral) else block
+    try:
+        bn, bk = pair
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be an int or a pair of ints (block_out, block_in), got {block!r}") from None
+    for v in (bn, bk):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name} must be an int or a pair of ints (block_out, block_in), got {block!r}")
+    if not (0 < bn <= MAX_BLOCK_EDGE and 0 < bk <= MAX_BLOCK_EDGE):
+        raise ValueError(f"{name} sizes must be positive and at most {MAX_BLOCK_EDGE}, got {name}={block!r}")
+    return int(bn), int(bk)
 
 
 def _as_bool(owner, name, value):

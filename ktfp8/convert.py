@@ -57,6 +57,16 @@ def _size_arg(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _decibels_arg(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):     # nan would fail every tensor, after the whole conversion
+        raise argparse.ArgumentTypeError(f"must be a finite number of decibels, got {text!r}")
+    return value
+
+
 def _threads_arg(text):
     try:
         value = int(text)
@@ -91,7 +101,7 @@ def build_parser():
     p.add_argument("--verify", action="store_true",
                    help="re-read the output, print each quantized tensor's SQNR (dB) and the worst ones, "
                         "check copied tensors byte for byte")
-    p.add_argument("--verify-min-sqnr", type=float, default=20.0, metavar="DB",
+    p.add_argument("--verify-min-sqnr", type=_decibels_arg, default=20.0, metavar="DB",
                    help="with --verify: fail (and write nothing) if a tensor's SQNR is below DB (default 20)")
     return p
 

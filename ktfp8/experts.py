@@ -6,8 +6,10 @@ import ml_dtypes
 import numpy as np
 
 from ._torch import accepts_tensors, to_numpy
+from .config import as_block
 
 FORMATS = ("fp8_per_channel", "fp8_block", "bf16")
+_FLOAT_WEIGHTS = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))  # to quantize
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,9 @@ def _validate(w):
     if w.format == "bf16":
         return
     if w.format == "fp8_block":
-        if w.block is None or len(w.block) != 2 or min(w.block) <= 0:
-            raise ValueError(f"fp8_block needs block=(block_n, block_k) > 0, got {w.block!r}")
+        if w.block is None:
+            raise ValueError("fp8_block needs block=(block_n, block_k) > 0, got None")
+        object.__setattr__(w, "block", as_block(w.block, "ExpertWeights.block"))
     for name, proj in (("gate_scale", w.gate), ("up_scale", w.up), ("down_scale", w.down)):
         s = getattr(w, name)
         _, out, inn = proj.shape
@@ -170,6 +173,11 @@ def quantize_experts(gate, up, down, quant_config, experts=None):
     method = getattr(quant_config, "method", None)
     if method not in ("FP8", "BF16"):
         raise ValueError(f"quant_config.method must be 'FP8' or 'BF16', got {method!r}")
+    for name, a in (("gate", gate), ("up", up), ("down", down)):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(a).__name__}")
+        if a.dtype not in _FLOAT_WEIGHTS:
+            raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {a.dtype}")
     shard = {}
     if experts is not None:
         total = {len(a) for a in (gate, up, down) if getattr(a, "ndim", 0) == 3}

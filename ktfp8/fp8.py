@@ -23,6 +23,7 @@ import numpy as np
 from ._native import _ext
 from ._torch import accepts_tensors
 from .backends import default_threads, variant
+from .config import as_block
 
 # dtype -> code understood by the C side (enum ktfp8_dtype)
 _C = _ext.ktfp8_dtype
@@ -69,7 +70,7 @@ def quantize(w, per_channel=True, block=(128, 128), *, backend=None, threads=Non
     w, dtype_code = _float_array(w, "w")
     _check_matrix_shape(w, "w")
     per_channel = _check_bool(per_channel, "per_channel")
-    bn, bk = _block(block)
+    bn, bk = as_block(block)
     backend, threads = variant(backend), default_threads(threads)
     mats, rows, cols = _as_3d(w.shape)
     if per_channel:
@@ -89,7 +90,7 @@ def dequantize(codes, scale, out_dtype=np.float32, block=(128, 128), *, backend=
     codes = _codes_array(codes, "codes")
     _check_matrix_shape(codes, "codes")
     out_dtype = _output_dtype(out_dtype, "out_dtype")
-    bn, bk = _block(block)
+    bn, bk = as_block(block)
     scale = _scale_array(scale, "scale")
     backend, threads = variant(backend), default_threads(threads)
     mats, rows, cols = _as_3d(codes.shape)
@@ -167,18 +168,3 @@ def _check_bool(value, name):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
-
-
-def _block(block):
-    """(block_out, block_in) from an int or a pair of ints, both positive."""
-    pair = (block, block) if isinstance(block, (int, np.integer)) else block
-    try:
-        bn, bk = pair
-    except (TypeError, ValueError):
-        raise TypeError(f"block must be an int or a pair of ints (block_out, block_in), got {block!r}") from None
-    for v in (bn, bk):
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"block must be an int or a pair of ints (block_out, block_in), got {block!r}")
-    if bn <= 0 or bk <= 0:
-        raise ValueError(f"block sizes must be positive, got block={block!r}")
-    return int(bn), int(bk)

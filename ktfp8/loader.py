@@ -5,6 +5,7 @@ DeepSeek/Qwen (`mlp.experts.{e}.{gate,up,down}_proj`) and Mixtral (`block_sparse
 under any prefix (`model.`, `model.language_model.`, ...), and the weight formats
 fp8_per_channel (`weight_scale` [N] or [N, 1]), fp8_block (`weight_scale_inv`), bf16 / fp16 / fp32."""
 import json
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,6 +221,9 @@ class FP8SafeTensorLoader:
 
     # -- internals ------------------------------------------------------------------------------
     def _check_layer(self, layer):
+        # True == 1 and 1.0 == 1 as dict keys: a bool or float would silently name an int layer
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
         if layer not in self._layers:
             raise ValueError(f"layer {layer!r} has no experts in {self.path}; MoE layers: {self.moe_layers()}")
 

@@ -130,6 +130,8 @@ class MoE:
         for name, a in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             if a.shape != (T, k):
                 raise ValueError(f"{name} must have shape [T, num_experts_per_tok] = {(T, k)}, got {a.shape}")
+        if not isinstance(accumulate, (bool, np.bool_)):   # "False" would add into out
+            raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__} {accumulate!r}")
         if out is None:
             if accumulate:
                 raise ValueError("accumulate=True needs out= (the array to add into)")
@@ -165,7 +167,11 @@ class MoE:
             if topk_ids is not None or topk_weights is not None:
                 raise ValueError("pass either router_logits= or topk_ids/topk_weights, not both")
             from .routing import route
+            x = _as_c_array("x", x, _X_DTYPES, 2)
             topk_ids, topk_weights = route(router_logits, self._config, correction_bias=correction_bias)
+            if len(topk_ids) != len(x):
+                raise ValueError(f"router_logits must have one row per token of x: got {len(topk_ids)} rows "
+                                 f"for {len(x)} tokens")
         elif topk_ids is None or topk_weights is None:
             raise ValueError("forward needs topk_ids and topk_weights, or router_logits=")
         return self(x, topk_ids, topk_weights, out=out, accumulate=accumulate)

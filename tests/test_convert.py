@@ -208,6 +208,8 @@ def test_malformed_quant_config(qwen, tmp_path, capsys, bad, message):
 @pytest.mark.parametrize("args, message", [
     (["--max-shard-size", "5XB"], "is not like 5GB"),
     (["--threads", "0"], "positive integer"),
+    (["--verify", "--verify-min-sqnr", "nan"], "finite number of decibels"),  # else every tensor fails, late
+    (["--verify-min-sqnr", "20dB"], "finite number of decibels"),
     (["--input-type", "int8"], "invalid choice"),
 ])
 def test_bad_options(qwen, tmp_path, capsys, args, message):

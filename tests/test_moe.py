@@ -204,3 +204,11 @@ def test_config_changed_after_building_does_not_reach_the_layer(layer):
     with pytest.raises(ValueError, match=f"expert id {E} >= expert_num {E}"):
         moe(x, np.where(ids == ids.max(), E, ids), w)
 
+
+def test_numpy_integers_are_thread_counts(layer):
+    """A thread count computed with NumPy (np.int64) is an int like any other, as MoeConfig takes it."""
+    fmt, cfg, experts, dense = layer
+    moe = MoE(cfg, experts, threads=np.int64(2))
+    assert moe.threads == 2 and type(moe.threads) is int
+    codes = ktfp8.fp8.encode(np.ones(4, np.float32), threads=np.int32(1))
+    np.testing.assert_array_equal(codes, ktfp8.fp8.encode(np.ones(4, np.float32)))
