@@ -9,7 +9,6 @@ from ._torch import accepts_tensors, to_numpy
 from .config import as_block
 
 FORMATS = ("fp8_per_channel", "fp8_block", "bf16")
-_FLOAT_WEIGHTS = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))  # to quantize
 
 
 @dataclass(frozen=True)
@@ -173,11 +172,8 @@ def quantize_experts(gate, up, down, quant_config, experts=None):
     method = getattr(quant_config, "method", None)
     if method not in ("FP8", "BF16"):
         raise ValueError(f"quant_config.method must be 'FP8' or 'BF16', got {method!r}")
-    for name, a in (("gate", gate), ("up", up), ("down", down)):
-        if not isinstance(a, np.ndarray):
-            raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(a).__name__}")
-        if a.dtype not in _FLOAT_WEIGHTS:
-            raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {a.dtype}")
+    for name, a in (("gate", gate), ("up", up), ("down", down)):   # BF16 too: one rule for both methods
+        fp8.check_float_array(a, name)
     shard = {}
     if experts is not None:
         total = {len(a) for a in (gate, up, down) if getattr(a, "ndim", 0) == 3}

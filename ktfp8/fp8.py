@@ -114,12 +114,19 @@ def _c_order(a):
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-def _float_array(a, name):
+def check_float_array(a, name):
+    """The C side's code for a's dtype; TypeError naming `name` unless `a` is a float32, bfloat16 or
+    float16 array (what encode and quantize take)."""
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} must be a numpy array (float32, bfloat16 or float16), got {type(a).__name__}")
     if a.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {a.dtype}")
-    return _c_order(a), _FLOAT_INPUTS[a.dtype]
+    return _FLOAT_INPUTS[a.dtype]
+
+
+def _float_array(a, name):
+    code = check_float_array(a, name)
+    return _c_order(a), code
 
 
 def _codes_array(a, name):
