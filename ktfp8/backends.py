@@ -12,8 +12,6 @@ import importlib
 import numbers
 import os
 
-import numpy as np
-
 from ._native import _ext
 
 ENV_BACKEND = "KTFP8_BACKEND"
@@ -123,7 +121,7 @@ def default_threads(threads=None):
             if env:
                 return _positive_env(var, env.split(",")[0] if var == ENV_OMP_THREADS else env)
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if isinstance(threads, (bool, np.bool_)) or not isinstance(threads, numbers.Integral) or threads <= 0:
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads <= 0:
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
     return int(threads)
 

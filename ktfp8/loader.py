@@ -222,7 +222,7 @@ class FP8SafeTensorLoader:
     # -- internals ------------------------------------------------------------------------------
     def _check_layer(self, layer):
         # True == 1 and 1.0 == 1 as dict keys: a bool or float would silently name an int layer
-        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral):
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
             raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
         if layer not in self._layers:
             raise ValueError(f"layer {layer!r} has no experts in {self.path}; MoE layers: {self.moe_layers()}")
