@@ -789,6 +789,13 @@ def test_cli_refuses_a_missing_output_folder(tmp_path):
     assert r.returncode == 2 and "not a folder" in r.stderr
 
 
+def test_cli_refuses_an_output_folder_it_cannot_write_before_running(tmp_path):
+    small_run = ["--no-peers", "--no-plot", "--layer", "4,2,64,32", "--tokens", "1", "--threads", "1",
+                 "--formats", "fp8_per_channel"]   # seconds, should the check be missing
+    r = _cli(tmp_path, *small_run, "--out", "/proc")   # the last --out wins; no file can be made there
+    assert r.returncode == 2 and "cannot write into '/proc'" in r.stderr
+
+
 def test_too_slow_extrapolates_linearly_from_the_last_measurement():
     from ktfp8.bench.run import too_slow
     assert too_slow(None, 2048, 30) is None

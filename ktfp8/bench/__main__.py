@@ -87,6 +87,11 @@ def parse_args(argv):
             p.error(f"--backends: {b!r} is not usable here; usable: {', '.join(usable)}")
     if not os.path.isdir(args.out):
         p.error(f"--out: {args.out!r} is not a folder")
+    try:  # say so now, not after a run of minutes: creating a file is the test (root ignores modes)
+        with tempfile.TemporaryFile(dir=args.out, prefix=".bench-"):
+            pass
+    except OSError as err:
+        p.error(f"--out: cannot write into {args.out!r}: {err.strerror}")
     if not args.no_plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the run
         p.error("the plot needs matplotlib, which is not installed: pip install matplotlib, or pass --no-plot")
     return args
