@@ -15,8 +15,8 @@ import time
 import ml_dtypes
 import numpy as np
 
-from .experts import FORMATS, ExpertWeights, split_experts
-from .moe import MoE
+from .experts import FORMATS, split_experts
+from .moe import MoE, check_layer_types
 
 ENV_TIMEOUT = "KTFP8_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
@@ -32,6 +32,8 @@ def timeout_seconds(timeout_s=None):
     source = "timeout_s"
     if timeout_s is None:
         timeout_s, source = os.environ.get(ENV_TIMEOUT, "").strip() or DEFAULT_TIMEOUT_S, ENV_TIMEOUT
+    if isinstance(timeout_s, bool):   # float(True) would read as one second
+        raise ValueError(f"{source} must be a positive number of seconds, got {timeout_s!r}")
     try:
         value = float(timeout_s)
     except (TypeError, ValueError):
@@ -127,11 +129,10 @@ class ExpertParallelMoE:
     all-reduce seconds separately."""
 
     def __init__(self, config, experts, *, group=None, backend=None, threads=None, timeout_s=None):
+        check_layer_types(config, experts)
         self.rank, self.world_size = rank_and_size(group)
         self.group = group
         self.timeout_s = timeout_seconds(timeout_s)
-        if not isinstance(experts, ExpertWeights):
-            raise TypeError(f"experts must be ktfp8.ExpertWeights, got {type(experts).__name__}")
         self.expert_range = split_experts(config.expert_num, self.world_size, name="world size")[self.rank]
         shard = experts if experts.expert_range == self.expert_range else experts.shard(self.expert_range)
         self.moe = MoE(config, shard, backend=backend, threads=threads)

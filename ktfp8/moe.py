@@ -30,11 +30,16 @@ def _expected_format(quant_config):
     return "fp8_per_channel" if quant_config.per_channel else "fp8_block"
 
 
-def _check_matches(config, experts):
+def check_layer_types(config, experts):
+    """TypeError unless config is a MoeConfig and experts ExpertWeights: what every layer class takes."""
     if not isinstance(config, MoeConfig):
         raise TypeError(f"config must be a ktfp8.MoeConfig, got {type(config).__name__}")
     if not isinstance(experts, ExpertWeights):
         raise TypeError(f"experts must be ktfp8.ExpertWeights, got {type(experts).__name__}")
+
+
+def _check_matches(config, experts):
+    check_layer_types(config, experts)
     got = (experts.total_experts, experts.hidden_size, experts.intermediate_size)
     want = (config.expert_num, config.hidden_size, config.intermediate_size)
     if got != want:

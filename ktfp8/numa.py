@@ -148,13 +148,21 @@ class NumaMoE:
     On a one-node machine this is one MoE with extra steps: use MoE there."""
 
     def __init__(self, config, experts, *, nodes=None, allowed_cpus=None, backend=None):
-        from .moe import MoE
+        from .moe import MoE, check_layer_types
+        check_layer_types(config, experts)
         self.placements = plan(config.expert_num, nodes, allowed_cpus)
-        self._teams = [ThreadPoolExecutor(1, thread_name_prefix=f"ktfp8-numa{p.node}", initializer=pin,
-                                          initargs=(p.cpus,)) for p in self.placements]
-        futures = [team.submit(MoE, config, experts.shard(p.experts), backend=backend, threads=len(p.cpus))
-                   for team, p in zip(self._teams, self.placements)]
-        self.moes = [f.result() for f in futures]
+        self._teams = [ThreadPoolExecutor(1, thread_name_prefix=f"ktfp8-numa{p.node}") for p in self.placements]
+        try:
+            # Each team's one thread pins itself as its first task (and stays pinned): a pool initializer
+            # that failed would surface as BrokenThreadPool, hiding which CPUs could not be pinned.
+            for f in [team.submit(pin, p.cpus) for team, p in zip(self._teams, self.placements)]:
+                f.result()
+            futures = [team.submit(MoE, config, experts.shard(p.experts), backend=backend, threads=len(p.cpus))
+                       for team, p in zip(self._teams, self.placements)]
+            self.moes = [f.result() for f in futures]
+        except BaseException:
+            self.close()
+            raise
         self.config = self.moes[0].config   # a copy, as MoE keeps
 
     @property

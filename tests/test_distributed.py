@@ -115,7 +115,11 @@ def test_outside_a_process_group_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(distributed.ENV_TIMEOUT, "soon")
     with pytest.raises(ValueError, match="KTFP8_DIST_TIMEOUT_S must be a positive number"):
         distributed.timeout_seconds()
-    for bad in (0, -3, float("nan"), float("inf"), "x"):
+    with pytest.raises(TypeError, match="config must be a ktfp8.MoeConfig, got dict"):
+        distributed.ExpertParallelMoE({"expert_num": 4}, W.layer("bf16"))
+    with pytest.raises(TypeError, match="experts must be ktfp8.ExpertWeights, got tuple"):
+        distributed.ExpertParallelMoE(cfg, (1, 2, 3))
+    for bad in (0, -3, float("nan"), float("inf"), "x", True):
         with pytest.raises(ValueError, match="timeout_s must be a positive"):
             distributed.timeout_seconds(bad)
 

@@ -155,6 +155,21 @@ def test_numa_moe_teams_are_pinned_and_sum_to_the_layer():
         layer.close()
 
 
+def test_numa_moe_refuses_bad_arguments_by_name():
+    E, H, I, K = 4, 64, 32, 2
+    cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=I)
+    experts, _ = make_experts("fp8_per_channel", E, H, I, seed=2)
+    with pytest.raises(TypeError, match="experts must be ktfp8.ExpertWeights, got tuple"):
+        numa.NumaMoE(cfg, (1, 2, 3))
+    with pytest.raises(TypeError, match="config must be a ktfp8.MoeConfig, got dict"):
+        numa.NumaMoE({"expert_num": E}, experts)
+    allowed = sorted(os.sched_getaffinity(0))
+    absent = max(allowed) + 4000   # no such CPU: pinning to it fails
+    nodes = [numa.NumaNode(0, tuple(allowed[:1])), numa.NumaNode(1, (absent,))]
+    with pytest.raises(ValueError, match=f"cannot pin to CPUs \\[{absent}\\]"):
+        numa.NumaMoE(cfg, experts, nodes=nodes, allowed_cpus=set(allowed[:1]) | {absent})
+
+
 def test_cpu_report_shows_the_numa_layout():
     report = cpu.report()
     out = io.StringIO()
