@@ -164,6 +164,22 @@ def run(args):
             torch.distributed.destroy_process_group()
 
 
+def _prompt_ids(args, folder, tokenizer, vocab_size):
+    """The prompt's token ids (--prompt-ids, or --prompt through the folder's tokenizer), all of them
+    inside the model's vocabulary."""
+    if args.prompt is None:
+        ids, origin = args.prompt_ids, "--prompt-ids: token id"
+    elif tokenizer is None:
+        raise _Failure(f"{folder} has no tokenizer: give the prompt as --prompt-ids", 2)
+    else:
+        ids, origin = tokenizer(args.prompt)["input_ids"], "--prompt: the tokenizer's token id"
+        if not ids:
+            raise _Failure("--prompt: the prompt has no tokens", 2)
+    if max(ids) >= vocab_size:
+        raise _Failure(f"{origin} {max(ids)} is outside the vocabulary (size {vocab_size})", 2)
+    return ids
+
+
 def _generate(args, folder, prints):
     if args.threads:
         import torch
@@ -172,15 +188,7 @@ def _generate(args, folder, prints):
         model, tokenizer = load(folder, args.threads)
     except (OSError, ValueError, TypeError) as e:
         raise _Failure(f"{folder}: cannot load the model: {e}", 1) from None
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise _Failure(f"{folder} has no tokenizer: give the prompt as --prompt-ids", 2)
-        prompt_ids = tokenizer(args.prompt)["input_ids"]
-    else:
-        prompt_ids = args.prompt_ids
-    vocab = model.config.get_text_config().vocab_size
-    if max(prompt_ids) >= vocab:
-        raise _Failure(f"--prompt-ids: token id {max(prompt_ids)} is outside the vocabulary (size {vocab})", 2)
+    prompt_ids = _prompt_ids(args, folder, tokenizer, model.config.get_text_config().vocab_size)
     progress = Progress(args.max_new_tokens) if prints and not args.json else None
     ids, prefill_tps, decode_tps = greedy(model, prompt_ids, args.max_new_tokens, _eos_ids(model), progress)
     if progress is not None:

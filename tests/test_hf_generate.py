@@ -65,9 +65,14 @@ def _word_tokenizer(vocab_size):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
 
 
+def _with_tokenizer(folder, copy, vocab_size=128):
+    copy = shutil.copytree(folder, copy)
+    _word_tokenizer(vocab_size).save_pretrained(copy)
+    return copy
+
+
 def test_text_prompt_and_text_out(mixtral, tmp_path, capsys):
-    folder = shutil.copytree(mixtral["fp8"], tmp_path / "with_tokenizer")
-    _word_tokenizer(128).save_pretrained(folder)
+    folder = _with_tokenizer(mixtral["fp8"], tmp_path / "with_tokenizer")
     got = _generate_json(capsys, "--model", str(folder), "--prompt", " ".join(f"w{i}" for i in PROMPT),
                          "--max-new-tokens", str(NEW))
     assert got["ids"] == _expected(ktfp8.hf.from_pretrained(mixtral["fp8"]))
@@ -92,3 +97,17 @@ def test_exit_statuses(mixtral, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(bad)
         assert e.value.code == 2
+
+
+def test_text_prompt_without_tokens(mixtral, tmp_path, capsys):
+    folder = _with_tokenizer(mixtral["fp8"], tmp_path / "with_tokenizer")
+    for empty in ("", "   "):
+        assert main(["--model", str(folder), "--prompt", empty]) == 2
+        assert "--prompt: the prompt has no tokens" in capsys.readouterr().err
+
+
+def test_text_prompt_outside_the_vocabulary_names_the_tokenizer(mixtral, tmp_path, capsys):
+    big = _with_tokenizer(mixtral["fp8"], tmp_path / "big_tokenizer", vocab_size=300)
+    assert main(["--model", str(big), "--prompt", "w5 w250"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt: the tokenizer's token id 250 is outside the vocabulary (size 128)" in err
