@@ -70,6 +70,10 @@ def _is_ktfp8_fp8(folder):
     return bool(isinstance(config, dict) and config.get("quantization_config"))
 
 
+def _cannot_load(folder, error):
+    return _Failure(f"{folder}: cannot load the model: {error}", 1)
+
+
 def load(folder, threads):
     """(model, tokenizer or None) of `folder`, experts run by ktfp8."""
     import torch
@@ -80,8 +84,11 @@ def load(folder, threads):
     if _is_ktfp8_fp8(folder):
         model = ktfp8.hf.from_pretrained(folder, threads=threads, dtype=torch.bfloat16)
     else:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.bfloat16, experts_implementation="ktfp8", output_loading_info=True)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.bfloat16, experts_implementation="ktfp8", output_loading_info=True)
+        except RuntimeError as e:       # its weight conversion failed, e.g. an expert tensor is missing
+            raise _cannot_load(folder, e) from None
         if info["missing_keys"]:        # transformers would fill them with random values and go on
             missing = sorted(info["missing_keys"])
             raise ValueError(f"the checkpoint lacks {len(missing)} of the model's weights, e.g. {missing[0]!r}")
@@ -187,7 +194,7 @@ def _generate(args, folder, prints):
     try:
         model, tokenizer = load(folder, args.threads)
     except (OSError, ValueError, TypeError) as e:
-        raise _Failure(f"{folder}: cannot load the model: {e}", 1) from None
+        raise _cannot_load(folder, e) from None
     prompt_ids = _prompt_ids(args, folder, tokenizer, model.config.get_text_config().vocab_size)
     progress = Progress(args.max_new_tokens) if prints and not args.json else None
     ids, prefill_tps, decode_tps = greedy(model, prompt_ids, args.max_new_tokens, _eos_ids(model), progress)

@@ -111,3 +111,13 @@ def test_text_prompt_outside_the_vocabulary_names_the_tokenizer(mixtral, tmp_pat
     assert main(["--model", str(big), "--prompt", "w5 w250"]) == 2
     err = capsys.readouterr().err
     assert "--prompt: the tokenizer's token id 250 is outside the vocabulary (size 128)" in err
+
+
+def test_bf16_folder_lacking_an_expert_tensor(mixtral, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    folder = shutil.copytree(mixtral["bf16"], tmp_path / "no_expert")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w1.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert main(["--model", str(folder), "--prompt-ids", "1"]) == 1
+    assert f"ktfp8.generate: error: {folder}: cannot load the model: " in capsys.readouterr().err.splitlines()[-1]
