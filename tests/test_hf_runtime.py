@@ -118,7 +118,17 @@ def test_bad_activations(qwen3):
         layer(x, ids.float(), w)
     with pytest.raises(ValueError, match="expert id 9"):
         layer(x, torch.full((3, 2), 9), w)
-    # a float16 model: the first MoE block says what to do
-    half = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float16, experts_implementation="ktfp8")
-    with pytest.raises(TypeError, match="float16"):
+
+
+def test_float16_model_refused_before_its_weights_are_touched(qwen3):
+    half = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float16)
+    weights = experts_module(half, 0).gate_up_proj.detach().clone()
+    refusal = r"torch\.float16.*float32 or bfloat16"
+    with pytest.raises(TypeError, match=refusal):
+        ktfp8.hf.prepare(half)
+    half.set_experts_implementation("ktfp8")
+    with pytest.raises(TypeError, match=refusal):
         half(PROMPT)
+    assert torch.equal(experts_module(half, 0).gate_up_proj, weights)
+    half.set_experts_implementation("eager")           # the model is as loaded: transformers still runs it
+    assert np.isfinite(logits(half)).all()

@@ -24,6 +24,7 @@ IMPLEMENTATIONS = {"ktfp8": lambda: QuantConfig("FP8", per_channel=True),
                    "ktfp8_block": lambda: QuantConfig("FP8", per_channel=False, group_size=128),
                    "ktfp8_bf16": lambda: QuantConfig("BF16")}
 RELEASED = ("gate_up_proj", "down_proj")
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)      # what the kernels take as x and give back
 
 
 def is_experts_module(module):
@@ -40,6 +41,13 @@ def check_model_type(config):
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _unsupported(f"model type {model_type!r}")
+
+
+def check_activation_dtype(dtype):
+    """Raises TypeError when a model running in `dtype` hands the experts activations ktfp8 cannot take."""
+    if dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"ktfp8 experts implementation: the model runs in {dtype}; ktfp8 takes float32 or "
+                        f"bfloat16 activations: load it with dtype=torch.bfloat16 (or torch.float32)")
 
 
 def check_supported(module):
@@ -122,6 +130,7 @@ def prepare(model, quant_config=None, *, threads=None):
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     check_model_type(model.config)
+    check_activation_dtype(model.dtype)
     if quant_config is None and getattr(model.config, "_experts_implementation", None) in IMPLEMENTATIONS:
         quant_config = model.config._experts_implementation
     quant_config = _quant_config(quant_config)
@@ -139,14 +148,15 @@ def prepare(model, quant_config=None, *, threads=None):
 
 def _forward_for(name):
     @torch.compiler.disable
-    def first_call(module):
+    def first_call(module, dtype):
+        check_activation_dtype(dtype)
         prepare_module(module, IMPLEMENTATIONS[name]())
         return module._ktfp8_handle
 
     def ktfp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         handle = getattr(self, "_ktfp8_handle", None)
         if handle is None:
-            handle = first_call(self)
+            handle = first_call(self, hidden_states.dtype)
         return torch.ops.ktfp8.moe(hidden_states, top_k_index, top_k_weights, handle)
 
     ktfp8_experts_forward.__qualname__ = f"ktfp8_experts_forward[{name}]"
