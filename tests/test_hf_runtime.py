@@ -132,3 +132,25 @@ def test_float16_model_refused_before_its_weights_are_touched(qwen3):
     assert torch.equal(experts_module(half, 0).gate_up_proj, weights)
     half.set_experts_implementation("eager")           # the model is as loaded: transformers still runs it
     assert np.isfinite(logits(half)).all()
+
+
+def test_another_format_refused_once_quantized(qwen3, tmp_path):
+    model = ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32))
+    ktfp8.hf.prepare(model, "ktfp8")                    # the same format again: nothing to do
+    with pytest.raises(ValueError, match="already quantized as FP8 per-channel"):
+        ktfp8.hf.prepare(model, "ktfp8_bf16")
+    assert model.config._experts_implementation == "ktfp8"
+    model.set_experts_implementation("ktfp8_block")
+    with pytest.raises(ValueError, match="already quantized as FP8 per-channel.*'ktfp8_block'"):
+        logits(model)
+    model.set_experts_implementation("ktfp8")
+    logits(model)
+    block64 = ktfp8.QuantConfig("FP8", per_channel=False, group_size=64)
+    model = ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32), block64)
+    ktfp8.hf.prepare(model)                             # the model's own implementation, "ktfp8_block"
+    with pytest.raises(ValueError, match="already quantized as FP8 block-wise 64 x 64"):
+        ktfp8.hf.prepare(model, ktfp8.QuantConfig("FP8", per_channel=False, group_size=32))
+    fp8 = ktfp8.hf.from_pretrained(qwen3["fp8_block"], dtype=torch.float32)
+    fp8.set_experts_implementation("ktfp8")
+    with pytest.raises(ValueError, match="already quantized as FP8 block-wise 128 x 128"):
+        logits(fp8)

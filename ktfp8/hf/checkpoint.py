@@ -108,5 +108,5 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
         layer = int(m[1])
         config_of_layer = hf_experts.layer_config(module, quant_config, threads)
         experts = loader.load_experts(layer, experts=local_experts(module.num_experts))
-        hf_experts.attach(module, build_layer(config_of_layer, experts, threads=threads))
+        hf_experts.attach(module, build_layer(config_of_layer, experts, threads=threads), quant_config)
     return model

@@ -4,6 +4,7 @@ weights become a ktfp8 layer (once), and the forward function transformers dispa
 transformers 5 keeps a MoE block's routed experts in one module (fused `gate_up_proj` [E, 2I, H] and
 `down_proj` [E, H, I], HF Linear layout) called as experts(hidden_states, top_k_index, top_k_weights)
 after its own router: exactly what ktfp8.MoE computes, so routing stays in transformers."""
+import copy
 import weakref
 
 import torch
@@ -65,12 +66,14 @@ def check_supported(module):
         raise _unsupported(f"{name} with {', '.join(problems)}")
 
 
-def attach(module, layer):
-    """Makes `module` run `layer` (a callable over CPU tensors) and releases its transformers weights
-    (replaced by empty tensors: the memory goes back once nothing else holds them)."""
+def attach(module, layer, quant_config):
+    """Makes `module` run `layer` (a callable over CPU tensors holding the experts as `quant_config`
+    says) and releases its transformers weights (replaced by empty tensors: the memory goes back once
+    nothing else holds them)."""
     handle = op.register(layer)
     weakref.finalize(module, op.unregister, handle)
     module._ktfp8_handle = handle
+    module._ktfp8_quant_config = copy.copy(quant_config)      # the caller's object may change later
     for name in RELEASED:
         old = getattr(module, name)
         setattr(module, name, torch.nn.Parameter(torch.empty(0, dtype=old.dtype), requires_grad=False))
@@ -100,7 +103,8 @@ def prepare_module(module, quant_config, threads=None):
     down = _check_weight(module.down_proj, "down_proj")
     experts = quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, quant_config,
                                experts=local_experts(module.num_experts))
-    attach(module, build_layer(layer_config(module, quant_config, threads), experts, threads=threads))
+    layer = build_layer(layer_config(module, quant_config, threads), experts, threads=threads)
+    attach(module, layer, quant_config)
 
 
 def _quant_config(spec):
@@ -120,26 +124,55 @@ def implementation_name(quant_config):
     return "ktfp8" if quant_config.per_channel else "ktfp8_block"
 
 
+def describe(quant_config):
+    """How `quant_config` holds the experts, in words."""
+    if quant_config.method == "BF16":
+        return "BF16"
+    if quant_config.per_channel:
+        return "FP8 per-channel"
+    return f"FP8 block-wise {quant_config.group_size} x {quant_config.group_size}"
+
+
+def check_held_as(module, wanted):
+    """Raises ValueError when `module`'s experts are already quantized otherwise than `wanted`: a
+    ktfp8.QuantConfig (exactly) or an implementation name (its format, whatever the block edge)."""
+    held = getattr(module, "_ktfp8_quant_config", None)
+    if held is None:
+        return
+    if isinstance(wanted, QuantConfig):
+        same, asked = held == wanted, describe(wanted)
+    else:
+        same, asked = implementation_name(held) == wanted, repr(wanted)
+    if not same:
+        raise ValueError(f"ktfp8 experts implementation: the experts of {type(module).__name__} are already "
+                         f"quantized as {describe(held)} ({implementation_name(held)!r}), which cannot change to "
+                         f"{asked}; reload the model to choose another format")
+
+
 def prepare(model, quant_config=None, *, threads=None):
     """Converts every routed-experts block of a transformers `model` now (instead of at its first call)
     and switches the model to the matching "ktfp8" experts implementation; returns the model.
 
     quant_config: a ktfp8.QuantConfig (e.g. block-wise with group_size=64) or an implementation name
     ("ktfp8", "ktfp8_block", "ktfp8_bf16"); default: the model's ktfp8 implementation, else "ktfp8".
-    threads: kernel threads of these layers (default: KTFP8_NUM_THREADS, OMP_NUM_THREADS, all cores)."""
+    threads: kernel threads of these layers (default: KTFP8_NUM_THREADS, OMP_NUM_THREADS, all cores).
+    Experts already quantized in another format raise ValueError: the format is chosen once."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     check_model_type(model.config)
     check_activation_dtype(model.dtype)
-    if quant_config is None and getattr(model.config, "_experts_implementation", None) in IMPLEMENTATIONS:
-        quant_config = model.config._experts_implementation
-    quant_config = _quant_config(quant_config)
+    spec = quant_config
+    if spec is None and getattr(model.config, "_experts_implementation", None) in IMPLEMENTATIONS:
+        spec = model.config._experts_implementation
+    quant_config = _quant_config(spec)
+    wanted = quant_config if isinstance(spec, QuantConfig) else implementation_name(quant_config)
     modules = [m for m in model.modules() if is_experts_module(m)]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no experts module that transformers' experts_implementation "
                          f"dispatches")
     for m in modules:
         check_supported(m)
+        check_held_as(m, wanted)
     for m in modules:
         prepare_module(m, quant_config, threads)
     model.set_experts_implementation(implementation_name(quant_config))
@@ -157,6 +190,8 @@ def _forward_for(name):
         handle = getattr(self, "_ktfp8_handle", None)
         if handle is None:
             handle = first_call(self, hidden_states.dtype)
+        else:
+            check_held_as(self, name)
         return torch.ops.ktfp8.moe(hidden_states, top_k_index, top_k_weights, handle)
 
     ktfp8_experts_forward.__qualname__ = f"ktfp8_experts_forward[{name}]"
