@@ -154,3 +154,12 @@ def test_another_format_refused_once_quantized(qwen3, tmp_path):
     fp8.set_experts_implementation("ktfp8")
     with pytest.raises(ValueError, match="already quantized as FP8 block-wise 128 x 128"):
         logits(fp8)
+
+
+def test_from_pretrained_refuses_arguments_it_would_ignore(qwen3):
+    with pytest.raises(TypeError, match="output_loading_info"):
+        ktfp8.hf.from_pretrained(qwen3["fp8"], output_loading_info=True)
+    with pytest.raises(TypeError, match="torch_dtype.*dtype="):
+        ktfp8.hf.from_pretrained(qwen3["fp8"], torch_dtype=torch.float32)
+    with pytest.raises(TypeError, match="path must be .*got NoneType"):
+        ktfp8.hf.from_pretrained(None)

@@ -7,6 +7,7 @@ things keep it away from them: while the model is built, the experts modules get
 instead of [E, 2I, H] ones (a parameter-registration hook), and the checkpoint's expert tensor names
 are renamed (key_mapping) so that no transformers weight converter matches and reads them."""
 import contextlib
+import os
 import re
 from pathlib import Path
 
@@ -21,6 +22,9 @@ _SKIPPED = "ktfp8_fp8_routed"        # what expert tensor names become for trans
 _KEY_MAPPING = {r"\.experts\.(\d+)\.": rf".{_SKIPPED}.\1."}
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FP8_FORMATS = ("fp8_per_channel", "fp8_block")
+# AutoModelForCausalLM.from_pretrained arguments that from_pretrained sets itself
+_SET_HERE = ("config", "key_mapping", "experts_implementation", "quantization_config", "device_map",
+             "output_loading_info")
 
 
 @contextlib.contextmanager
@@ -45,6 +49,8 @@ def _quant_config(loader):
 
 
 def _check_folder(path):
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a model folder (str or os.PathLike), got {type(path).__name__}")
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such model folder")
@@ -61,6 +67,16 @@ def _check_folder(path):
     return loader
 
 
+def _check_kwargs(kwargs):
+    """Refuses the AutoModelForCausalLM.from_pretrained arguments that ktfp8.hf sets itself."""
+    if "torch_dtype" in kwargs:             # transformers would let dtype= win, silently here
+        raise TypeError("ktfp8.hf.from_pretrained: torch_dtype= is transformers' older name of dtype=; "
+                        "pass dtype=torch.bfloat16 or dtype=torch.float32")
+    for reserved in _SET_HERE:
+        if reserved in kwargs:
+            raise TypeError(f"ktfp8.hf.from_pretrained sets {reserved}= itself; do not pass it")
+
+
 def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
     """The transformers causal-LM model of a ktfp8-converted FP8 folder (per-channel or block-wise),
     its experts run by ktfp8 straight from the memory-mapped FP8 shards.
@@ -73,9 +89,7 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
 
     if dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype!r}")
-    for reserved in ("config", "key_mapping", "experts_implementation", "quantization_config", "device_map"):
-        if reserved in kwargs:
-            raise TypeError(f"ktfp8.hf.from_pretrained sets {reserved}= itself; do not pass it")
+    _check_kwargs(kwargs)
     loader = _check_folder(path)
     config = AutoConfig.from_pretrained(path)
     hf_experts.check_model_type(config)
