@@ -163,3 +163,18 @@ def test_from_pretrained_refuses_arguments_it_would_ignore(qwen3):
         ktfp8.hf.from_pretrained(qwen3["fp8"], torch_dtype=torch.float32)
     with pytest.raises(TypeError, match="path must be .*got NoneType"):
         ktfp8.hf.from_pretrained(None)
+
+
+def test_fp8_formats_mixed_across_layers_refused(qwen3, tmp_path):
+    from safetensors.torch import load_file, save_file
+    tensors = {}
+    for name in ("fp8", "fp8_block"):
+        layer_taken = ".layers.0." if name == "fp8" else ".layers.1."
+        for f in qwen3[name].glob("*.safetensors"):
+            tensors.update({k: v for k, v in load_file(f).items() if ".experts." not in k or layer_taken in k})
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    save_file(tensors, mixed / "model.safetensors", metadata={"format": "pt"})
+    (mixed / "config.json").write_bytes((qwen3["fp8_block"] / "config.json").read_bytes())
+    with pytest.raises(ValueError, match="mixes FP8 per-channel and block-wise experts across layers"):
+        ktfp8.hf.from_pretrained(mixed)

@@ -48,6 +48,20 @@ def _quant_config(loader):
     return QuantConfig("FP8", per_channel=False, group_size=block[0])
 
 
+def _mixed_formats(folder, loader):
+    """The ValueError for a checkpoint whose layers hold their experts in different formats."""
+    first_layer_of = {}
+    for layer in loader.moe_layers():
+        first_layer_of.setdefault(loader.layer_format(layer), layer)
+    if set(first_layer_of) <= set(_FP8_FORMATS):
+        what = "mixes FP8 per-channel and block-wise experts across layers"
+    else:
+        what = "mixes expert formats across layers"
+    examples = ", ".join(f"layer {layer} {fmt}" for fmt, layer in first_layer_of.items())
+    return ValueError(f"{folder}: {what} ({examples}); ktfp8.hf loads checkpoints with one FP8 format in "
+                      f"every layer (convert the BF16 model with `python -m ktfp8.convert`)")
+
+
 def _check_folder(path):
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a model folder (str or os.PathLike), got {type(path).__name__}")
@@ -55,6 +69,8 @@ def _check_folder(path):
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such model folder")
     loader = FP8SafeTensorLoader(folder)
+    if loader.format == "mixed":
+        raise _mixed_formats(folder, loader)
     if loader.format not in _FP8_FORMATS:
         raise ValueError(f"{folder}: experts are {loader.format!r}, not FP8; load a BF16 folder with "
                          f"AutoModelForCausalLM.from_pretrained(path, experts_implementation='ktfp8') after "
