@@ -145,6 +145,17 @@ def block_size_of(hf_config):
     return tuple(block)
 
 
+def _check_scale_values(path, names, scale):
+    """Refuses NaN, Inf and negative scales (of experts `names`, float32 [E, ...]): NaN or Inf turns every
+    output of its rows into NaN, and no converter writes a negative scale. Zero is allowed: an all-zero
+    row may carry scale 0."""
+    bad = ~np.isfinite(scale) | (scale < 0)
+    if bad.any():
+        expert, *index = (int(i) for i in np.argwhere(bad)[0])
+        raise SafetensorsError(f"{path}: {names[expert]} holds {scale[(expert, *index)]} at {index}; "
+                               f"scales must be finite and >= 0")
+
+
 class FP8SafeTensorLoader:
     """Experts of a Hugging Face checkpoint folder: `.format`, `.moe_layers()`, `.load_experts(layer)`
     (memory-mapped ExpertWeights), `.config` (ktfp8 MoeConfig from config.json)."""
@@ -190,7 +201,7 @@ class FP8SafeTensorLoader:
         experts lie at equal distances in one shard (as HF and ktfp8 write them), else stacked copies.
         experts=range(a, b): only those experts' tensors (the bytes of the others are never mapped in)."""
         experts = self._expert_range(layer, experts)
-        return tuple(self._stack(layer, role, "weight", experts) for role in ROLES)
+        return tuple(self._weights(layer, role, experts) for role in ROLES)
 
     def load_experts(self, layer, experts=None) -> ExpertWeights:
         """The experts of `layer` as ExpertWeights (fp8_per_channel, fp8_block or bf16), memory-mapped.
@@ -257,6 +268,14 @@ class FP8SafeTensorLoader:
                 return view
         return np.stack([self.checkpoint.file_of(n).memmap(n) for n in names])
 
+    def _weights(self, layer, role, experts):
+        weights = self._stack(layer, role, "weight", experts)
+        if weights.ndim != 3:
+            name = self._names(layer, role, "weight", experts)[0]
+            raise SafetensorsError(f"{self.path}: {name} has shape {list(weights.shape[1:])}; expert weights "
+                                   f"are 2-D [out, in]")
+        return weights
+
     def _layer_format(self, layer):
         stack = self._layers[layer]
         dtypes = {self.checkpoint.info(n).dtype
@@ -292,26 +311,32 @@ class FP8SafeTensorLoader:
         floats = [d for d in dtypes if d in FLOAT_FORMATS]
         return FLOAT_FORMATS[max(set(floats), key=floats.count)] if floats else "unknown"
 
-    def _per_channel_scale(self, layer, role, weights, experts):
-        scale = self._stack(layer, role, "weight_scale", experts)
-        E, out, _ = weights.shape
-        dtype = self.checkpoint.info(self._names(layer, role, "weight_scale", experts)[0]).dtype
+    def _scale(self, layer, role, kind, experts):
+        """The `kind` scales of the `role` experts as stored ([E, ...]), checked, as float32."""
+        names = self._names(layer, role, kind, experts)
+        scale = self._stack(layer, role, kind, experts)
+        dtype = self.checkpoint.info(names[0]).dtype
         if dtype not in SCALE_DTYPES:
-            raise SafetensorsError(f"{self.path}: layer {layer} {role} weight_scale is {dtype}; expected "
-                                   f"F32 (or BF16/F16, widened)")
+            raise SafetensorsError(f"{self.path}: {names[0]} is {dtype}; expected F32 (or BF16/F16, widened)")
+        scale = scale if scale.dtype == np.float32 else scale.astype(np.float32)
+        _check_scale_values(self.path, names, scale)
+        return scale
+
+    def _per_channel_scale(self, layer, role, weights, experts):
+        scale = self._scale(layer, role, "weight_scale", experts)
+        E, out, _ = weights.shape
         if scale.shape == (E, out):
             scale = scale[..., None]
         if scale.shape != (E, out, 1):
             raise SafetensorsError(f"{self.path}: layer {layer} {role} weight_scale has per-expert shape "
                                    f"{list(scale.shape[1:])}; per-channel needs [{out}] or [{out}, 1]")
-        return scale if scale.dtype == np.float32 else scale.astype(np.float32)
+        return scale
 
     def _block_scale(self, layer, role, weights, block, experts):
-        scale = self._stack(layer, role, "weight_scale_inv", experts)
+        scale = self._scale(layer, role, "weight_scale_inv", experts)
         E, out, inn = weights.shape
         expected = (E, -(-out // block[0]), -(-inn // block[1]))
         if scale.shape != expected:
             raise SafetensorsError(f"{self.path}: layer {layer} {role} weight_scale_inv has shape "
                                    f"{list(scale.shape)}; block {list(block)} needs {list(expected)}")
-        return scale if scale.dtype == np.float32 else scale.astype(np.float32)
-
+        return scale

@@ -4,6 +4,7 @@ import copy
 import json
 import math
 import mmap
+import re
 import shutil
 
 import ml_dtypes
@@ -309,3 +310,78 @@ def test_moe_matches_transformers_block(hf, tmp_path):
         got = ktfp8.MoE(cfg, experts)(x[0].numpy(), ids, weights)
         err = np.linalg.norm(got - want.numpy()) / np.linalg.norm(want.numpy())
         assert err < 2e-2, f"layer {layer}: relative error {err}"   # BF16-activation backends: ~4e-3
+
+
+# -- corrupt or unsupported checkpoints: refused at load, naming the tensor or config.json field ----------
+QWEN = "qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def qwen_folders(tmp_path_factory):
+    """One qwen3_moe model as bf16, converted per-channel and block-wise (128): the files tests corrupt."""
+    root = tmp_path_factory.mktemp("corrupt")
+    bf16 = save_model(build_model(QWEN), root / "bf16")
+    return {"bf16": bf16, "per_channel": _convert(bf16, root / "pc"), "block": _convert(bf16, root / "blk", BLOCK_128)}
+
+
+def _scale_name(fmt, expert, role):
+    return expert_name(QWEN, 0, expert, role) + ("_scale" if fmt == "per_channel" else "_scale_inv")
+
+
+@pytest.mark.parametrize("fmt", ["per_channel", "block"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -0.5])
+def test_non_finite_or_negative_scale_refused(qwen_folders, tmp_path, fmt, value):
+    victim = _scale_name(fmt, 1, "up")
+
+    def corrupt(name, dtype, a):
+        if name == victim:
+            a = a.copy()
+            a.flat[1] = value
+        return [(name, dtype, a)]
+
+    folder = _rewrite(qwen_folders[fmt], tmp_path / "bad", transform=corrupt)
+    with pytest.raises(SafetensorsError, match=re.escape(victim)):
+        FP8SafeTensorLoader(folder).load_experts(0)
+
+
+def test_zero_scale_loads(qwen_folders, tmp_path):
+    """Other tools may give an all-zero row scale 0 (ktfp8 writes 1): a valid file, not refused."""
+    victim = _scale_name("per_channel", 1, "up")
+    folder = _rewrite(qwen_folders["per_channel"], tmp_path / "zero",
+                      transform=lambda n, d, a: [(n, d, np.zeros_like(a) if n == victim else a)])
+    assert not FP8SafeTensorLoader(folder).load_experts(0).up_scale[1].any()
+
+
+def test_all_zero_row_converts_and_loads(qwen_folders, tmp_path):
+    """ktfp8 gives an all-zero row (or block) scale 1; the scale checks must let it through."""
+    victim = expert_name(QWEN, 0, 1, "up")
+
+    def zero_row(name, dtype, a):
+        if name == victim:
+            a = a.copy()
+            a[2] = 0
+        return [(name, dtype, a)]
+
+    bf16 = _rewrite(qwen_folders["bf16"], tmp_path / "bf16", transform=zero_row)
+    for out, quant in (("pc", PER_CHANNEL), ("blk", BLOCK_128)):
+        experts = FP8SafeTensorLoader(_convert(bf16, tmp_path / out, quant)).load_experts(0)
+        assert not experts.up[1, 2].any() and np.isfinite(experts.up_scale).all()
+
+
+@pytest.mark.parametrize("fmt", ["per_channel", "bf16"])
+@pytest.mark.parametrize("reshape", [lambda a: a.reshape(-1), lambda a: a[None]], ids=["1-D", "[1, out, in]"])
+def test_expert_weight_not_2d_refused(qwen_folders, tmp_path, fmt, reshape):
+    gate = expert_name(QWEN, 0, 0, "gate")
+    folder = _rewrite(qwen_folders[fmt], tmp_path / "bad", transform=lambda n, d, a: [
+        (n, d, reshape(a) if n.startswith("model.layers.0.") and n.endswith("gate_proj.weight") else a)])
+    with pytest.raises(SafetensorsError, match=re.escape(gate) + r".*\[out, in\]"):
+        FP8SafeTensorLoader(folder).load_experts(0)
+
+
+def test_block_scale_dtype_checked(qwen_folders, tmp_path):
+    """weight_scale_inv relabelled I32 was read as integers, cast to float: huge outputs."""
+    folder = _rewrite(qwen_folders["block"], tmp_path / "i32", transform=lambda n, d, a: [
+        (n, "I32", a.view(np.int32)) if n.startswith("model.layers.0.") and n.endswith("up_proj.weight_scale_inv")
+        else (n, d, a)])
+    with pytest.raises(SafetensorsError, match=re.escape(_scale_name("block", 0, "up")) + ".*is I32; expected F32"):
+        FP8SafeTensorLoader(folder).load_experts(0)
