@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import MoeConfig, QuantConfig, as_block
 from .experts import ExpertWeights, check_expert_range
 from .safetensors_io import SafetensorsError, SafetensorsFile
 
@@ -27,6 +28,7 @@ ROLES = ("gate", "up", "down")
 FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 SCALE_DTYPES = ("F32", "BF16", "F16")
 DEFAULT_BLOCK = (128, 128)
+BLOCK_FIELD = "quantization_config.weight_block_size"
 
 
 class Checkpoint:
@@ -84,9 +86,12 @@ class Checkpoint:
         if not path.is_file():
             return None
         try:
-            return json.loads(path.read_text())
+            config = json.loads(path.read_text())
         except (ValueError, RecursionError) as e:       # RecursionError: nested thousands deep
             raise SafetensorsError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise SafetensorsError(f"{path}: holds a JSON {type(config).__name__}, expected an object")
+        return config
 
     def close(self):
         for f in self._files.values():
@@ -136,13 +141,24 @@ def expert_stacks(names):
     return layers
 
 
-def block_size_of(hf_config):
-    """quantization_config.weight_block_size of a block-wise FP8 config.json (default 128 x 128)."""
-    q = (hf_config or {}).get("quantization_config") or {}
-    block = q.get("weight_block_size") or DEFAULT_BLOCK
-    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
-        raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
-    return tuple(block)
+def block_size_of(hf_config, source="config.json"):
+    """quantization_config.weight_block_size of a block-wise FP8 config.json (default 128 x 128), any
+    pair of positive edges: python -m ktfp8.convert reads blocks that the MoE kernels do not run."""
+    quant = (hf_config or {}).get("quantization_config") or {}
+    if not isinstance(quant, dict):
+        raise ValueError(f"{source}: quantization_config must be an object, got {quant!r}")
+    block = quant.get("weight_block_size")
+    if block is None:
+        return DEFAULT_BLOCK
+    if not (isinstance(block, list) and len(block) == 2 and all(_is_positive_int(b) for b in block)):
+        raise ValueError(f"{source}: {BLOCK_FIELD} must be a list of two positive integers "
+                         f"[block_out, block_in], got {block!r}")
+    return as_block(block, f"{source}: {BLOCK_FIELD}")
+
+
+def _is_positive_int(value):
+    # JSON true is a Python bool, an int subclass: [true, true] is not a block of 1 x 1
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
 def _check_scale_values(path, names, scale):
@@ -185,11 +201,14 @@ class FP8SafeTensorLoader:
     def config(self):
         """ktfp8.MoeConfig for this model: MoeConfig.from_hf_config of its config.json, with a
         quant_config that matches the experts' format (FP8 per-channel / block-wise, or BF16)."""
-        from .config import MoeConfig, QuantConfig   # lazily: the loader itself needs no kernels
         if self.hf_config is None:
             raise ValueError(f"{self.path}: no config.json to build a MoeConfig from")
+        if self.format == "mixed":
+            raise ValueError(f"{self.path}: expert formats differ across layers "
+                             f"({dict(sorted(self._formats.items()))}); mixing per-channel and block-wise FP8 "
+                             f"(or FP8 and unquantized) experts across layers is not supported")
         if self.format == "fp8_block":
-            quant = QuantConfig("FP8", per_channel=False, group_size=block_size_of(self.hf_config)[0])
+            quant = self._block_quant_config()
         elif self.format == "bf16":
             quant = QuantConfig("BF16")
         else:       # fp8_per_channel, and the target of quantize_experts for fp16/fp32 experts
@@ -221,7 +240,7 @@ class FP8SafeTensorLoader:
         if fmt == "fp8_per_channel":
             scales = [self._per_channel_scale(layer, role, w, experts) for role, w in zip(ROLES, weights)]
             return ExpertWeights(fmt, *weights, *scales, **shard)
-        block = block_size_of(self.hf_config)
+        block = self._block_size()
         scales = [self._block_scale(layer, role, w, block, experts) for role, w in zip(ROLES, weights)]
         return ExpertWeights(fmt, *weights, *scales, block=block, **shard)
 
@@ -231,6 +250,21 @@ class FP8SafeTensorLoader:
         return max(len(self._layers[layer].tensors.get((r, "weight"), {})) for r in ROLES)
 
     # -- internals ------------------------------------------------------------------------------
+    def _block_size(self):
+        return block_size_of(self.hf_config, self.path / "config.json")
+
+    def _block_quant_config(self):
+        block = self._block_size()
+        field_value = f"{self.path / 'config.json'} {BLOCK_FIELD} {list(block)}"
+        if block[0] != block[1]:
+            raise ValueError(f"{field_value}: non-square blocks are not supported (ktfp8's kernels take one "
+                             f"square block edge, QuantConfig.group_size); requantize with python -m "
+                             f"ktfp8.convert --input-type fp8, per-channel or with a square block")
+        try:
+            return QuantConfig("FP8", per_channel=False, group_size=block[0])
+        except ValueError as e:     # an edge the kernels cannot run: QuantConfig says why
+            raise ValueError(f"{field_value}: {e}") from None
+
     def _check_layer(self, layer):
         # True == 1 and 1.0 == 1 as dict keys: a bool or float would silently name an int layer
         if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):

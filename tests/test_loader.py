@@ -328,6 +328,15 @@ def _scale_name(fmt, expert, role):
     return expert_name(QWEN, 0, expert, role) + ("_scale" if fmt == "per_channel" else "_scale_inv")
 
 
+def _with_config(src, dst, edit):
+    """A copy of `src` whose config.json is edit(config)."""
+    folder = _rewrite(src, dst)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.mark.parametrize("fmt", ["per_channel", "block"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -0.5])
 def test_non_finite_or_negative_scale_refused(qwen_folders, tmp_path, fmt, value):
@@ -378,6 +387,30 @@ def test_expert_weight_not_2d_refused(qwen_folders, tmp_path, fmt, reshape):
         FP8SafeTensorLoader(folder).load_experts(0)
 
 
+@pytest.mark.parametrize("quantization_config, expected", [
+    ("fp8", "quantization_config must be an object"),
+    ({"weight_block_size": 64}, "weight_block_size must be a list of two positive integers"),
+    ({"weight_block_size": "64"}, "weight_block_size must be a list of two positive integers"),
+    ({"weight_block_size": [True, True]}, "weight_block_size must be a list of two positive integers"),
+    ({"weight_block_size": [64.0, 64.0]}, "weight_block_size must be a list of two positive integers"),
+    ({"weight_block_size": [64, 64, 64]}, "weight_block_size must be a list of two positive integers"),
+    ({"weight_block_size": [0, 64]}, "weight_block_size must be a list of two positive integers"),
+])
+def test_malformed_quantization_config_refused(qwen_folders, tmp_path, quantization_config, expected):
+    folder = _with_config(qwen_folders["block"], tmp_path / "bad",
+                          lambda c: c.update(quantization_config=quantization_config))
+    with pytest.raises(ValueError, match=expected) as e:
+        FP8SafeTensorLoader(folder).load_experts(0)
+    assert "config.json" in str(e.value)
+
+
+def test_config_json_not_an_object_refused(qwen_folders, tmp_path):
+    folder = _rewrite(qwen_folders["block"], tmp_path / "list")
+    (folder / "config.json").write_text("[]")
+    with pytest.raises(SafetensorsError, match=r"config.json: holds a JSON list, expected an object"):
+        FP8SafeTensorLoader(folder)
+
+
 def test_block_scale_dtype_checked(qwen_folders, tmp_path):
     """weight_scale_inv relabelled I32 was read as integers, cast to float: huge outputs."""
     folder = _rewrite(qwen_folders["block"], tmp_path / "i32", transform=lambda n, d, a: [
@@ -385,3 +418,31 @@ def test_block_scale_dtype_checked(qwen_folders, tmp_path):
         else (n, d, a)])
     with pytest.raises(SafetensorsError, match=re.escape(_scale_name("block", 0, "up")) + ".*is I32; expected F32"):
         FP8SafeTensorLoader(folder).load_experts(0)
+
+
+@pytest.mark.parametrize("block, expected", [([32, 64], "non-square blocks are not supported"),
+                                              ([33, 33], "must be even")])
+def test_block_the_kernels_cannot_run_refused_by_config(qwen_folders, tmp_path, block, expected):
+    """The experts still load (python -m ktfp8.convert requantizes them); a MoeConfig for them is refused."""
+    folder = _with_config(qwen_folders["block"], tmp_path / "blk", lambda c: c["quantization_config"].update(
+        weight_block_size=block))
+    loader = FP8SafeTensorLoader(folder)
+    assert loader.format == "fp8_block"
+    with pytest.raises(ValueError, match=rf"weight_block_size {re.escape(str(block))}.*{expected}"):
+        loader.config
+
+
+def test_per_channel_and_block_layers_refused_by_config(qwen_folders, tmp_path):
+    """Layer 0's experts per-channel, layer 1's block-wise: both FP8, but one MoeConfig has one format."""
+    folder = _rewrite(qwen_folders["block"], tmp_path / "mixed")
+    layer0 = ".layers.0.mlp.experts."
+    with SafetensorsFile(qwen_folders["per_channel"] / "model.safetensors") as pc, \
+            SafetensorsFile(qwen_folders["block"] / "model.safetensors") as blk:
+        tensors = {n: (i.dtype, blk.read_rows(n)) for n, i in blk.tensors.items() if layer0 not in n}
+        tensors.update({n: (i.dtype, pc.read_rows(n)) for n, i in pc.tensors.items() if layer0 in n})
+    write_file(folder / "model.safetensors", tensors)
+    loader = FP8SafeTensorLoader(folder)
+    assert [loader.layer_format(layer) for layer in loader.moe_layers()] == ["fp8_per_channel", "fp8_block"]
+    with pytest.raises(ValueError, match=r"formats differ across layers \(\{0: 'fp8_per_channel', 1: 'fp8_block'\}\); "
+                                         r"mixing per-channel and block-wise FP8.* is not supported"):
+        loader.config
