@@ -199,21 +199,26 @@ class FP8SafeTensorLoader:
 
     @property
     def config(self):
-        """ktfp8.MoeConfig for this model: MoeConfig.from_hf_config of its config.json, with a
-        quant_config that matches the experts' format (FP8 per-channel / block-wise, or BF16)."""
+        """ktfp8.MoeConfig for this model: MoeConfig.from_hf_config of its config.json, with
+        quant_config as below."""
         if self.hf_config is None:
             raise ValueError(f"{self.path}: no config.json to build a MoeConfig from")
+        return MoeConfig.from_hf_config(self.hf_config, quant_config=self.quant_config)
+
+    @property
+    def quant_config(self):
+        """ktfp8.QuantConfig that matches the experts' format: FP8 per-channel (also the target of
+        quantize_experts for fp16/fp32 experts), block-wise with the checkpoint's square block edge, or
+        BF16.  ValueError for what no kernel runs: formats mixed across layers, other blocks."""
         if self.format == "mixed":
             raise ValueError(f"{self.path}: expert formats differ across layers "
                              f"({dict(sorted(self._formats.items()))}); mixing per-channel and block-wise FP8 "
                              f"(or FP8 and unquantized) experts across layers is not supported")
         if self.format == "fp8_block":
-            quant = self._block_quant_config()
-        elif self.format == "bf16":
-            quant = QuantConfig("BF16")
-        else:       # fp8_per_channel, and the target of quantize_experts for fp16/fp32 experts
-            quant = QuantConfig("FP8", per_channel=True)
-        return MoeConfig.from_hf_config(self.hf_config, quant_config=quant)
+            return self._block_quant_config()
+        if self.format == "bf16":
+            return QuantConfig("BF16")
+        return QuantConfig("FP8", per_channel=True)
 
     def load_expert_tensors(self, layer, experts=None):
         """(gate, up, down) weights of `layer` as stored, each [E, out, in]: memory-map views when the

@@ -1,5 +1,7 @@
 """ktfp8.hf around the forward: torch.compile, inference_mode, prepare(), the custom op, and the errors
 a user gets for what it cannot run."""
+import json
+
 import numpy as np
 import pytest
 
@@ -165,6 +167,18 @@ def test_from_pretrained_refuses_arguments_it_would_ignore(qwen3):
         ktfp8.hf.from_pretrained(qwen3["fp8"], torch_dtype=torch.float32)
     with pytest.raises(TypeError, match="path must be .*got NoneType"):
         ktfp8.hf.from_pretrained(None)
+
+
+def test_non_square_blocks_refused_before_loading(qwen3, tmp_path):
+    folder = tmp_path / "non_square"
+    folder.mkdir()
+    for f in qwen3["fp8_block"].glob("*.safetensors"):
+        (folder / f.name).symlink_to(f)
+    config = json.loads((qwen3["fp8_block"] / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [32, 64]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"weight_block_size \[32, 64\]: non-square blocks are not supported"):
+        ktfp8.hf.from_pretrained(folder)
 
 
 def test_fp8_formats_mixed_across_layers_refused(qwen3, tmp_path):

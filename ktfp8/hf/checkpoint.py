@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import QuantConfig
-from ..loader import EXPERT_RE, FP8SafeTensorLoader, block_size_of
+from ..loader import EXPERT_RE, FP8SafeTensorLoader
 from . import experts as hf_experts
 from .layer import build_layer, local_experts
 
@@ -39,13 +38,6 @@ def _expert_weights_left_empty():
         yield
     finally:
         handle.remove()
-
-
-def _quant_config(loader):
-    if loader.format == "fp8_per_channel":
-        return QuantConfig("FP8", per_channel=True)
-    block = block_size_of(loader.hf_config)     # block-wise: the checkpoint's (square) block edge
-    return QuantConfig("FP8", per_channel=False, group_size=block[0])
 
 
 def _mixed_formats(folder, loader):
@@ -111,7 +103,7 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
     hf_experts.check_model_type(config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config        # the experts are ours; the rest is not quantized
-    quant_config = _quant_config(loader)
+    quant_config = loader.quant_config
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()          # the report lists the experts we skip on purpose
