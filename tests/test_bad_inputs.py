@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ktfp8
-from ktfp8 import fp8
+from ktfp8 import distributed, fp8, numa
 from ktfp8.convert import main as convert_main
 from ktfp8.cpu import main as cpu_main
 from ktfp8.experts import ExpertWeights
@@ -128,6 +128,16 @@ def _deep_header(c):
     return FP8SafeTensorLoader(folder)
 
 
+def _nan_scale(c):
+    folder = c.copy("nan_scale")
+    shard = folder / "model.safetensors"
+    tensors = _read_all(shard)
+    name = "model.layers.0.mlp.experts.1.up_proj.weight_scale"
+    tensors[name][1][2] = np.nan
+    write_file(shard, tensors)
+    return FP8SafeTensorLoader(folder).load_experts(0)
+
+
 def _without_config(c):
     folder = c.copy("noconfig")
     (folder / "config.json").unlink()
@@ -207,6 +217,20 @@ def _read_all(path):
     from ktfp8.safetensors_io import SafetensorsFile
     f = SafetensorsFile(path)
     return {n: (f.info(n).dtype, np.array(f.memmap(n))) for n in f.tensors}
+
+
+def _bench(c, *args):
+    from ktfp8.bench.__main__ import main
+    return main(list(args))
+
+
+def _float16_model(c):
+    import transformers
+    torch = pytest.importorskip("torch")
+    config = transformers.Qwen3MoeConfig(vocab_size=16, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         num_experts=4, num_experts_per_tok=2)
+    return _hf().prepare(transformers.Qwen3MoeForCausalLM(config).to(torch.float16))
 
 
 def _tiny_llama():
@@ -491,6 +515,8 @@ CASES = [
          lambda c: FP8SafeTensorLoader(c.ckpt).load_experts(7), ValueError, "layer 7 has no experts"),
     Case("FP8SafeTensorLoader.load_experts", "layer 0.0 (a float)",
          lambda c: FP8SafeTensorLoader(c.ckpt).load_experts(0.0), TypeError, "layer must be an int, got float 0.0"),
+    Case("FP8SafeTensorLoader.load_experts", "a NaN in a weight_scale", _nan_scale, SafetensorsError,
+         "experts.1.up_proj.weight_scale holds nan at [2, 0]; scales must be finite and >= 0"),
     Case("FP8SafeTensorLoader.config", "no config.json", _without_config, ValueError,
          "no config.json to build a MoeConfig from"),
     # ---------------------------------------------------------------- python -m ktfp8.convert
@@ -538,6 +564,8 @@ CASES = [
          "model must be a transformers PreTrainedModel"),
     Case("ktfp8.hf.prepare", "a model type without supported experts", lambda c: _hf().prepare(_tiny_llama()),
          ValueError, "model type 'llama' is not supported"),
+    Case("ktfp8.hf.prepare", "a float16 model", _float16_model, TypeError,
+         "the model runs in torch.float16; ktfp8 takes float32 or bfloat16 activations"),
     # ---------------------------------------------------------------- python -m ktfp8.generate
     Case("python -m ktfp8.generate", "a folder that does not exist",
          lambda c: _generate(c, "--model", str(c.tmp / "absent"), "--prompt-ids", "1"), 1, "no such model folder"),
@@ -553,6 +581,16 @@ CASES = [
     Case("python -m ktfp8.generate", "both --prompt and --prompt-ids",
          lambda c: _generate(c, "--model", str(c.ckpt), "--prompt", "a", "--prompt-ids", "1"), 2,
          "not allowed with argument"),
+    # ---------------------------------------------------------------- layers split over nodes or ranks
+    Case("ktfp8.numa.NumaMoE", "experts a tuple of arrays",
+         lambda c: numa.NumaMoE(c.cfg, (c.w["gate"], c.w["up"], c.w["down"])), TypeError,
+         "experts must be ktfp8.ExpertWeights, got tuple"),
+    Case("ktfp8.distributed.ExpertParallelMoE", "a dict as config",
+         lambda c: distributed.ExpertParallelMoE({"expert_num": E}, c.experts), TypeError,
+         "config must be a ktfp8.MoeConfig, got dict"),
+    # ---------------------------------------------------------------- python -m ktfp8.bench
+    Case("python -m ktfp8.bench", "--out a folder it cannot write into",
+         lambda c: _bench(c, "--no-plot", "--out", "/proc"), 2, "--out: cannot write into '/proc'"),
 ]
 
 
@@ -586,7 +624,8 @@ def test_catalogue_is_large_and_covers_every_entry_point():
                    "fp8.quantize", "fp8.dequantize", "quantize_experts", "ExpertWeights", "MoE", "MoE.__call__",
                    "MoE.forward", "moe_forward", "FP8SafeTensorLoader", "python -m ktfp8.convert",
                    "python -m ktfp8.cpu", "ktfp8.hf.from_pretrained", "ktfp8.hf.prepare",
-                   "python -m ktfp8.generate"):
+                   "python -m ktfp8.generate", "ktfp8.numa.NumaMoE", "ktfp8.distributed.ExpertParallelMoE",
+                   "python -m ktfp8.bench"):
         assert wanted in entries, wanted
 
 
