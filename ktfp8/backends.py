@@ -11,6 +11,7 @@ one of them is named or listed: they can be forced by name but are never chosen 
 import importlib
 import numbers
 import os
+import warnings
 
 from ._native import _ext
 
@@ -115,6 +116,27 @@ def default_threads(threads=None):
     """Thread count: `threads`, else $KTFP8_NUM_THREADS, else OpenMP's $OMP_NUM_THREADS (its first,
     outermost level), else the cores this process may use.  A set but invalid variable raises
     ValueError naming it (a typo should not silently mean "all cores")."""
+    threads = _requested_threads(threads)
+    warn_if_one_thread(threads)
+    return threads
+
+
+_warned_one_thread = False
+
+
+def warn_if_one_thread(threads):
+    """Warns once per process when `threads` > 1 will run on one thread because this process was
+    forked after ktfp8 ran a thread team (include/ktfp8/team.h)."""
+    global _warned_one_thread
+    if threads > 1 and not _warned_one_thread and _ext.forked_after_teams():
+        _warned_one_thread = True
+        warnings.warn("ktfp8 runs on 1 thread in this process: it was forked after ktfp8 ran OpenMP "
+                      "threads, and OpenMP cannot start threads in such a child.  Start worker "
+                      "processes with multiprocessing's 'spawn' or 'forkserver' method to use more.",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _requested_threads(threads):
     if threads is None:
         for var in (ENV_THREADS, ENV_OMP_THREADS):
             env = (_getenv(var) or "").strip()

@@ -148,6 +148,7 @@ class MoE:
             if not out.flags.writeable:
                 raise ValueError("out must be writeable")
         ids = self._local_ids(topk_ids)
+        backends.warn_if_one_thread(self._kernel.threads)
         # expert ids >= expert_num are refused there, before anything is written
         self._kernel.forward(x, ids, topk_weights, out, bool(accumulate), self._act_dtype)
         return out

@@ -1,6 +1,7 @@
 """Concurrency and resources: one MoE shared by 8 Python threads, MoE objects created and dropped
 without RSS growth, and the thread count rules (threads= > config.threads > KTFP8_NUM_THREADS >
-OMP_NUM_THREADS > all cores) checked by counting the OpenMP threads a fresh process really starts."""
+OMP_NUM_THREADS > all cores) checked by counting the OpenMP threads a fresh process really starts, and
+workers forked after a thread team (one thread, not a hang)."""
 import json
 import os
 import subprocess
@@ -198,6 +199,59 @@ def test_assigning_a_bad_thread_count_raises_and_keeps_the_old_one(bad):
 def test_thread_count_does_not_change_results():
     outputs = {json.loads(_probe({"KTFP8_NUM_THREADS": str(n)}).stdout)["y"] for n in (1, 2, 3)}
     assert len(outputs) == 1
+
+
+_FORK = r"""
+import json, multiprocessing as mp, sys, warnings
+import numpy as np
+import ktfp8
+from ktfp8._native import _ext
+from moe_oracle import make_experts, random_routing
+
+def forward(_):
+    # one 2-thread forward, built from scratch in this process: what it saw, and the OS threads it ran
+    cfg = ktfp8.MoeConfig(expert_num=8, num_experts_per_tok=2, hidden_size=64, intermediate_size=64)
+    experts, _ = make_experts("fp8_per_channel", 8, 64, 64, seed=1)
+    x = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    ids, w = random_routing(16, 8, 2, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = ktfp8.MoE(cfg, experts, backend="reference", threads=2)(x, ids, w)
+    with open("/proc/self/status") as f:
+        threads = int(next(l for l in f if l.startswith("Threads:")).split()[1])
+    return {"capped": _ext.forked_after_teams(), "os_threads": threads, "y": y.tobytes().hex(),
+            "warnings": [str(c.message) for c in caught]}
+
+def in_forked_worker():
+    with mp.get_context("fork").Pool(1) as pool:
+        return pool.apply_async(forward, (0,)).get(timeout=60)
+
+if __name__ == "__main__":
+    before = in_forked_worker()  # forked before this process ran any team
+    here = forward(0)
+    after = in_forked_worker()   # forked after: libgomp's pool threads were not copied
+    print(json.dumps({"before": before, "here": here, "after": after}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_forked_worker_runs_on_one_thread_instead_of_hanging(tmp_path):
+    """multiprocessing's "fork" workers: before the parent ran a thread team, a worker runs its own
+    two threads; after, OpenMP would wait forever for the parent's pool threads, so the worker runs
+    on one thread, warns once, and gives the same bytes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KTFP8_NUM_THREADS", "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    script = tmp_path / "fork_probe.py"
+    script.write_text(_FORK)
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert [got[k]["capped"] for k in ("before", "here", "after")] == [False, False, True]
+    assert got["before"]["os_threads"] == 2 and got["before"]["warnings"] == []
+    assert got["after"]["os_threads"] == 1
+    assert len(got["after"]["warnings"]) == 1 and "runs on 1 thread" in got["after"]["warnings"][0]
+    assert got["before"]["y"] == got["here"]["y"] == got["after"]["y"]
 
 
 @pytest.mark.parametrize("var, value, message", [

@@ -2,6 +2,7 @@
 #include "ktfp8/fp8_codec.h"
 #include "ktfp8/fp8.h"
 #include "ktfp8/fpenv.h"
+#include "ktfp8/team.h"
 
 #include <float.h>
 
@@ -29,7 +30,7 @@ float ktfp8_scale_from_amax(float amax) {
 void ktfp8_encode(const ktfp8_codec_ops *ops, const void *src, int dtype, int64_t n, uint8_t *codes,
                   int threads) {
     const int64_t runs = (n + RUN - 1) / RUN;
-#pragma omp parallel num_threads(threads) if (threads > 1 && runs > 1)
+#pragma omp parallel num_threads(ktfp8_team_size(threads)) if (threads > 1 && runs > 1)
     {
         const unsigned csr = ktfp8_fpenv_ieee();
 #pragma omp for schedule(dynamic)
@@ -44,7 +45,7 @@ void ktfp8_encode(const ktfp8_codec_ops *ops, const void *src, int dtype, int64_
 void ktfp8_decode(const ktfp8_codec_ops *ops, const uint8_t *codes, int64_t n, void *dst, int dtype,
                   int threads) {
     const int64_t runs = (n + RUN - 1) / RUN;
-#pragma omp parallel num_threads(threads) if (threads > 1 && runs > 1)
+#pragma omp parallel num_threads(ktfp8_team_size(threads)) if (threads > 1 && runs > 1)
     {
         const unsigned csr = ktfp8_fpenv_ieee();
 #pragma omp for schedule(dynamic)
@@ -64,7 +65,7 @@ void ktfp8_quantize_blocks(const ktfp8_codec_ops *ops, const void *src, int dtyp
                            float *scale, int threads) {
     const int64_t n_rb = (rows + bn - 1) / bn, n_cb = (cols + bk - 1) / bk, tasks = mats * n_rb;
     const int chunk = chunk_of(bn * cols);
-#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+#pragma omp parallel num_threads(ktfp8_team_size(threads)) if (threads > 1 && tasks > 1)
     {
         const unsigned csr = ktfp8_fpenv_ieee();
 #pragma omp for schedule(dynamic, chunk)
@@ -94,7 +95,7 @@ void ktfp8_dequantize_blocks(const ktfp8_codec_ops *ops, const uint8_t *codes, i
                              void *dst, int dtype, int threads) {
     const int64_t n_rb = (rows + bn - 1) / bn, n_cb = (cols + bk - 1) / bk, tasks = mats * n_rb;
     const int chunk = chunk_of(bn * cols);
-#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+#pragma omp parallel num_threads(ktfp8_team_size(threads)) if (threads > 1 && tasks > 1)
     {
         const unsigned csr = ktfp8_fpenv_ieee();
 #pragma omp for schedule(dynamic, chunk)

@@ -31,6 +31,7 @@
 #include "ktfp8/fpenv.h"
 #include "ktfp8/moe.h"
 #include "ktfp8/moe_epilogue.h"
+#include "ktfp8/team.h"
 
 #define ALIGN64(x) (((x) + 63) & ~(size_t)63)
 
@@ -310,7 +311,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     const int nb = l->rows_per_tile, act = c->act_dtype;
     const size_t esz = act == KTFP8_BF16 ? 2 : 4;
     const int64_t H = s->hidden, I = s->inter;
-    const int threads = c->threads > 0 ? c->threads : 1;
+    const int threads = ktfp8_team_size(c->threads); /* also sizes the work split */
     /* layout.act_exp applies to FP8 weights and FP32 activations */
     const int act_exp = s->format != KTFP8_FMT_BF16 && act == KTFP8_F32 ? l->act_exp : 0;
 

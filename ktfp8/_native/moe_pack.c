@@ -3,6 +3,7 @@
 #include "ktfp8/fp8.h"
 #include "ktfp8/fpenv.h"
 #include "ktfp8/moe.h"
+#include "ktfp8/team.h"
 
 #define ALIGN64(x) (((x) + 63) & ~(size_t)63)
 
@@ -145,7 +146,7 @@ void ktfp8_pack(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktfp8_pro
     for (int i = 0; i < 3; i++) {
         const ktfp8_packed_proj *p = &views[i];
         int64_t items = s->experts * p->n_tiles;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+#pragma omp parallel num_threads(ktfp8_team_size(threads))
         {
             const unsigned csr = ktfp8_fpenv_ieee(); /* scales times scale_mul may be subnormal */
 #pragma omp for schedule(static)

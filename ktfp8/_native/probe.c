@@ -2,6 +2,7 @@
  * this CPU and OS run its level (include/ktfp8/variants.def). */
 #include "ktfp8/dispatch.h"
 #include "ktfp8/probe.h"
+#include "ktfp8/team.h"
 
 uint64_t ktfp8_probe_read_avx2(const void *buf, size_t bytes, int threads) KTFP8_OPTIONAL;
 double ktfp8_probe_fma_avx2(int64_t iters, int threads) KTFP8_OPTIONAL;
@@ -10,6 +11,7 @@ double ktfp8_probe_dpbf16_avx512bf16(int64_t iters, int threads) KTFP8_OPTIONAL;
 double ktfp8_probe_tdpbf16_amx(int64_t iters, int threads) KTFP8_OPTIONAL;
 
 uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads) {
+    threads = ktfp8_team_size(threads);
     if (ktfp8_probe_read_avx2 && ktfp8_isa_usable(KTFP8_ISA_avx2))
         return ktfp8_probe_read_avx2(buf, bytes, threads);
     uint64_t sum = 0;
@@ -20,17 +22,20 @@ uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads) {
 }
 
 double ktfp8_probe_fma(int64_t iters, int threads) {
+    threads = ktfp8_team_size(threads);
     if (ktfp8_probe_fma_avx2 && ktfp8_isa_usable(KTFP8_ISA_avx2)) return ktfp8_probe_fma_avx2(iters, threads);
     return 0.0;
 }
 
 double ktfp8_probe_fma512(int64_t iters, int threads) {
+    threads = ktfp8_team_size(threads);
     if (ktfp8_probe_fma512_avx512 && ktfp8_isa_usable(KTFP8_ISA_avx512))
         return ktfp8_probe_fma512_avx512(iters, threads);
     return 0.0;
 }
 
 double ktfp8_probe_dpbf16(int64_t iters, int threads) {
+    threads = ktfp8_team_size(threads);
     /* the unit is compiled with the whole avx512bf16 level's flags, -mavx512vbmi included */
     if (ktfp8_probe_dpbf16_avx512bf16 && ktfp8_isa_usable(KTFP8_ISA_avx512bf16))
         return ktfp8_probe_dpbf16_avx512bf16(iters, threads);
@@ -38,6 +43,7 @@ double ktfp8_probe_dpbf16(int64_t iters, int threads) {
 }
 
 double ktfp8_probe_tdpbf16(int64_t iters, int threads) {
+    threads = ktfp8_team_size(threads);
     /* the amx level includes the OS's permission to use tiles */
     if (ktfp8_probe_tdpbf16_amx && ktfp8_isa_usable(KTFP8_ISA_amx))
         return ktfp8_probe_tdpbf16_amx(iters, threads);

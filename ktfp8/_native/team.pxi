@@ -1,0 +1,10 @@
+# Team sizes after fork (team.h): a child forked after ktfp8 ran a thread team runs on one thread.
+
+cdef extern from "ktfp8/team.h":
+    int ktfp8_forked_after_teams()
+
+
+def forked_after_teams():
+    """True when this process is a child forked after ktfp8 ran a team of two or more OpenMP
+    threads, so that every team here runs on one thread."""
+    return bool(ktfp8_forked_after_teams())
