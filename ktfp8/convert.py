@@ -153,8 +153,8 @@ def _setup_logging():
 
 def convert(args):
     from .backends import default_threads
-    src, dst = Path(args.input_path), Path(args.output_path)
-    _check_paths(src, dst, args.overwrite)
+    src = Path(args.input_path)
+    dst = _check_paths(src, Path(args.output_path), args.overwrite)
     threads = default_threads(args.threads)
     checkpoint = Checkpoint(src)
     plan = build_plan(checkpoint, args.input_type, args.quant_config, args.all_linear, args.max_shard_size)
@@ -178,7 +178,7 @@ def convert(args):
         _write_config(checkpoint, plan, tmp)     # last: a folder without config.json is no checkpoint
         (tmp / PARTIAL_MARKER).unlink()
         _fsync_dir(tmp)
-        _publish(tmp, dst)
+        _publish(tmp, dst, args.overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -194,17 +194,25 @@ def _passthrough_count(plan):
 
 # -- folders ----------------------------------------------------------------------------------------
 def _check_paths(src, dst, overwrite):
+    """Checks the folders before any work; returns the output folder with symlinks resolved: the
+    finished folder is renamed into the place a link points to (the link then shows it), since
+    renaming over the link itself would swap out the link and not the folder."""
     if not src.is_dir():
         raise ConvertError(f"input folder {src} does not exist or is not a directory")
     s, d = src.resolve(), dst.resolve()
     if d == s or s in d.parents or d in s.parents:
         raise ConvertError(f"output {dst} must be outside the input {src} (and not contain it)")
-    if dst.exists() or dst.is_symlink():
-        if not dst.is_dir():
+    cwd = Path.cwd().resolve()
+    if d == cwd or d in cwd.parents:
+        # the output is replaced as a whole: this process and its shell would be left in a deleted folder
+        raise ConvertError(f"output {dst} is (or contains) the current directory; run from outside it")
+    if d.exists():
+        if not d.is_dir():
             raise ConvertError(f"output {dst} exists and is not a directory")
-        if any(dst.iterdir()) and not overwrite:
+        if any(d.iterdir()) and not overwrite:
             raise ConvertError(f"output folder {dst} is not empty; pass --overwrite to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def _remove_stale_partials(dst):
@@ -249,12 +257,16 @@ def _alive(pid):
     return True
 
 
-def _publish(tmp, dst):
-    """Moves the finished folder into place; an existing (checked, --overwrite) one is swapped out first."""
+def _publish(tmp, dst, overwrite):
+    """Moves the finished folder into place; an existing (checked, --overwrite) one is swapped out first.
+    A folder that another process filled since the check is replaced only with --overwrite."""
     old = None
     if dst.exists():
         if not any(dst.iterdir()):
             dst.rmdir()
+        elif not overwrite:
+            raise ConvertError(f"output folder {dst} was filled while converting (by another run?); "
+                               "nothing replaced, pass --overwrite to replace it")
         else:
             old = dst.parent / f".{dst.name}{REPLACED_TAG}{os.getpid()}"
             os.rename(dst, old)

@@ -187,6 +187,54 @@ def test_output_folder_rules(qwen, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "out"]   # no temp folders left
 
 
+def test_output_through_a_symlink_replaces_the_folder_it_points_to(qwen, tmp_path):
+    """The link stays and shows the new checkpoint; the folder's old files are gone, and no moved-aside
+    copy or temporary folder is left next to the link or the folder."""
+    target, link = tmp_path / "data" / "model", tmp_path / "links" / "model"
+    target.mkdir(parents=True)
+    (target / "old.txt").write_text("previous output")
+    link.parent.mkdir()
+    link.symlink_to(target)
+    assert run(qwen, link) == 1                                   # not empty, no --overwrite
+    assert run(qwen, link, "--overwrite") == 0
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert (target / "config.json").exists() and not (target / "old.txt").exists()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model"]
+    assert sorted(p.name for p in link.parent.iterdir()) == ["model"]
+    empty_target, empty_link = tmp_path / "data" / "empty", tmp_path / "links" / "empty"
+    empty_target.mkdir()
+    empty_link.symlink_to(empty_target)
+    assert run(qwen, empty_link) == 0 and (empty_link / "config.json").exists()
+    assert _tensors(empty_target) == _tensors(target)
+
+
+def test_output_containing_the_working_directory_is_refused_up_front(qwen, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    for cwd, given in ((out, "."), (out / "sub", "..")):
+        monkeypatch.chdir(cwd)
+        assert run(qwen, given) == 1
+        assert "is (or contains) the current directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and os.listdir(out) == ["sub"]
+
+
+def test_output_filled_by_another_run_meanwhile_is_not_replaced(qwen, tmp_path, monkeypatch, capsys):
+    import ktfp8.convert as convert_module
+    out = tmp_path / "out"
+    copy_other_files = convert_module._copy_other_files
+
+    def and_another_run_writes(src, tmp, skip):  # lands in `out` between the check and the rename
+        copy_other_files(src, tmp, skip)
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(convert_module, "_copy_other_files", and_another_run_writes)
+    assert run(qwen, out) == 1
+    assert "was filled while converting" in capsys.readouterr().err
+    assert os.listdir(out) == ["config.json"] and (out / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 @pytest.mark.parametrize("bad, message", [
     ("{nope", "not valid JSON"),
     ('["FP8"]', "must be a JSON object"),
