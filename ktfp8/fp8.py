@@ -118,7 +118,7 @@ def check_float_array(a, name):
     """The C side's code for a's dtype; TypeError naming `name` unless `a` is a float32, bfloat16 or
     float16 array (what encode and quantize take)."""
     if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array (float32, bfloat16 or float16), got {type(a).__name__}")
+        raise TypeError(f"{name} must be a numpy array or a torch tensor (float32, bfloat16 or float16), got {type(a).__name__}")
     if a.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {a.dtype}")
     return _FLOAT_INPUTS[a.dtype]
@@ -131,7 +131,7 @@ def _float_array(a, name):
 
 def _codes_array(a, name):
     if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array of uint8 or float8_e4m3fn codes, got {type(a).__name__}")
+        raise TypeError(f"{name} must be a numpy array or a torch tensor of uint8 or float8_e4m3fn codes, got {type(a).__name__}")
     if a.dtype not in _CODE_DTYPES:
         raise TypeError(f"{name} must have dtype uint8 or float8_e4m3fn, got {a.dtype}")
     return _c_order(a).view(np.uint8)

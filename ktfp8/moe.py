@@ -59,13 +59,13 @@ def _check_matches(config, experts):
 
 def _as_c_array(name, a, dtypes, ndim):
     if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+        raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(a).__name__}")
     if a.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {a.dtype}")
     if a.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
     if not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+        raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray, or .contiguous() on a tensor)")
     return a
 
 
@@ -90,7 +90,7 @@ class MoE:
         self.copy_to_cpu = bool(copy_to_cpu)
         variant = backends.variant(backend)
         self.backend = variant.name
-        threads = backends.default_threads(threads if threads is not None else config.threads)
+        self._threads = backends.default_threads(threads if threads is not None else config.threads)
         self.expert_range = experts.expert_range
         self._act_dtype = variant.act_dtype
         fmt = experts.format
@@ -101,7 +101,7 @@ class MoE:
         proj = [np.ascontiguousarray(p).view(bits) for p in (experts.gate, experts.up, experts.down)]
         scales = [None if s is None else np.ascontiguousarray(s, dtype=np.float32)
                   for s in (experts.gate_scale, experts.up_scale, experts.down_scale)]
-        self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, threads)
+        self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, self._threads)
 
     @property
     def config(self):
@@ -112,16 +112,35 @@ class MoE:
     def threads(self):
         """OpenMP threads of each call.  Assignable: the next call runs with the new count (validated
         like threads=; None re-reads the environment)."""
-        return self._kernel.threads
+        return self._threads
 
     @threads.setter
     def threads(self, threads):
-        self._kernel.threads = backends.default_threads(threads)
+        self._threads = backends.default_threads(threads)
 
     @property
     def nbytes(self):
         """Resident bytes of the packed weights (FP8: about one byte per weight)."""
         return self._kernel.packed.nbytes
+
+    def __copy__(self):
+        """A layer sharing this one's packed weights (never written after packing), with its own
+        thread count and copy_to_cpu."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo):
+        """copy.copy with a config of its own: the packed weights are immutable, so sharing them
+        loses nothing and saves a copy of the layer's weights."""
+        new = self.__copy__()
+        new._config = copy.deepcopy(self._config, memo)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"{type(self).__name__} cannot be pickled: its weights are packed for this "
+                        f"CPU's {self.backend!r} kernel; pickle its ExpertWeights (or pass a checkpoint "
+                        "path) and build the layer in the other process")
 
     @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def __call__(self, x, topk_ids, topk_weights, out=None, accumulate=False):
@@ -148,9 +167,9 @@ class MoE:
             if not out.flags.writeable:
                 raise ValueError("out must be writeable")
         ids = self._local_ids(topk_ids)
-        backends.warn_if_one_thread(self._kernel.threads)
+        backends.warn_if_one_thread(self._threads)
         # expert ids >= expert_num are refused there, before anything is written
-        self._kernel.forward(x, ids, topk_weights, out, bool(accumulate), self._act_dtype)
+        self._kernel.forward(x, ids, topk_weights, out, bool(accumulate), self._act_dtype, self._threads)
         return out
 
     def _local_ids(self, topk_ids):

@@ -44,7 +44,8 @@ def route(router_logits, cfg, correction_bias=None):
     E, k = cfg.expert_num, cfg.num_experts_per_tok
     if not isinstance(router_logits, np.ndarray) or router_logits.dtype not in _LOGIT_DTYPES:
         got = router_logits.dtype if isinstance(router_logits, np.ndarray) else type(router_logits).__name__
-        raise TypeError(f"router_logits must be a numpy array of float32, bfloat16 or float16, got {got}")
+        raise TypeError(f"router_logits must be a numpy array or a torch tensor of float32, bfloat16 or "
+                        f"float16, got {got}")
     if router_logits.ndim != 2 or router_logits.shape[1] != E:
         raise ValueError(f"router_logits must have shape [T, expert_num={E}], got {router_logits.shape}")
     bias = _check_bias(correction_bias, E)

@@ -198,7 +198,7 @@ def _run_seam(variant, experts, x, ids, w, threads):
               for s in (experts.gate_scale, experts.up_scale, experts.down_scale)]
     kernel = _ext.PackedMoE(v, shape, *proj, *scales, threads)
     y = np.empty_like(x)
-    kernel.forward(x, ids, w, y, False, v.act_dtype)
+    kernel.forward(x, ids, w, y, False, v.act_dtype, threads)
     return y
 
 

@@ -155,6 +155,15 @@ def _non_empty(c):
     return _convert(c, out="full")
 
 
+def _into_working_dir(c, monkeypatch):
+    (c.tmp / "here").mkdir(exist_ok=True)
+    monkeypatch.chdir(c.tmp / "here")
+    return convert_main(["--input-type", "fp8", "--input-path", str(c.ckpt), "--output-path", "."])
+
+
+_into_working_dir.needs_env = True   # needs monkeypatch, to chdir back
+
+
 def _with_env(var, value, fn):
     def run(c, monkeypatch):
         monkeypatch.setenv(var, value)
@@ -305,7 +314,7 @@ CASES = [
          "path_or_dict must be a dict"),
     # ---------------------------------------------------------------- route
     Case("route", "float64 logits", lambda c: ktfp8.route(np.zeros((3, E)), c.cfg), TypeError,
-         "router_logits must be a numpy array of float32, bfloat16 or float16, got float64"),
+         "router_logits must be a numpy array or a torch tensor of float32, bfloat16 or float16, got float64"),
     Case("route", "logits [T, E+1]", lambda c: ktfp8.route(np.zeros((3, E + 1), F32), c.cfg), ValueError,
          "router_logits must have shape [T, expert_num=4]"),
     Case("route", "a dict as cfg", lambda c: ktfp8.route(ROUTER(c), {"expert_num": E}), TypeError,
@@ -381,7 +390,7 @@ CASES = [
          "gate must have dtype float32, bfloat16 or float16, got int32"),
     Case("quantize_experts", "down a list",
          lambda c: ktfp8.quantize_experts(c.w["gate"], c.w["up"], c.w["down"].tolist(), ktfp8.QuantConfig("BF16")),
-         TypeError, "down must be a numpy array (float32, bfloat16 or float16), got list"),
+         TypeError, "down must be a numpy array or a torch tensor (float32, bfloat16 or float16), got list"),
     Case("quantize_experts", "gate 2-D",
          lambda c: ktfp8.quantize_experts(c.w["gate"][0], c.w["up"][0], c.w["down"][0], c.cfg.quant_config),
          ValueError, "ExpertWeights.gate must be a 3-D numpy array"),
@@ -429,6 +438,8 @@ CASES = [
          "OMP_NUM_THREADS='-4' must be a positive integer"),
     Case("MoE.threads (assignment)", "moe.threads = 0", lambda c: setattr(c.moe, "threads", 0), ValueError,
          "threads must be a positive int or None, got 0"),
+    Case("pickle.dumps(MoE)", "a built layer", lambda c: __import__("pickle").dumps(c.moe), TypeError,
+         "MoE cannot be pickled: its weights are packed for this CPU's"),
     # ---------------------------------------------------------------- MoE call / forward
     Case("MoE.__call__", "x float64", lambda c: c.call(x=c.x.astype(np.float64)), TypeError,
          "x must have dtype float32 or bfloat16, got float64"),
@@ -444,7 +455,7 @@ CASES = [
     Case("MoE.__call__", "x a float64 tensor", lambda c: c.call(x=_tensor(lambda torch: torch.zeros(3, H).double())),
          TypeError, "x must have dtype float32 or bfloat16, got float64"),
     Case("MoE.__call__", "x a non-contiguous tensor", lambda c: c.call(x=_tensor(lambda torch: torch.zeros(H, 3).T)),
-         ValueError, "x must be C-contiguous"),
+         ValueError, "x must be C-contiguous (use np.ascontiguousarray, or .contiguous() on a tensor)"),
     Case("MoE.__call__", "out a bfloat16 tensor for float32 x",
          lambda c: c.call(out=_tensor(lambda torch: torch.zeros(3, H, dtype=torch.bfloat16))), TypeError,
          "out must have dtype float32, got bfloat16"),
@@ -540,6 +551,8 @@ CASES = [
          "is not empty; pass --overwrite to replace it"),
     Case("python -m ktfp8.convert", "the output inside the input",
          lambda c: _convert(c, out="ckpt/inner"), 1, "must be outside the input"),
+    Case("python -m ktfp8.convert", "--output-path . (the working directory)", _into_working_dir, 1,
+         "is (or contains) the current directory; run from outside it"),
     Case("python -m ktfp8.convert", "--input-type not matching the weights",
          lambda c: _convert(c, input_type="bf16"), 1, "already F8_E4M3; use --input-type fp8"),
     # ---------------------------------------------------------------- python -m ktfp8.cpu

@@ -106,10 +106,10 @@ def test_the_seam_refuses_buffers_of_the_wrong_size():
     kernel = _ext.PackedMoE(v, shape, *codes, *scales, 1)
     x, ids, w = np.ones((3, H), np.float32), np.zeros((3, 2), np.int64), np.ones((3, 2), np.float32)
     with pytest.raises(ValueError, match="y holds"):
-        kernel.forward(x, ids, w, np.empty((2, H), np.float32), False, 0)
+        kernel.forward(x, ids, w, np.empty((2, H), np.float32), False, 0, 1)
     with pytest.raises(ValueError, match="y must be writeable"):
         y = np.empty_like(x)
         y.flags.writeable = False
-        kernel.forward(x, ids, w, y, False, 0)
+        kernel.forward(x, ids, w, y, False, 0, 1)
     with pytest.raises(ValueError, match="topk_ids holds"):
-        kernel.forward(x, ids[:2], w, np.empty_like(x), False, 0)
+        kernel.forward(x, ids[:2], w, np.empty_like(x), False, 0, 1)

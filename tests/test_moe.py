@@ -205,6 +205,32 @@ def test_config_changed_after_building_does_not_reach_the_layer(layer):
         moe(x, np.where(ids == ids.max(), E, ids), w)
 
 
+def test_copies_share_the_packed_weights_and_own_their_settings(layer):
+    """copy.copy and copy.deepcopy (as copy.deepcopy(model) reaches a layer): the same outputs from
+    the same packed bytes, and thread count, copy_to_cpu and config of their own."""
+    import copy
+    fmt, cfg, experts, dense = layer
+    moe = MoE(cfg, experts, threads=2)
+    x, ids, w = _inputs(9, seed=23)
+    y = moe(x, ids, w)
+    for twin in (copy.copy(moe), copy.deepcopy(moe)):
+        assert twin.nbytes == moe.nbytes and np.shares_memory(twin._kernel.packed, moe._kernel.packed)
+        twin.threads, twin.copy_to_cpu = 1, True
+        assert moe.threads == 2 and moe.copy_to_cpu is False
+        np.testing.assert_array_equal(twin(x, ids, w), y)
+    deep = copy.deepcopy(moe)
+    assert deep._config is not moe._config and deep.config.expert_num == E
+
+
+def test_pickling_a_layer_is_refused_with_what_to_send_instead(layer):
+    import pickle
+    fmt, cfg, experts, dense = layer
+    moe = MoE(cfg, experts)
+    with pytest.raises(TypeError, match=r"MoE cannot be pickled: its weights are packed .*pickle its ExpertWeights"):
+        pickle.dumps(moe)
+    pickle.loads(pickle.dumps(experts))   # what to send instead does pickle
+
+
 def test_numpy_integers_are_thread_counts(layer):
     """A thread count computed with NumPy (np.int64) is an int like any other, as MoeConfig takes it."""
     fmt, cfg, experts, dense = layer

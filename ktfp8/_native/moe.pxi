@@ -40,17 +40,16 @@ cdef class PackedMoE:
 
     PackedMoE(variant, shape, gate, up, down, gate_scale, up_scale, down_scale, threads):
     shape = (experts, hidden, inter, format, block_n, block_k) with format an enum ktfp8_wformat;
-    weights [E, out, in] uint8 codes or uint16 bf16 bits, scales float32 (None for bf16)."""
+    weights [E, out, in] uint8 codes or uint16 bf16 bits, scales float32 (None for bf16); packed on
+    `threads` threads.  Never changed after packing, so MoE copies share one."""
     cdef const ktfp8_variant *v
     cdef ktfp8_moe_shape s
     cdef readonly object packed   # uint8, 64-byte aligned
     cdef const void *packed_data
-    cdef public int threads       # of each forward; MoE.threads validates assignments
 
     def __cinit__(self, Variant variant, tuple shape, gate, up, down, gate_scale, up_scale, down_scale,
                   int threads):
         self.v = runnable(variant)
-        self.threads = threads
         self.s.experts, self.s.hidden, self.s.inter, self.s.format, self.s.block_n, self.s.block_k = shape
         if ktfp8_shape_check(&self.s) != 0:
             raise ValueError(f"invalid MoE shape {shape}")
@@ -77,8 +76,8 @@ cdef class PackedMoE:
         with nogil:
             ktfp8_pack(&self.s, &self.v.moe.layout, src, dst, threads)
 
-    def forward(self, x, topk_ids, topk_weights, y, bint accumulate, int act_dtype):
-        """y (+)= MoE(x).  x, y: float32 or bfloat16 (any 2-byte dtype holding its bits) [T, H] C-contiguous; topk_ids int64,
+    def forward(self, x, topk_ids, topk_weights, y, bint accumulate, int act_dtype, int threads):
+        """y (+)= MoE(x) on `threads` threads.  x, y: float32 or bfloat16 (any 2-byte dtype holding its bits) [T, H] C-contiguous; topk_ids int64,
         topk_weights float32, both [T, k] C-contiguous."""
         if not isinstance(x, cnp.ndarray) or cnp.PyArray_NDIM(<cnp.ndarray>x) != 2 or \
                 not isinstance(topk_ids, cnp.ndarray) or cnp.PyArray_NDIM(<cnp.ndarray>topk_ids) != 2:
@@ -97,7 +96,7 @@ cdef class PackedMoE:
         c.topk_weights = <const float *>c_buffer(topk_weights, 4 * T * k, "topk_weights")
         c.y = c_buffer(y, xbytes, "y", True)
         c.accumulate = accumulate
-        c.threads = self.threads
+        c.threads = threads
         c.act_dtype = act_dtype
         if T == 0:
             return
