@@ -27,6 +27,11 @@ def report():
     else:
         verdict = (f"⚠️ Your CPU lacks {', '.join(missing)} – FP8 MoE will run on the "
                    f"'{usable[0]}' fallback (correct, slower than the AVX-512-BF16 path).")
+    selected = _selected()
+    if selected.startswith("none: "):
+        verdict += f" But MoE() refuses ${backends.ENV_BACKEND} now: {selected[len('none: '):]}."
+    elif selected != usable[0]:
+        verdict += f" ${backends.ENV_BACKEND} forces '{selected}' instead."
     features = [name for name in f if name not in CPU_IDENTITY]
     return {
         "cpu": f["brand"] or f["vendor"],
@@ -36,7 +41,7 @@ def report():
         "os_support": {f"{name[3:]}_state": bool(f[name]) for name in features if name.startswith("os_")},
         "compiled_variants": backends.compiled_variants(),
         "usable_backends": usable,
-        "selected_backend": _selected(),
+        "selected_backend": selected,
         "verdict": verdict,
         "numa_nodes": numa.report(),
     }

@@ -51,7 +51,8 @@ def test_a_stdout_without_unicode_gets_ascii_marks():
     assert r["verdict"] == cpu.report()["verdict"] and r["flags"]["avx2"] == bool(f["avx2"])
 
 
-def test_verdict_names_what_is_missing():
+def test_verdict_names_what_is_missing(monkeypatch):
+    monkeypatch.delenv("KTFP8_BACKEND", raising=False)
     r = cpu.report()
     f = ktfp8.cpu_features()
     full = all(f[k] for k in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi")) and f["os_avx512"]
@@ -61,6 +62,19 @@ def test_verdict_names_what_is_missing():
         assert "lacks" in r["verdict"] and f"'{ktfp8.available_backends()[0]}' fallback" in r["verdict"]
         for name in ("avx512f", "avx512_bf16", "avx512_vbmi"):
             assert (name in r["verdict"]) == (not f[name])
+
+
+def test_verdict_says_what_a_forced_backend_changes(monkeypatch):
+    """$KTFP8_BACKEND decides what MoE() runs: the verdict says so, where it differs from the default."""
+    monkeypatch.delenv("KTFP8_BACKEND", raising=False)
+    plain = cpu.report()["verdict"]
+    monkeypatch.setenv("KTFP8_BACKEND", "reference")
+    assert cpu.report()["verdict"] == plain + " $KTFP8_BACKEND forces 'reference' instead."
+    monkeypatch.setenv("KTFP8_BACKEND", ktfp8.available_backends()[0])
+    assert cpu.report()["verdict"] == plain
+    monkeypatch.setenv("KTFP8_BACKEND", "no_such_kernel")
+    assert cpu.report()["verdict"].startswith(plain + " But MoE() refuses $KTFP8_BACKEND now: "
+                                              "KTFP8_BACKEND='no_such_kernel' is not compiled")
 
 
 def _cpuinfo_first(field):
