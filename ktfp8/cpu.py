@@ -1,6 +1,8 @@
 """`python -m ktfp8.cpu`: what this CPU, this OS and this build can run, and one verdict line."""
 import argparse
+import errno
 import json
+import os
 import sys
 
 from . import backends, numa
@@ -77,7 +79,7 @@ def _encodable(text, out):
         return False
 
 
-def print_report(r, out=sys.stdout):
+def print_report(r, out=None):
     lines = [f"CPU: {describe(r)}", "Instruction sets (CPUID):"]
     lines += [f"  {_mark(ok)} {name}" for name, ok in r["flags"].items()]
     lines += ["OS support (XCR0):"]
@@ -87,6 +89,7 @@ def print_report(r, out=sys.stdout):
               f"Selected backend: {r['selected_backend']}",
               numa.format_report(r["numa_nodes"]), r["verdict"]]
     text = "\n".join(lines) + "\n"
+    out = out or _stdout()
     if not _encodable(text, out):
         for mark, word in _ASCII.items():
             text = text.replace(mark, word)
@@ -94,16 +97,44 @@ def print_report(r, out=sys.stdout):
     out.write(text)
 
 
+def _stdout():
+    """sys.stdout, or OSError(EBADF) where the process was started with it closed (`>&-`: None)."""
+    if sys.stdout is None:
+        raise OSError(errno.EBADF, "it is closed")
+    return sys.stdout
+
+
+def stdout_failed(prog, err):
+    """The exit status (1) of a command-line tool whose write to stdout raised `err`.  A reader that
+    left (`| head -1`: EPIPE) ends the tool quietly, as SIGPIPE ends a C program; any other failure
+    (a closed stdout, a full disk) is one line on stderr.  Stdout then points at /dev/null, so that
+    Python's flush at exit does not fail again with a traceback."""
+    if not isinstance(err, BrokenPipeError):
+        print(f"{prog}: error: cannot write to standard output: {err.strerror or err}", file=sys.stderr)
+    if sys.stdout is not None:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+    return 1
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m ktfp8.cpu", description=__doc__)
+    prog = "python -m ktfp8.cpu"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     r = report()
-    if args.json:
-        text = json.dumps(r, indent=2, ensure_ascii=False)
-        print(text if _encodable(text, sys.stdout) else json.dumps(r, indent=2))
-    else:
-        print_report(r)
+    try:
+        if args.json:
+            text = json.dumps(r, indent=2, ensure_ascii=False)
+            out = _stdout()
+            out.write((text if _encodable(text, out) else json.dumps(r, indent=2)) + "\n")
+        else:
+            print_report(r)
+        _stdout().flush()
+    except OSError as err:
+        return stdout_failed(prog, err)
     return 0
 
 

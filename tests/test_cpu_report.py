@@ -97,3 +97,35 @@ def test_family_model_stepping_agree_with_the_kernel():
     assert first_line == f"CPU: {r['cpu']} ({r['vendor']}, family {r['family']}, model {r['model']}, " \
                          f"stepping {r['stepping']})"
     assert set(r["flags"]).isdisjoint(("family", "model", "stepping", "vendor", "brand"))
+
+
+def _run_with_stdout(stdout, *args, shell_redirect=""):
+    """(exit status, stderr) of the report with this stdout (a file object, or a shell redirection)."""
+    cmd = [sys.executable, *args]
+    if shell_redirect:
+        cmd = ["sh", "-c", f'exec "$0" "$@" {shell_redirect}', *cmd]
+    proc = subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120)
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.parametrize("args", [("-m", "ktfp8.cpu"), ("-m", "ktfp8.cpu", "--json"),
+                                  ("tools/check_cpu_features.py",)])
+def test_a_reader_that_left_ends_the_report_quietly(args):
+    """`python -m ktfp8.cpu | head -0` used to end in a BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)                       # the reader is gone before the report is written
+    with os.fdopen(write, "w") as pipe:
+        status, err = _run_with_stdout(pipe, *args)
+    assert status == 1 and err == ""
+
+
+@pytest.mark.parametrize("redirect, message", [(">&-", "it is closed"), (">/dev/full", "No space left on device")])
+@pytest.mark.parametrize("json_flag", [(), ("--json",)])
+def test_a_stdout_it_cannot_write_is_one_line_not_a_traceback(redirect, message, json_flag):
+    """A closed stdout (`>&-`) used to be an AttributeError traceback (the text report) or silence with
+    status 0 (--json); a full disk an OSError traceback."""
+    if redirect == ">/dev/full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    status, err = _run_with_stdout(None, "-m", "ktfp8.cpu", *json_flag, shell_redirect=redirect)
+    assert status == 1
+    assert err == f"python -m ktfp8.cpu: error: cannot write to standard output: {message}\n"
