@@ -784,6 +784,32 @@ def test_cli_refuses_bad_arguments(tmp_path, args, message):
     assert not list(tmp_path.iterdir())
 
 
+# seconds on the old code, which refused neither up front but ended in a MemoryError traceback
+_SMALL = ["--quick", "--no-peers", "--no-plot", "--threads", "1", "--formats", "fp8_per_channel"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layer", "1000000,8,2048,768", "--tokens", "1"], "--layer: the weights of 'E=1000000 top-8 H=2048 I=768' take"),
+    (["--layer", "4,2,64,32", "--tokens", "1,999999999"], "--tokens: the activations of a call of T=999999999 on"),
+])
+def test_cli_refuses_what_cannot_fit_in_memory_before_running(tmp_path, args, message):
+    r = _cli(tmp_path, *_SMALL, *args)
+    assert r.returncode == 2 and message in r.stderr and "more than the" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "measuring" not in r.stdout
+
+
+def test_cli_times_a_repeated_format_backend_or_layer_once(tmp_path):
+    """--formats bf16,bf16 (or a repeated backend or layer) used to time it twice: doubled rows in the
+    JSON, one of them in the table."""
+    from ktfp8.bench import __main__ as cli
+    default = ktfp8.available_backends()[0]
+    plan = cli.make_plan(cli.parse_args(["--out", str(tmp_path), "--no-plot", "--formats", "bf16,fp8_block,bf16",
+                                         "--backends", f"{default},{default}", "--layer", "4,2,64,32",
+                                         "--layer", "bench", "--layer", "4,2,64,32"]))
+    assert plan.formats == ("bf16", "fp8_block") and plan.backends == [default]
+    assert [layer.name for layer in plan.layers] == ["E=4 top-2 H=64 I=32", L.BENCH_LAYER.name]
+
+
 def test_cli_refuses_a_missing_output_folder(tmp_path):
     r = _cli(tmp_path / "nope", "--no-peers")
     assert r.returncode == 2 and "not a folder" in r.stderr

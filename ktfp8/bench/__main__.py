@@ -23,6 +23,7 @@ from .. import __version__, backends, cpu
 from . import layers as L
 from . import backend_choice, interleaved, peer_rounds, report
 from .run import Plan, Runner
+from .sides import available_memory
 
 # --quick times the backends other than the default in FP8 per-channel only, the format the default
 # choice is judged in (backend_choice.py): on the Intel Xeon VM with AMX (4 backends) their BF16 and
@@ -85,6 +86,12 @@ def parse_args(argv):
     for b in args.backends or []:
         if b not in usable:
             p.error(f"--backends: {b!r} is not usable here; usable: {', '.join(usable)}")
+    for name in ("formats", "backends", "layers"):  # a repeat would be timed twice, its rows doubled
+        if getattr(args, name):
+            setattr(args, name, list(dict.fromkeys(getattr(args, name))))
+    why = _does_not_fit(args)
+    if why:
+        p.error(why)
     if not os.path.isdir(args.out):
         p.error(f"--out: {args.out!r} is not a folder")
     try:  # say so now, not after a run of minutes: creating a file is the test (root ignores modes)
@@ -95,6 +102,26 @@ def parse_args(argv):
     if not args.no_plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the run
         p.error("the plot needs matplotlib, which is not installed: pip install matplotlib, or pass --no-plot")
     return args
+
+
+def _does_not_fit(args):
+    """Why a layer's weights or a call's activations cannot fit in the memory free now (a sentence), or
+    None: found here, not after the limits were measured, as a MemoryError traceback."""
+    preset = QUICK if args.quick else FULL
+    layers = args.layers or [_layer(s) for s in preset["layers"]]
+    widest = max(L.BYTES_PER_WEIGHT[f] for f in args.formats or L.FORMATS)
+    free = available_memory()
+    for layer in layers:
+        weights = layer.experts * layer.weights_per_expert * widest
+        if weights > free:
+            return (f"--layer: the weights of {layer.name!r} take {weights / 1e9:.1f} GB, more than the "
+                    f"{free / 1e9:.1f} GB of memory available now")
+        T = max(args.tokens or preset["tokens"])
+        draw = T * layer.hidden * 8   # a call's activations are drawn in float64
+        if draw > free:
+            return (f"--tokens: the activations of a call of T={T} on {layer.name!r} take {draw / 1e9:.1f} GB, "
+                    f"more than the {free / 1e9:.1f} GB of memory available now")
+    return None
 
 
 def make_plan(args):
