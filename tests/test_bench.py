@@ -810,6 +810,41 @@ def test_cli_times_a_repeated_format_backend_or_layer_once(tmp_path):
     assert [layer.name for layer in plan.layers] == ["E=4 top-2 H=64 I=32", L.BENCH_LAYER.name]
 
 
+_TINY = ["--quick", "--no-peers", "--layer", "4,2,64,32", "--tokens", "1", "--threads", "1",
+         "--formats", "fp8_per_channel"]   # a few seconds, most of them the limits
+
+
+def test_cli_interrupted_says_what_it_wrote_and_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
+    """Ctrl-C used to end in a KeyboardInterrupt traceback."""
+    pytest.importorskip("matplotlib")
+    from ktfp8.bench import __main__ as cli
+    from ktfp8.bench import plot
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli.Runner, "run", interrupted)
+    assert cli.main([*_TINY, "--out", str(tmp_path)]) == 130
+    assert capsys.readouterr().err == f"python -m ktfp8.bench: interrupted; wrote nothing into {tmp_path}\n"
+    assert not list(tmp_path.iterdir())
+    monkeypatch.undo()
+    monkeypatch.setattr(plot, "save", interrupted)       # while the plot is written, after the other two
+    assert cli.main([*_TINY, "--out", str(tmp_path)]) == 130
+    assert capsys.readouterr().err == (f"python -m ktfp8.bench: interrupted; wrote only bench-results.json, "
+                                       f"bench-results.txt into {tmp_path}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench-results.json", "bench-results.txt"]
+
+
+def test_cli_whose_reader_left_stops_quietly(tmp_path):
+    """`python -m ktfp8.bench ... | head -1` used to end in a BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as pipe:
+        r = subprocess.run([sys.executable, "-m", "ktfp8.bench", *_TINY, "--no-plot", "--out", str(tmp_path)],
+                           stdout=pipe, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 1 and r.stderr == ""
+    assert not list(tmp_path.iterdir())
+
+
 def test_cli_refuses_a_missing_output_folder(tmp_path):
     r = _cli(tmp_path / "nope", "--no-peers")
     assert r.returncode == 2 and "not a folder" in r.stderr

@@ -11,7 +11,6 @@ rows (the peer comparisons fall back to the rows where that step could not time 
 import argparse
 import dataclasses
 import datetime
-import functools
 import importlib.util
 import json
 import os
@@ -24,6 +23,8 @@ from . import layers as L
 from . import backend_choice, interleaved, peer_rounds, report
 from .run import Plan, Runner
 from .sides import available_memory
+
+PROG = "python -m ktfp8.bench"
 
 # --quick times the backends other than the default in FP8 per-channel only, the format the default
 # choice is judged in (backend_choice.py): on the Intel Xeon VM with AMX (4 backends) their BF16 and
@@ -60,7 +61,7 @@ def _layer(spec):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m ktfp8.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="benchmark layer only, T up to 512, short cases, the backends other than the default in "
@@ -170,18 +171,43 @@ def _write_atomically(path, write):
         raise
 
 
+class _StdoutFailed(Exception):
+    """A write to stdout failed (the reader left, a full disk): the run stops there."""
+
+
+def _say(*parts):
+    try:
+        print(*parts, flush=True)
+    except OSError as err:
+        raise _StdoutFailed(err) from None
+
+
 def main(argv=None):
     args = parse_args(argv)
+    written = []
+    try:
+        _run(args, written)
+    except KeyboardInterrupt:
+        done = f"wrote only {', '.join(written)}" if written else "wrote nothing"
+        print(f"{PROG}: interrupted; {done} into {args.out}", file=sys.stderr)
+        return 130
+    except _StdoutFailed as failed:
+        return cpu.stdout_failed(PROG, failed.args[0])
+    return 0
+
+
+def _run(args, written):
+    """The benchmark of parse_args' `args`; the names of the result files go into `written` as each
+    is complete."""
     plan = make_plan(args)
-    log = functools.partial(print, flush=True)
-    runner = Runner(plan, log=log).run()
+    runner = Runner(plan, log=_say).run()
     limits = {str(n): dataclasses.asdict(r) for n, r in runner.limits.items()}
     rows = runner.results
     goal_layer = L.BENCH_LAYER.name if any(r["layer"] == L.BENCH_LAYER.name for r in rows) else None
     default = backends.resolve_backend(None)
-    side_by_side = interleaved.run(plan, L.BENCH_LAYER, default, log=log)
-    choice = backend_choice.run(plan, L.BENCH_LAYER, default, rows, log=log)
-    against_peers = peer_rounds.run(plan, L.BENCH_LAYER, default, rows, log=log)
+    side_by_side = interleaved.run(plan, L.BENCH_LAYER, default, log=_say)
+    choice = backend_choice.run(plan, L.BENCH_LAYER, default, rows, log=_say)
+    against_peers = peer_rounds.run(plan, L.BENCH_LAYER, default, rows, log=_say)
     goal_rows = report.goals(rows, limits, goal_layer, default, side_by_side, choice, against_peers) if goal_layer else []
     results = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -205,17 +231,17 @@ def main(argv=None):
         report.goals_lines(goal_rows) if goal_rows else "",
         "skipped:\n" + "\n".join(f"  {s['side']} [{s['format']}] on {s['layer']}: {s['reason']}"
                                  for s in runner.skipped) if runner.skipped else "") if part)
-    print("\n" + text)
+    # the files first: a reader of stdout that leaves during the table (| head) does not cost them
     for name, content in (("bench-results.json", json.dumps(results, indent=1)), ("bench-results.txt", text)):
         _write_atomically(os.path.join(args.out, name), lambda f: f.write((content + "\n").encode()))
-    written = ["bench-results.json", "bench-results.txt"]
+        written.append(name)
     if not args.no_plot:
         from . import plot
         _write_atomically(os.path.join(args.out, "bench-results.png"),
                           lambda f: plot.save(results, f, all_backends=args.all_backends))
         written.append("bench-results.png")
-    print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}")
-    return 0
+    _say("\n" + text)
+    _say(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}")
 
 
 if __name__ == "__main__":
