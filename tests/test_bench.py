@@ -1,5 +1,6 @@
 """The benchmark suite's own correctness: workloads, the peers' arithmetic, the figures it derives,
 and `python -m ktfp8.bench` end to end on a tiny layer (speed itself is measured in bench/, not here)."""
+import io
 import json
 import os
 import shutil
@@ -874,3 +875,74 @@ def test_read_probe_reuses_a_given_buffer(monkeypatch):
     monkeypatch.setattr(roofline._ext, "probe_read", lambda b, n: seen.append(b.ctypes.data) or real(b, n))
     assert roofline.read_bandwidth(1, repeats=2, buf=buf) > 0
     assert seen == [buf.ctypes.data] * 2
+
+
+# ---------------------------------------------------------------- python -m ktfp8.bench.model
+_FAKE_ROWS = ([{"side": "eager", "backend": None, "skipped": None, "prefill": 4.0, "decode": 0.5},
+               {"side": "ktfp8", "backend": "avx2", "skipped": None, "prefill": 12.0, "decode": 2.0}],
+              {"bf16": (8.0, 8.1), "ktfp8": (4.4, 9.2)})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers", "49"], "--layers: Qwen3-30B-A3B has 48 layers, got 49"),
+    (["--vocab", "999999999"], "the model needs about 8200.7 GB, more than the"),
+    (["--prompt-tokens", "4096"], "--prompt-tokens + --decode-tokens must be at most 4096"),
+    (["--layers", "1", "--json", "/nonexistent/x.json"], "--json: the folder '/nonexistent' does not exist"),
+    (["--layers", "1", "--json", "/"], "--json: '/' is a folder"),
+])
+def test_model_cli_refuses_before_building_the_model(monkeypatch, capsys, args, message):
+    """Each used to fail after the model was built and measured (minutes): the --json path in open()
+    at the very end, the rest in transformers or the OOM killer."""
+    from ktfp8.bench import model as M
+
+    def built(*a, **k):
+        raise AssertionError("the model was built")
+    monkeypatch.setattr(M, "run", built)
+    with pytest.raises(SystemExit) as exit_:
+        M.main(args)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_model_cli_writes_the_json_before_the_table_and_stops_quietly_when_the_reader_left(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """`... --json r.json | head -1` used to end in a BrokenPipeError traceback before the JSON, the
+    only record of minutes of measurements, was written."""
+    from ktfp8.bench import model as M
+
+    class ReaderLeft(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(M, "run", lambda *a: _FAKE_ROWS)
+    monkeypatch.setattr(sys, "stdout", ReaderLeft())
+    assert M.main(["--layers", "1", "--json", str(tmp_path / "r.json")]) == 1
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == _FAKE_ROWS[0]
+    assert capsys.readouterr().err == ""
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_model_cli_interrupted_is_one_line(monkeypatch, capsys):
+    from ktfp8.bench import model as M
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(M, "run", interrupted)
+    assert M.main(["--layers", "1"]) == 130
+    assert capsys.readouterr().err == "python -m ktfp8.bench.model: interrupted\n"
+
+
+def test_model_run_with_one_decode_token_has_no_decode_figure(monkeypatch):
+    """--decode-tokens 1 used to end in KeyError: 'decode' (decode tokens/s counts the tokens after
+    the first) after the model was built; now its decode figure is missing, printed as '-'."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from ktfp8.bench import model as M
+    config = transformers.Qwen3MoeConfig(vocab_size=16, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         num_experts=4, num_experts_per_tok=2)
+    monkeypatch.setattr(M, "build_model", lambda layers, vocab: transformers.Qwen3MoeForCausalLM(config).eval())
+    log = io.StringIO()
+    rows, _ = M.run(layers=1, threads=1, prompt_tokens=4, decode_tokens=1, repeats=1, vocab_size=16,
+                    sides=("eager", "ktfp8"), log=log)
+    assert [r.get("decode") for r in rows] == [None, None] and all(r["prefill"] > 0 for r in rows)
+    assert "eager: prefill " in log.getvalue() and "decode - tokens/s" in log.getvalue()
+    assert "| - |" in "\n".join(M.table(rows, 1, 1, 4, 16))

@@ -9,10 +9,12 @@ copy per token and expert), then ktfp8 FP8 per-channel.  Each side: greedy gener
 --decode-tokens after a --prompt-tokens prompt (prefill tokens/s = prompt / time of the first
 forward; decode tokens/s = tokens after the first / their time), best of --repeats after a warm-up."""
 import argparse
+import importlib.util
 import json
 import os
 import resource
 import sys
+import tempfile
 import time
 
 from ..generate import _positive  # the same --threads/--layers check as the generate CLI
@@ -20,6 +22,11 @@ from ..generate import _positive  # the same --threads/--layers check as the gen
 PHASES = ("prefill", "decode")
 SIDES = ("eager", "grouped_mm", "batched_mm", "ktfp8")
 BATCHED_MM_MAX_TOKENS = 8       # batched_mm gathers [tokens x top-k, 2I, H] weights: 25 GB at 512 tokens
+MODEL_LAYERS = 48               # Qwen3-30B-A3B's decoder layers
+MAX_POSITIONS = 4096            # the max_position_embeddings of qwen3_30b_a3b_config
+# BF16 bytes of one decoder layer: 128 experts (gate, up, down 2048 x 768) and attention (q and o 2048 x
+# 4096, k and v 2048 x 512)
+LAYER_BYTES = 2 * (128 * 3 * 2048 * 768 + 2 * 2048 * 4096 + 2 * 2048 * 512)
 
 
 def qwen3_30b_a3b_config(layers, vocab_size):
@@ -27,7 +34,7 @@ def qwen3_30b_a3b_config(layers, vocab_size):
     return Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=2048, intermediate_size=6144,
                           moe_intermediate_size=768, num_hidden_layers=layers, num_attention_heads=32,
                           num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                          norm_topk_prob=True, decoder_sparse_step=1, max_position_embeddings=4096,
+                          norm_topk_prob=True, decoder_sparse_step=1, max_position_embeddings=MAX_POSITIONS,
                           rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
@@ -104,7 +111,7 @@ def run(layers=6, threads=2, prompt_tokens=512, decode_tokens=16, repeats=2, voc
             phases = ("decode",)
             row["skipped"] = f"prefill: gathers one weight copy per token and expert ({prompt_tokens * 8} copies)"
         row.update(measure(model, prompt, decode_tokens, repeats, phases))
-        print(f"{side}: " + ", ".join(f"{p} {row[p]:.2f} tokens/s" for p in phases), file=log)
+        print(f"{side}: " + ", ".join(f"{p} {_fmt(row.get(p))} tokens/s" for p in phases), file=log)
         rows.append(row)
     memory["ktfp8"] = rss_gb()
     return rows, memory
@@ -155,27 +162,89 @@ def _sides(text):
     return [s for s in SIDES if s in sides]          # ktfp8 last: it releases the BF16 experts
 
 
+def peak_bytes(layers, vocab_size):
+    """About the most memory a run holds: the BF16 model, embeddings and lm_head, and one layer's
+    experts more while ktfp8 quantizes them (README: 7.98 GB, peak 9.19 GB for 6 layers)."""
+    return (layers + 1) * LAYER_BYTES + 2 * vocab_size * 2048 * 2
+
+
+def _check(p, args):
+    """What would fail only after the model was built (minutes): argparse's error (exit 2) now."""
+    if args.layers > MODEL_LAYERS:
+        p.error(f"--layers: Qwen3-30B-A3B has {MODEL_LAYERS} layers, got {args.layers}")
+    if args.prompt_tokens + args.decode_tokens > MAX_POSITIONS:
+        p.error(f"--prompt-tokens + --decode-tokens must be at most {MAX_POSITIONS} (the model's "
+                f"max_position_embeddings), got {args.prompt_tokens + args.decode_tokens}")
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        p.error(f"needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed")
+    from .sides import available_memory
+    need, free = peak_bytes(args.layers, args.vocab), available_memory()
+    if need > free:
+        p.error(f"--layers {args.layers} --vocab {args.vocab}: the model needs about {need / 1e9:.1f} GB, more than the "
+                f"{free / 1e9:.1f} GB of memory available now")
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json):
+            p.error(f"--json: {args.json!r} is a folder; name the file to write")
+        if not os.path.isdir(folder):
+            p.error(f"--json: the folder {folder!r} does not exist")
+        try:   # creating a file is the test (root ignores modes)
+            with tempfile.TemporaryFile(dir=folder, prefix=".bench-model-"):
+                pass
+        except OSError as err:
+            p.error(f"--json: cannot write into {folder!r}: {err.strerror}")
+
+
+def _write_json(path, data):
+    """The JSON written to a temporary file beside `path`, then moved over it: never half a file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".bench-model-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)    # mkstemp makes 0600
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m ktfp8.bench.model", description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=_positive, default=6, help="first N of the 48 layers (default 6, ~7.5 GB)")
+    prog = "python -m ktfp8.bench.model"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=_positive, default=6,
+                   help=f"first N of the {MODEL_LAYERS} layers (default 6, ~7.5 GB)")
     p.add_argument("--threads", type=_positive, default=os.cpu_count() or 1)
     p.add_argument("--prompt-tokens", type=_positive, default=512)
-    p.add_argument("--decode-tokens", type=_positive, default=16)
+    p.add_argument("--decode-tokens", type=_positive, default=16,
+                   help="new tokens per generation; decode tokens/s counts those after the first (needs 2)")
     p.add_argument("--repeats", type=_positive, default=2, help="measurements per side; the best counts")
     p.add_argument("--vocab", type=_positive, default=8192)
     p.add_argument("--sides", type=_sides, default=list(SIDES), help=f"comma-separated from {','.join(SIDES)}")
     p.add_argument("--json", metavar="PATH", help="also write the rows and RSS figures as JSON")
     args = p.parse_args(argv)
-    rows, memory = run(args.layers, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats,
-                       args.vocab, args.sides)
-    print("\n".join(table(rows, args.layers, args.threads, args.prompt_tokens, args.vocab)))
-    print("\n".join(goals(rows)))
-    for when, (current, peak) in memory.items():
-        print(f"RSS with {'BF16' if when == 'bf16' else 'FP8 (ktfp8)'} experts: {current:.2f} GB "
-              f"(peak so far {peak:.2f} GB)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "rss_gb": memory, "args": vars(args)}, f, indent=1)
+    _check(p, args)
+    try:
+        rows, memory = run(args.layers, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats,
+                           args.vocab, args.sides)
+        if args.json:    # before the table: a reader of stdout that leaves (| head) does not cost it
+            _write_json(args.json, {"rows": rows, "rss_gb": memory, "args": vars(args)})
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    try:
+        print("\n".join(table(rows, args.layers, args.threads, args.prompt_tokens, args.vocab)))
+        print("\n".join(goals(rows)))
+        for when, (current, peak) in memory.items():
+            print(f"RSS with {'BF16' if when == 'bf16' else 'FP8 (ktfp8)'} experts: {current:.2f} GB "
+                  f"(peak so far {peak:.2f} GB)")
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except OSError as err:
+        from ..cpu import stdout_failed
+        return stdout_failed(prog, err)
     return 0
 
 
