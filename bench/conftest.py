@@ -13,9 +13,23 @@ _LIMITS = {}  # threads -> Roofline
 _INTERLEAVED = {}  # "result": ktfp8.bench.interleaved's result, when bench_moe.py's decode step ran
 
 
+BENCH_LAYERS = ("bench", "deepseek-v3")
+
+
 def pytest_addoption(parser):
-    parser.addoption("--bench-layers", default="bench,deepseek-v3",
-                     help="comma-separated layers for bench_moe.py: bench, deepseek-v3")
+    parser.addoption("--bench-layers", default=",".join(BENCH_LAYERS),
+                     help=f"comma-separated layers for bench_moe.py: {', '.join(BENCH_LAYERS)}")
+
+
+def pytest_configure(config):
+    """--bench-layers checked before collection: bench_moe.py ran any other name as the DeepSeek-V3
+    slice (GBs of weights), and a repeated one twice."""
+    names = config.getoption("bench_layers").split(",")
+    unknown = [n for n in names if n not in BENCH_LAYERS]
+    if unknown:
+        raise pytest.UsageError(f"--bench-layers: unknown layer(s) {', '.join(map(repr, unknown))}; "
+                                f"choose from {', '.join(BENCH_LAYERS)}")
+    config.option.bench_layers = ",".join(dict.fromkeys(names))
 
 
 @pytest.fixture(scope="session")

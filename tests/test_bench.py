@@ -946,3 +946,22 @@ def test_model_run_with_one_decode_token_has_no_decode_figure(monkeypatch):
     assert [r.get("decode") for r in rows] == [None, None] and all(r["prefill"] > 0 for r in rows)
     assert "eager: prefill " in log.getvalue() and "decode - tokens/s" in log.getvalue()
     assert "| - |" in "\n".join(M.table(rows, 1, 1, 4, 16))
+
+
+# ---------------------------------------------------------------- pytest bench --bench-layers
+def _collect(*args):
+    return subprocess.run([sys.executable, "-m", "pytest", "bench/bench_moe.py", "--benchmark-only", "--collect-only",
+                           "-q", "-p", "no:cacheprovider", *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_bench_layers_option_refuses_an_unknown_layer_and_collects_a_repeated_one_once():
+    """--bench-layers=nope used to collect 145 cases named 'nope-...' that ran the DeepSeek-V3 slice
+    (GBs of weights); --bench-layers=bench,bench collected the benchmark layer's cases twice."""
+    pytest.importorskip("pytest_benchmark")
+    for bad in ("nope", "", "bench,Bench"):
+        r = _collect(f"--bench-layers={bad}")
+        assert r.returncode == 4 and "--bench-layers: unknown layer(s)" in r.stderr, (bad, r.stdout, r.stderr)
+    once, twice = (_collect(f"--bench-layers={v}") for v in ("bench", "bench,bench"))
+    assert once.returncode == twice.returncode == 0
+    assert once.stdout.splitlines()[-1].split(" tests collected")[0] == \
+        twice.stdout.splitlines()[-1].split(" tests collected")[0]
