@@ -233,6 +233,14 @@ def _bench(c, *args):
     return main(list(args))
 
 
+_SMALL_BENCH = ["--quick", "--no-peers", "--no-plot", "--threads", "1", "--formats", "fp8_per_channel"]
+
+
+def _bench_model(c, *args):
+    from ktfp8.bench.model import main
+    return main(list(args))
+
+
 def _float16_model(c):
     import transformers
     torch = pytest.importorskip("torch")
@@ -604,6 +612,17 @@ CASES = [
     # ---------------------------------------------------------------- python -m ktfp8.bench
     Case("python -m ktfp8.bench", "--out a folder it cannot write into",
          lambda c: _bench(c, "--no-plot", "--out", "/proc"), 2, "--out: cannot write into '/proc'"),
+    Case("python -m ktfp8.bench", "a --layer whose weights cannot fit in memory",
+         lambda c: _bench(c, *_SMALL_BENCH, "--layer", "1000000,8,2048,768"), 2,
+         "--layer: the weights of 'E=1000000 top-8 H=2048 I=768' take"),
+    Case("python -m ktfp8.bench", "--tokens whose activations cannot fit in memory",
+         lambda c: _bench(c, *_SMALL_BENCH, "--layer", "4,2,64,32", "--tokens", "999999999"), 2,
+         "--tokens: the activations of a call of T=999999999"),
+    Case("python -m ktfp8.bench.model", "--layers 49", lambda c: _bench_model(c, "--layers", "49"), 2,
+         "--layers: Qwen3-30B-A3B has 48 layers, got 49"),
+    Case("python -m ktfp8.bench.model", "--json in a folder that does not exist",
+         lambda c: _bench_model(c, "--layers", "1", "--json", str(c.tmp / "absent" / "r.json")), 2,
+         "--json: the folder"),
 ]
 
 
@@ -638,7 +657,7 @@ def test_catalogue_is_large_and_covers_every_entry_point():
                    "MoE.forward", "moe_forward", "FP8SafeTensorLoader", "python -m ktfp8.convert",
                    "python -m ktfp8.cpu", "ktfp8.hf.from_pretrained", "ktfp8.hf.prepare",
                    "python -m ktfp8.generate", "ktfp8.numa.NumaMoE", "ktfp8.distributed.ExpertParallelMoE",
-                   "python -m ktfp8.bench"):
+                   "python -m ktfp8.bench", "python -m ktfp8.bench.model"):
         assert wanted in entries, wanted
 
 
