@@ -13,10 +13,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", minversion="5")
 
 import ktfp8.hf  # noqa: E402
+from ktfp8 import backends  # noqa: E402
 from ktfp8.bench.model import BATCHED_MM_MAX_TOKENS, build_model  # noqa: E402
 
 LAYERS = int(os.environ.get("KTFP8_BENCH_MODEL_LAYERS", "1"))
-THREADS = os.cpu_count() or 1
+THREADS = backends.usable_cores()
 PROMPT_TOKENS = {"prefill": 512, "decode": 32}
 VOCAB = 8192
 

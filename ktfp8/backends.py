@@ -121,6 +121,12 @@ def default_threads(threads=None):
     return threads
 
 
+def usable_cores():
+    """The cores this process may run on (its affinity mask: taskset, cgroups' cpusets), which
+    the default thread count uses; os.cpu_count() counts the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 _warned_one_thread = False
 
 
@@ -142,7 +148,7 @@ def _requested_threads(threads):
             env = (_getenv(var) or "").strip()
             if env:
                 return _positive_env(var, env.split(",")[0] if var == ENV_OMP_THREADS else env)
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return usable_cores()
     if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads <= 0:
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
     return int(threads)

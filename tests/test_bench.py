@@ -760,6 +760,19 @@ def test_cli_says_up_front_that_the_plot_needs_matplotlib(monkeypatch, capsys, t
     assert cli.parse_args(["--out", str(tmp_path), "--no-plot"]).no_plot
 
 
+def test_all_threads_means_the_cores_this_process_may_use(monkeypatch, tmp_path):
+    """Under taskset -c 0 on a 2-core machine the bench times 1 thread, not "2 threads" on one core."""
+    import os
+    from ktfp8 import backends
+    from ktfp8.bench import __main__ as cli
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("KTFP8_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert backends.usable_cores() == 1 and backends.default_threads() == 1
+    assert cli.make_plan(cli.parse_args(["--out", str(tmp_path), "--no-plot", "--quick"])).threads == [1]
+
+
 @pytest.mark.parametrize("args, others", [
     (["--quick"], ("fp8_per_channel",)),                     # the format the default choice is judged in
     (["--quick", "--formats", "bf16,fp8_block"], ("bf16", "fp8_block")),  # asked for: every backend

@@ -70,7 +70,8 @@ def parse_args(argv):
                    help="'bench' (E=64 top-8 H=2048 I=768), 'deepseek-v3' (a slice that fits a quarter of RAM) "
                         "or E,top_k,hidden,intermediate; repeatable")
     p.add_argument("--tokens", type=_int_list, help="token counts T, e.g. 1,4,16,64,512,2048")
-    p.add_argument("--threads", type=_int_list, help=f"thread counts (default 1 and all: 1,{os.cpu_count()})")
+    p.add_argument("--threads", type=_int_list,
+                   help=f"thread counts (default 1 and all this process may use: 1,{backends.usable_cores()})")
     p.add_argument("--formats", type=lambda s: s.split(","), help=f"subset of {','.join(L.FORMATS)}")
     p.add_argument("--backends", type=lambda s: s.split(","),
                    help="ktfp8 backends (default: every usable one but the scalar 'reference')")
@@ -127,7 +128,7 @@ def _does_not_fit(args):
 
 def make_plan(args):
     preset = QUICK if args.quick else FULL
-    cores = os.cpu_count() or 1
+    cores = backends.usable_cores()
     formats = tuple(args.formats or L.FORMATS)
     return Plan(layers=args.layers or [_layer(s) for s in preset["layers"]],
                 tokens=sorted(set(args.tokens or preset["tokens"])),

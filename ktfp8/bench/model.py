@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 
+from .. import backends
 from ..generate import _positive  # the same --threads/--layers check as the generate CLI
 
 PHASES = ("prefill", "decode")
@@ -216,7 +217,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=_positive, default=6,
                    help=f"first N of the {MODEL_LAYERS} layers (default 6, ~7.5 GB)")
-    p.add_argument("--threads", type=_positive, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=_positive, default=backends.usable_cores(),
+                   help="threads (default: all this process may use)")
     p.add_argument("--prompt-tokens", type=_positive, default=512)
     p.add_argument("--decode-tokens", type=_positive, default=16,
                    help="new tokens per generation; decode tokens/s counts those after the first (needs 2)")

@@ -33,7 +33,8 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=_int_list, default=DEFAULT_TOKENS,
                    help=f"tokens per expert m (default {','.join(map(str, DEFAULT_TOKENS))})")
-    p.add_argument("--threads", type=_int_list, help=f"thread counts (default 1 and all: 1,{os.cpu_count()})")
+    p.add_argument("--threads", type=_int_list,
+                   help=f"thread counts (default 1 and all this process may use: 1,{backends.usable_cores()})")
     p.add_argument("--backends", type=lambda s: s.split(","),
                    help="ktfp8 backends (default: every usable one but the scalar 'reference')")
     p.add_argument("--format", default="fp8_per_channel", choices=L.FORMATS, help="weight format")
@@ -106,7 +107,7 @@ def main(argv=None):
     args = parse_args(argv)
     layer = L.Layer(f"E={args.experts} (every token on every expert) H={args.hidden} I={args.intermediate}",
                     args.experts, args.experts, args.hidden, args.intermediate)
-    thread_counts = sorted(set(args.threads or [1, os.cpu_count() or 1]))
+    thread_counts = sorted(set(args.threads or [1, backends.usable_cores()]))
     plan = Plan(layers=[layer], tokens=args.tokens, threads=thread_counts,
                 backends=args.backends or _default_backends())  # the bench's walk sizes
     print(f"{cpu.describe(cpu.report())}: {os.cpu_count()} cores, L3 {(L.l3_bytes() or 0) / 2**20:.0f} MiB")
