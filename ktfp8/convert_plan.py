@@ -3,11 +3,12 @@ their order and shards, and the config.json `quantization_config`.  Pure bookkee
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from .config import ODD_BLOCK_EDGE
-from .loader import EXPERT_RE, block_size_of
+from .config import _EXPERT_COUNT_KEYS, ODD_BLOCK_EDGE, _read_hf_config
+from .loader import EXPERT_RE, ROLE, ROLES, _is_positive_int, block_size_of
 from .safetensors_io import SafetensorsError, tensor_nbytes
 
 INPUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp8": "F8_E4M3"}
@@ -167,6 +168,8 @@ def _fp8_item(checkpoint, name, info, input_type, spec, in_block, consumed):
     if input_type != "fp8":
         raise SafetensorsError(f"tensor {name!r} is already F8_E4M3; use --input-type fp8 for a "
                                f"block-wise FP8 checkpoint")
+    if len(info.shape) != 2:
+        raise SafetensorsError(f"tensor {name!r} has shape {list(info.shape)}; a Linear weight is 2-D")
     scale_name = name + "_scale_inv"
     if scale_name not in checkpoint:
         other = "a per-channel weight_scale (already the target format)" \
@@ -174,16 +177,73 @@ def _fp8_item(checkpoint, name, info, input_type, spec, in_block, consumed):
         raise SafetensorsError(f"tensor {name!r} is F8_E4M3 with {other}; --input-type fp8 reads "
                                f"block-wise FP8 (weight + weight_scale_inv)")
     scale = checkpoint.info(scale_name)
-    expected = (math.ceil(info.shape[0] / in_block[0]), math.ceil(info.shape[1] / in_block[1])) \
-        if len(info.shape) == 2 else None
+    expected = (math.ceil(info.shape[0] / in_block[0]), math.ceil(info.shape[1] / in_block[1]))
     if scale.shape != expected or scale.dtype not in SCALE_DTYPES:
         raise SafetensorsError(f"tensor {scale_name!r} is {scale.dtype} {list(scale.shape)}; weight_block_size "
-                               f"{list(in_block)} needs F32 {list(expected or ())} for weight "
+                               f"{list(in_block)} needs F32 {list(expected)} for weight "
                                f"{list(info.shape)}")
     if not spec.per_channel and spec.block == in_block:     # already the target format: keep it bit-exact
         return Item("copy", name, name, info.dtype, info.shape)
     consumed.add(scale_name)
     return _quantized_item("requantize", name, info, spec, src_scale=scale_name, src_block=in_block)
+
+
+def _config_size(config, *keys):
+    """(key, value) of the first of `keys` that config.json sets, or (None, None) where it sets none of
+    them or not as one positive integer (some models keep per-layer lists there)."""
+    key = next((k for k in keys if config.get(k) is not None), None)
+    return (key, config[key]) if key and _is_positive_int(config[key]) else (None, None)
+
+
+def _check_experts(checkpoint, hf_config):
+    """Refuses routed experts that no engine can load, before anything is written.  In each expert stack
+    (e.g. model.layers.3.mlp.experts): experts 0 .. E-1, E from config.json (else the highest index + 1),
+    each with gate, up and down weights; gate and up [intermediate, hidden], down [hidden, intermediate],
+    sizes from config.json (moe_intermediate_size, else intermediate_size; hidden_size), else those most
+    experts of the stack have.  Shared experts, dense MLPs and other tensors are not routed experts and
+    keep whatever shape they have.  Runs after _classify, which refused expert weights that are not 2-D."""
+    config = _read_hf_config(hf_config)       # a multimodal config: its text_config
+    count_key, count = _config_size(config, *_EXPERT_COUNT_KEYS)
+    sizes = {"intermediate": _config_size(config, "moe_intermediate_size", "intermediate_size"),
+             "hidden": _config_size(config, "hidden_size")}
+    stacks = {}
+    for name in checkpoint.names():
+        m = EXPERT_RE.match(name)
+        if m and m["kind"] == "weight":
+            stacks.setdefault(m["stack"], {})[int(m["expert"]), ROLE[m["proj"]]] = name
+    for prefix, names in stacks.items():
+        mixtral = any(EXPERT_RE.match(n)["proj"][0] == "w" for n in names.values())
+        proj = {ROLE[p]: p for p in ROLE if (p[0] == "w") == mixtral}      # role -> w1 or gate_proj, ...
+        highest = max(e for e, _ in names)
+        if count is not None and highest >= count:
+            name = next(names[highest, r] for r in ROLES if (highest, r) in names)
+            raise SafetensorsError(f"tensor {name!r}: expert index {highest} is out of range (config.json: "
+                                   f"{count_key} {count}, experts 0-{count - 1})")
+        experts = range(highest + 1 if count is None else count)
+        source = f"config.json: {count_key} {count}" if count is not None else \
+            f"the highest index found is {highest}"
+        for e in experts:
+            for role in ROLES:
+                if (e, role) not in names:
+                    raise SafetensorsError(f"expert tensor '{prefix}.{e}.{proj[role]}.weight' is missing: "
+                                           f"{prefix} needs experts 0-{len(experts) - 1} ({source}), each "
+                                           f"with gate, up and down weights")
+        shapes = {key: checkpoint.info(n).shape for key, n in names.items()}
+        seen = Counter(shape[::-1] if role == "down" else shape for (_, role), shape in shapes.items())
+        common = seen.most_common(1)[0][0]         # [intermediate, hidden] of most experts
+        want = {dim: (value, key) if key else (common[i], None)
+                for i, (dim, (key, value)) in enumerate(sizes.items())}
+        for e in experts:
+            for role in ROLES:
+                dims = ("hidden", "intermediate") if role == "down" else ("intermediate", "hidden")
+                expected = tuple(want[d][0] for d in dims)
+                if shapes[e, role] != expected:
+                    known = [f"{want[d][1]} {want[d][0]}" for d in dims if want[d][1]]
+                    why = [f"config.json: {', '.join(known)}"] if known else []
+                    why += [f"as most experts of {prefix}"] if len(known) < 2 else []
+                    raise SafetensorsError(f"tensor {names[e, role]!r} has shape {list(shapes[e, role])}; "
+                                           f"expected [{', '.join(dims)}] = {list(expected)} "
+                                           f"({'; '.join(why)})")
 
 
 def _sort_key(name):
@@ -254,6 +314,7 @@ def quantization_config(spec, ignore):
 def build_plan(checkpoint, input_type, spec, all_linear, max_shard_bytes):
     hf_config = checkpoint.hf_config() or {}
     items = _classify(checkpoint, input_type, spec, all_linear, hf_config)
+    _check_experts(checkpoint, hf_config)
     if input_type == "fp8" and not any(i.src_scale or i.out_dtype == "F8_E4M3" and i.action == "copy"
                                        for i in items):
         raise SafetensorsError(f"{checkpoint.folder}: --input-type fp8, but no F8_E4M3 weights with "

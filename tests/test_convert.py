@@ -17,7 +17,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hf_models import build_model, folder_digest, save_model
+from hf_models import (EXPERTS, HIDDEN, MODELS, MOE_INTER, build_model, expert_name, folder_digest, moe_layers,
+                       save_model)
 from ktfp8.convert import main as convert
 from ktfp8.loader import FP8SafeTensorLoader
 from ktfp8.safetensors_io import SafetensorsFile, write_file
@@ -485,3 +486,149 @@ def test_write_failure_leaves_nothing(big_input, tmp_path):
     assert proc.returncode == 1
     assert "error: [Errno 27] File too large" in err
     assert list(tmp_path.iterdir()) == []
+
+
+# -- routed experts no engine can load: refused before anything is written ---------------------------
+INTER_KEY = {"mixtral": "intermediate_size"}      # the others: moe_intermediate_size
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """kind -> a single-file bf16 checkpoint of each tiny model of hf_models.MODELS."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: save_model(build_model(kind), root / kind) for kind in MODELS}
+
+
+def _edited(src, dst, tensors=lambda t: None, config=lambda c: None):
+    """A copy of the single-file checkpoint `src` whose {name: (dtype, array)} and config.json dict are
+    edited in place by `tensors` and `config`."""
+    dst.mkdir()
+    with SafetensorsFile(src / "model.safetensors") as f:
+        stored = {n: (f.info(n).dtype, f.read_rows(n)) for n in f.tensors}
+    tensors(stored)
+    write_file(dst / "model.safetensors", stored, metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    config(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _expert_count(folder):
+    """(config.json key, value) of the expert count."""
+    cfg = json.loads((folder / "config.json").read_text())
+    return next((k, cfg[k]) for k in ("num_experts", "n_routed_experts", "num_local_experts") if cfg.get(k))
+
+
+def _bf16(shape):
+    return "BF16", np.ones(shape, ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("role, shape", [("gate", (MOE_INTER + 8, HIDDEN)), ("up", (MOE_INTER, HIDDEN - 32)),
+                                         ("down", (MOE_INTER, HIDDEN))])        # down transposed
+def test_expert_of_another_shape_than_config_json_is_refused(tiny, tmp_path, capsys, kind, role, shape):
+    name = expert_name(kind, moe_layers(kind)[-1], 1, role)
+    src = _edited(tiny[kind], tmp_path / "in", lambda t: t.update({name: _bf16(shape)}))
+    inter = f"{INTER_KEY.get(kind, 'moe_intermediate_size')} {MOE_INTER}"
+    expected = f"[hidden, intermediate] = [{HIDDEN}, {MOE_INTER}] (config.json: hidden_size {HIDDEN}, {inter})" \
+        if role == "down" else \
+        f"[intermediate, hidden] = [{MOE_INTER}, {HIDDEN}] (config.json: {inter}, hidden_size {HIDDEN})"
+    _expect_error(src, tmp_path, capsys, f"tensor {name!r} has shape {list(shape)}; expected {expected}")
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_experts_all_of_another_size_than_config_json_are_refused(tiny, tmp_path, capsys, kind):
+    """Consistent among themselves, but not the model config.json describes (the loader's MoeConfig)."""
+    layer = moe_layers(kind)[-1]
+    count = _expert_count(tiny[kind])[1]
+
+    def wider(t):
+        for e in range(count):
+            t.update({expert_name(kind, layer, e, "gate"): _bf16((MOE_INTER + 8, HIDDEN)),
+                      expert_name(kind, layer, e, "up"): _bf16((MOE_INTER + 8, HIDDEN)),
+                      expert_name(kind, layer, e, "down"): _bf16((HIDDEN, MOE_INTER + 8))})
+
+    _expect_error(_edited(tiny[kind], tmp_path / "in", wider), tmp_path, capsys,
+                  f"tensor {expert_name(kind, layer, 0, 'gate')!r} has shape [{MOE_INTER + 8}, {HIDDEN}]; "
+                  f"expected [intermediate, hidden] = [{MOE_INTER}, {HIDDEN}]")
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_expert_missing_a_projection_or_whole_is_refused(tiny, tmp_path, capsys, kind):
+    layer = moe_layers(kind)[-1]
+    key, count = _expert_count(tiny[kind])
+    up = expert_name(kind, layer, 2, "up")
+    src = _edited(tiny[kind], tmp_path / "no_up", lambda t: t.pop(up))
+    _expect_error(src, tmp_path, capsys, f"expert tensor {up!r} is missing: {up.rsplit('.', 3)[0]} needs experts "
+                  f"0-{count - 1} (config.json: {key} {count}), each with gate, up and down weights")
+    last = [expert_name(kind, layer, count - 1, role) for role in ("gate", "up", "down")]
+    src = _edited(tiny[kind], tmp_path / "fewer", lambda t: [t.pop(n) for n in last])
+    _expect_error(src, tmp_path, capsys, f"expert tensor {last[0]!r} is missing")
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_expert_index_beyond_config_json_is_refused(tiny, tmp_path, capsys, kind):
+    layer = moe_layers(kind)[-1]
+    key, count = _expert_count(tiny[kind])
+
+    def one_more(t):
+        for role in ("gate", "up", "down"):
+            t[expert_name(kind, layer, count, role)] = t[expert_name(kind, layer, 0, role)]
+
+    _expect_error(_edited(tiny[kind], tmp_path / "in", one_more), tmp_path, capsys,
+                  f"tensor {expert_name(kind, layer, count, 'gate')!r}: expert index {count} is out of range "
+                  f"(config.json: {key} {count}, experts 0-{count - 1})")
+
+
+def test_config_json_without_sizes(tiny, tmp_path, capsys):
+    """Without sizes in config.json (or without config.json) the experts are checked against each other;
+    a consistent checkpoint still converts (its config.json is the input's, as before)."""
+    kind, layer = "qwen3_moe", moe_layers("qwen3_moe")[-1]
+
+    def no_sizes(c):
+        for key in ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_experts",
+                    "num_local_experts"):
+            c.pop(key, None)
+
+    src = _edited(tiny[kind], tmp_path / "plain", config=no_sizes)
+    assert run(src, tmp_path / "ok") == 0
+    assert FP8SafeTensorLoader(tmp_path / "ok").load_experts(layer).expert_num == EXPERTS
+    odd = expert_name(kind, layer, 3, "down")
+    src = _edited(tiny[kind], tmp_path / "odd", lambda t: t.update({odd: _bf16((HIDDEN, MOE_INTER - 16))}),
+                  no_sizes)
+    _expect_error(src, tmp_path, capsys, f"tensor {odd!r} has shape [{HIDDEN}, {MOE_INTER - 16}]; expected "
+                  f"[hidden, intermediate] = [{HIDDEN}, {MOE_INTER}] (as most experts of "
+                  f"model.layers.{layer}.mlp.experts)")
+    (src / "config.json").unlink()
+    _expect_error(src, tmp_path, capsys, f"tensor {odd!r} has shape")
+    gap = [expert_name(kind, layer, 1, role) for role in ("gate", "up", "down")]
+    src = _edited(tiny[kind], tmp_path / "gap", lambda t: [t.pop(n) for n in gap], no_sizes)
+    _expect_error(src, tmp_path, capsys, f"expert tensor {gap[0]!r} is missing: model.layers.{layer}.mlp.experts "
+                  f"needs experts 0-{EXPERTS - 1} (the highest index found is {EXPERTS - 1})")
+
+
+def test_fp8_expert_weight_not_2d_is_refused(tmp_path, capsys):
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"quantization_config": {"weight_block_size": [128, 128]}}))
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    write_file(folder / "model.safetensors", {name: ("F8_E4M3", np.zeros((1, 4, 8), np.uint8)),
+                                              name + "_scale_inv": ("F32", np.ones((1, 1), np.float32))})
+    _expect_error(folder, tmp_path, capsys, f"tensor {name!r} has shape [1, 4, 8]; a Linear weight is 2-D",
+                  input_type="fp8")
+
+
+def test_legitimate_shapes_convert(tmp_path):
+    """What real checkpoints hold besides the routed experts keeps its own shape: Qwen2-MoE's shared
+    expert (shared_expert_intermediate_size), DeepSeek-V3's dense first layer (intermediate_size) and
+    shared experts, and its MTP layer (a layer past num_hidden_layers with routed experts)."""
+    qwen2 = save_model(build_model("qwen2_moe"), tmp_path / "qwen2_moe")
+    assert run(qwen2, tmp_path / "qwen2_fp8") == 0
+    deepseek = save_model(build_model("deepseek_v3"), tmp_path / "deepseek_v3")
+    mtp = _edited(deepseek, tmp_path / "deepseek_mtp", lambda t: t.update(
+        {n.replace("layers.1.", "layers.2."): v for n, v in list(t.items()) if n.startswith("model.layers.1.")}))
+    with SafetensorsFile(mtp / "model.safetensors") as f:
+        assert f.info("model.layers.0.mlp.gate_proj.weight").shape == (192, HIDDEN)
+        assert f.info("model.layers.1.mlp.shared_experts.gate_proj.weight").shape == (MOE_INTER, HIDDEN)
+    assert run(mtp, tmp_path / "deepseek_fp8") == 0
+    assert FP8SafeTensorLoader(tmp_path / "deepseek_fp8").moe_layers() == [1, 2]
