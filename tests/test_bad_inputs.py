@@ -149,6 +149,33 @@ def _convert(c, *args, input_type="fp8", out="out"):
     return convert_main([a for a in argv if a is not None] + list(args))
 
 
+def _convert_bf16(c, name, edit):
+    """Converts a BF16 checkpoint of the catalogue's experts (layer 0) after edit(tensors, config) changed
+    its {name: (dtype, array)} and config.json dict."""
+    folder = c.tmp / name
+    folder.mkdir()
+    tensors = {_expert(e, role): ("BF16", c.w[role][e].astype(BF16)) for e in range(E) for role in c.w}
+    config = {"model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": K, "hidden_size": H,
+              "moe_intermediate_size": I}
+    edit(tensors, config)
+    write_file(folder / "model.safetensors", tensors)
+    (folder / "config.json").write_text(json.dumps(config))
+    return convert_main(["--input-type", "bf16", "--input-path", str(folder), "--output-path", str(c.tmp / "o")])
+
+
+def _expert(e, role):
+    return f"model.layers.0.mlp.experts.{e}.{role}_proj.weight"
+
+
+def _wider_gate(tensors, config):
+    tensors[_expert(1, "gate")] = ("BF16", np.zeros((I + 8, H), BF16))
+
+
+def _without_sizes(tensors, config):
+    del config["hidden_size"], config["moe_intermediate_size"]
+    tensors[_expert(3, "down")] = ("BF16", np.zeros((H, I - 8), BF16))
+
+
 def _non_empty(c):
     (c.tmp / "full").mkdir(exist_ok=True)
     (c.tmp / "full" / "mine.txt").write_text("keep")
@@ -206,8 +233,7 @@ def _with_config(c, name, **changes):
 def _bf16_experts_folder(c):
     folder = c.tmp / "bf16_experts"
     folder.mkdir()
-    tensors = {f"model.layers.0.mlp.experts.{e}.{role}_proj.weight": ("BF16", c.w[role][e].astype(BF16))
-               for e in range(E) for role in ("gate", "up", "down")}
+    tensors = {_expert(e, role): ("BF16", c.w[role][e].astype(BF16)) for e in range(E) for role in c.w}
     write_file(folder / "model.safetensors", tensors)
     (folder / "config.json").write_text((c.ckpt / "config.json").read_text())
     return _hf().from_pretrained(folder)
@@ -563,6 +589,19 @@ CASES = [
          "is (or contains) the current directory; run from outside it"),
     Case("python -m ktfp8.convert", "--input-type not matching the weights",
          lambda c: _convert(c, input_type="bf16"), 1, "already F8_E4M3; use --input-type fp8"),
+    Case("python -m ktfp8.convert", "an expert weight of another shape than config.json says",
+         lambda c: _convert_bf16(c, "wide_gate", _wider_gate), 1,
+         f"'{_expert(1, 'gate')}' has shape [{I + 8}, {H}]; expected [intermediate, hidden] = [{I}, {H}]"),
+    Case("python -m ktfp8.convert", "experts of different shapes, config.json without the sizes",
+         lambda c: _convert_bf16(c, "no_sizes", _without_sizes), 1,
+         f"has shape [{H}, {I - 8}]; expected [hidden, intermediate] = [{H}, {I}] (as most experts of"),
+    Case("python -m ktfp8.convert", "an expert without its up_proj",
+         lambda c: _convert_bf16(c, "no_up", lambda t, cfg: t.pop(_expert(2, "up"))), 1,
+         f"expert tensor '{_expert(2, 'up')}' is missing"),
+    Case("python -m ktfp8.convert", "an expert index past config.json's expert count",
+         lambda c: _convert_bf16(c, "extra_expert", lambda t, cfg: t.update(
+             {_expert(E, r): t[_expert(0, r)] for r in ("gate", "up", "down")})), 1,
+         f"expert index {E} is out of range (config.json: num_experts {E}"),
     # ---------------------------------------------------------------- python -m ktfp8.cpu
     Case("python -m ktfp8.cpu", "an unknown option", lambda c: cpu_main(["--verbose"]), 2,
          "unrecognized arguments: --verbose"),
