@@ -210,7 +210,12 @@ def _check_experts(checkpoint, hf_config):
     for name in checkpoint.names():
         m = EXPERT_RE.match(name)
         if m and m["kind"] == "weight":
-            stacks.setdefault(m["stack"], {})[int(m["expert"]), ROLE[m["proj"]]] = name
+            key = int(m["expert"]), ROLE[m["proj"]]
+            other = stacks.setdefault(m["stack"], {}).setdefault(key, name)
+            if other != name:      # gate_proj and w1 (Mixtral's name) of one expert: which to keep?
+                first, second = sorted((other, name))
+                raise SafetensorsError(f"tensors {first!r} and {second!r} are both expert {key[0]}'s {key[1]} "
+                                       f"weight; a checkpoint names each projection once")
     for prefix, names in stacks.items():
         mixtral = any(EXPERT_RE.match(n)["proj"][0] == "w" for n in names.values())
         proj = {ROLE[p]: p for p in ROLE if (p[0] == "w") == mixtral}      # role -> w1 or gate_proj, ...

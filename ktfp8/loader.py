@@ -137,7 +137,12 @@ def expert_stacks(names):
         if stack.prefix != m["stack"]:
             raise SafetensorsError(f"layer {m['layer']} has experts under two prefixes: "
                                    f"{stack.prefix!r} and {m['stack']!r}")
-        stack.tensors.setdefault((ROLE[m["proj"]], m["kind"]), {})[int(m["expert"])] = name
+        role, expert = ROLE[m["proj"]], int(m["expert"])
+        other = stack.tensors.setdefault((role, m["kind"]), {}).setdefault(expert, name)
+        if other != name:          # gate_proj and w1 (Mixtral's name) of one expert: which to load?
+            first, second = sorted((other, name))
+            raise SafetensorsError(f"tensors {first!r} and {second!r} are both expert {expert}'s {role} "
+                                   f"{m['kind']}; a checkpoint names each projection once")
     return layers
 
 

@@ -566,6 +566,17 @@ def test_expert_missing_a_projection_or_whole_is_refused(tiny, tmp_path, capsys,
     _expect_error(src, tmp_path, capsys, f"expert tensor {last[0]!r} is missing")
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_a_projection_named_twice_is_refused(tiny, tmp_path, capsys, kind):
+    """gate_proj and w1 (Mixtral's name) for one expert: one of them would silently win."""
+    layer = moe_layers(kind)[-1]
+    gate = expert_name(kind, layer, 1, "gate")
+    twin = gate.replace(".gate_proj.", ".w1.") if ".gate_proj." in gate else gate.replace(".w1.", ".gate_proj.")
+    src = _edited(tiny[kind], tmp_path / "in", lambda t: t.update({twin: t[gate]}))
+    first, second = sorted([gate, twin])
+    _expect_error(src, tmp_path, capsys, f"tensors {first!r} and {second!r} are both expert 1's gate weight")
+
+
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_expert_index_beyond_config_json_is_refused(tiny, tmp_path, capsys, kind):
     layer = moe_layers(kind)[-1]

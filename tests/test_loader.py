@@ -387,6 +387,17 @@ def test_expert_weight_not_2d_refused(qwen_folders, tmp_path, fmt, reshape):
         FP8SafeTensorLoader(folder).load_experts(0)
 
 
+def test_a_projection_named_twice_refused(qwen_folders, tmp_path):
+    """gate_proj and w1 (Mixtral's name) for one expert, as another tool might write: which one would
+    load depended on the file order."""
+    gate = expert_name(QWEN, 0, 1, "gate")
+    twin = gate.replace(".gate_proj.", ".w1.")
+    folder = _rewrite(qwen_folders["per_channel"], tmp_path / "twice", transform=lambda n, d, a: [(n, d, a)] + (
+        [(n.replace(".gate_proj.", ".w1."), d, a)] if n.startswith(gate.rsplit(".", 1)[0] + ".") else []))
+    with pytest.raises(SafetensorsError, match=re.escape(f"tensors {gate!r} and {twin!r} are both expert 1's gate")):
+        FP8SafeTensorLoader(folder).load_experts(0)
+
+
 @pytest.mark.parametrize("quantization_config, expected", [
     ("fp8", "quantization_config must be an object"),
     ({"weight_block_size": 64}, "weight_block_size must be a list of two positive integers"),
