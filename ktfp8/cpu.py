@@ -113,7 +113,11 @@ def stdout_failed(prog, err):
         print(f"{prog}: error: cannot write to standard output: {err.strerror or err}", file=sys.stderr)
     if sys.stdout is not None:
         try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            finally:
+                os.close(devnull)
         except (OSError, ValueError):
             pass
     return 1

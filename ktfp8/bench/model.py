@@ -19,6 +19,7 @@ import time
 
 from .. import backends
 from ..generate import _positive  # the same --threads/--layers check as the generate CLI
+from .__main__ import _write_atomically
 
 PHASES = ("prefill", "decode")
 SIDES = ("eager", "grouped_mm", "batched_mm", "ktfp8")
@@ -197,21 +198,6 @@ def _check(p, args):
             p.error(f"--json: cannot write into {folder!r}: {err.strerror}")
 
 
-def _write_json(path, data):
-    """The JSON written to a temporary file beside `path`, then moved over it: never half a file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".bench-model-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)    # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def main(argv=None):
     prog = "python -m ktfp8.bench.model"
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
@@ -232,7 +218,8 @@ def main(argv=None):
         rows, memory = run(args.layers, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats,
                            args.vocab, args.sides)
         if args.json:    # before the table: a reader of stdout that leaves (| head) does not cost it
-            _write_json(args.json, {"rows": rows, "rss_gb": memory, "args": vars(args)})
+            data = json.dumps({"rows": rows, "rss_gb": memory, "args": vars(args)}, indent=1)
+            _write_atomically(args.json, lambda f: f.write(data.encode()))
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
