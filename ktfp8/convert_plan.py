@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .config import _EXPERT_COUNT_KEYS, ODD_BLOCK_EDGE, _read_hf_config
-from .loader import EXPERT_RE, ROLE, ROLES, _is_positive_int, block_size_of
+from .loader import EXPERT_RE, ROLE, ROLES, _is_positive_int, block_size_of, stacks_by_prefix
 from .safetensors_io import SafetensorsError, tensor_nbytes
 
 INPUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp8": "F8_E4M3"}
@@ -206,17 +206,11 @@ def _check_experts(checkpoint, hf_config):
     count_key, count = _config_size(config, *_EXPERT_COUNT_KEYS)
     sizes = {"intermediate": _config_size(config, "moe_intermediate_size", "intermediate_size"),
              "hidden": _config_size(config, "hidden_size")}
-    stacks = {}
-    for name in checkpoint.names():
-        m = EXPERT_RE.match(name)
-        if m and m["kind"] == "weight":
-            key = int(m["expert"]), ROLE[m["proj"]]
-            other = stacks.setdefault(m["stack"], {}).setdefault(key, name)
-            if other != name:      # gate_proj and w1 (Mixtral's name) of one expert: which to keep?
-                first, second = sorted((other, name))
-                raise SafetensorsError(f"tensors {first!r} and {second!r} are both expert {key[0]}'s {key[1]} "
-                                       f"weight; a checkpoint names each projection once")
-    for prefix, names in stacks.items():
+    for prefix, stack in stacks_by_prefix(checkpoint.names()).items():
+        names = {(e, role): name for (role, kind), experts in stack.tensors.items() if kind == "weight"
+                 for e, name in experts.items()}          # (expert, role) -> weight tensor name
+        if not names:
+            continue
         mixtral = any(EXPERT_RE.match(n)["proj"][0] == "w" for n in names.values())
         proj = {ROLE[p]: p for p in ROLE if (p[0] == "w") == mixtral}      # role -> w1 or gate_proj, ...
         highest = max(e for e, _ in names)

@@ -117,32 +117,44 @@ def _read_index(path):
 
 @dataclass
 class ExpertStack:
-    """The expert tensors of one layer: prefix (e.g. 'model.layers.3.mlp.experts') and
+    """The expert tensors of one layer: prefix (e.g. 'model.layers.3.mlp.experts'), layer (3) and
     tensors[(role, kind)] = {expert index: tensor name}, role in gate/up/down, kind weight/weight_scale/..."""
     prefix: str
+    layer: int
     tensors: dict = field(default_factory=dict)
 
     def kinds(self):
         return {kind for _, kind in self.tensors}
 
 
-def expert_stacks(names):
-    """{layer: ExpertStack} for the routed-expert tensors among `names`."""
-    layers = {}
+def stacks_by_prefix(names):
+    """{prefix: ExpertStack} for the routed-expert tensors among `names`, one stack per prefix (e.g.
+    'model.layers.3.mlp.experts'); refuses a projection of one expert named twice."""
+    stacks = {}
     for name in names:
         m = EXPERT_RE.match(name)
         if m is None:
             continue
-        stack = layers.setdefault(int(m["layer"]), ExpertStack(m["stack"]))
-        if stack.prefix != m["stack"]:
-            raise SafetensorsError(f"layer {m['layer']} has experts under two prefixes: "
-                                   f"{stack.prefix!r} and {m['stack']!r}")
+        stack = stacks.setdefault(m["stack"], ExpertStack(m["stack"], int(m["layer"])))
         role, expert = ROLE[m["proj"]], int(m["expert"])
         other = stack.tensors.setdefault((role, m["kind"]), {}).setdefault(expert, name)
         if other != name:          # gate_proj and w1 (Mixtral's name) of one expert: which to load?
             first, second = sorted((other, name))
             raise SafetensorsError(f"tensors {first!r} and {second!r} are both expert {expert}'s {role} "
                                    f"{m['kind']}; a checkpoint names each projection once")
+    return stacks
+
+
+def expert_stacks(names):
+    """{layer: ExpertStack} for the routed-expert tensors among `names`: the loader addresses experts by
+    layer, so a layer whose experts sit under two prefixes is refused."""
+    layers = {}
+    for stack in stacks_by_prefix(names).values():
+        other = layers.setdefault(stack.layer, stack)
+        if other is not stack:
+            first, second = sorted((other.prefix, stack.prefix))
+            raise SafetensorsError(f"layer {stack.layer} has experts under two prefixes: {first!r} and "
+                                   f"{second!r}")
     return layers
 
 

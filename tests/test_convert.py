@@ -5,6 +5,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import signal
 import struct
 import subprocess
@@ -21,7 +22,7 @@ from hf_models import (EXPERTS, HIDDEN, MODELS, MOE_INTER, build_model, expert_n
                        save_model)
 from ktfp8.convert import main as convert
 from ktfp8.loader import FP8SafeTensorLoader
-from ktfp8.safetensors_io import SafetensorsFile, write_file
+from ktfp8.safetensors_io import SafetensorsError, SafetensorsFile, write_file
 
 REPO = Path(__file__).resolve().parents[1]
 PER_CHANNEL = '{"method":"FP8","per_channel":true}'
@@ -643,3 +644,35 @@ def test_legitimate_shapes_convert(tmp_path):
         assert f.info("model.layers.1.mlp.shared_experts.gate_proj.weight").shape == (MOE_INTER, HIDDEN)
     assert run(mtp, tmp_path / "deepseek_fp8") == 0
     assert FP8SafeTensorLoader(tmp_path / "deepseek_fp8").moe_layers() == [1, 2]
+
+
+def test_a_scale_named_twice_is_refused(tiny, tmp_path, capsys):
+    """A block-wise FP8 expert with gate_proj.weight_scale_inv and w1.weight_scale_inv: which one scales
+    the codes?  Refused before anything is written, as a weight named twice is."""
+    kind = "qwen3_moe"
+    block = tmp_path / "block"
+    assert run(tiny[kind], block, "--quant-config", '{"method":"FP8","per_channel":false,"group_size":128}') == 0
+    scale = expert_name(kind, moe_layers(kind)[-1], 1, "gate") + "_scale_inv"
+    twin = scale.replace(".gate_proj.", ".w1.")
+    src = _edited(block, tmp_path / "in", lambda t: t.update({twin: t[scale]}))
+    _expect_error(src, tmp_path, capsys, f"tensors {scale!r} and {twin!r} are both expert 1's gate weight_scale_inv",
+                  input_type="fp8")
+
+
+def test_two_expert_stacks_in_one_layer_both_convert(tiny, tmp_path):
+    """A multimodal checkpoint may hold a text and a vision MoE with the same layer index: the converter
+    quantizes both stacks (ktfp8's loader, which addresses experts by layer, refuses the result)."""
+    kind = "qwen3_moe"
+    layer = moe_layers(kind)[-1]
+    stack = expert_name(kind, layer, 0, "gate").split(".0.gate_proj.")[0]
+    vision = "vision_" + stack
+    src = _edited(tiny[kind], tmp_path / "in", lambda t: t.update(
+        {vision + n[len(stack):]: t[n] for n in list(t) if n.startswith(stack + ".")}))
+    assert run(src, tmp_path / "o", "--quant-config", PER_CHANNEL) == 0
+    written = _tensors(tmp_path / "o")
+    for prefix in (stack, vision):
+        name = f"{prefix}.0.down_proj.weight"
+        assert written[name][0] == "F8_E4M3" and written[name + "_scale"][0] == "F32"
+    with pytest.raises(SafetensorsError, match=re.escape(f"layer {layer} has experts under two prefixes: "
+                                                         f"{stack!r} and {vision!r}")):
+        FP8SafeTensorLoader(tmp_path / "o")
