@@ -96,11 +96,9 @@ def parse_args(argv):
         p.error(why)
     if not os.path.isdir(args.out):
         p.error(f"--out: {args.out!r} is not a folder")
-    try:  # say so now, not after a run of minutes: creating a file is the test (root ignores modes)
-        with tempfile.TemporaryFile(dir=args.out, prefix=".bench-"):
-            pass
-    except OSError as err:
-        p.error(f"--out: cannot write into {args.out!r}: {err.strerror}")
+    why = _cannot_write_into(args.out)     # say so now, not after a run of minutes
+    if why:
+        p.error(f"--out: cannot write into {args.out!r}: {why}")
     if not args.no_plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the run
         p.error("the plot needs matplotlib, which is not installed: pip install matplotlib, or pass --no-plot")
     return args
@@ -154,6 +152,16 @@ def _machine():
                 l3_mib=round((L.l3_bytes() or 0) / 2**20, 1),
                 flags=[k for k, v in info["flags"].items() if v], usable_backends=info["usable_backends"],
                 python=platform.python_version(), platform=platform.platform())
+
+
+def _cannot_write_into(folder):
+    """Why no file can be created in `folder` (the error's words), or None.  Creating one is the test:
+    root ignores modes."""
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".bench-"):
+            return None
+    except OSError as err:
+        return err.strerror
 
 
 def _write_atomically(path, write):

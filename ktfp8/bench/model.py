@@ -14,12 +14,11 @@ import json
 import os
 import resource
 import sys
-import tempfile
 import time
 
 from .. import backends
 from ..generate import _positive  # the same --threads/--layers check as the generate CLI
-from .__main__ import _write_atomically
+from .__main__ import _cannot_write_into, _write_atomically
 
 PHASES = ("prefill", "decode")
 SIDES = ("eager", "grouped_mm", "batched_mm", "ktfp8")
@@ -191,11 +190,9 @@ def _check(p, args):
             p.error(f"--json: {args.json!r} is a folder; name the file to write")
         if not os.path.isdir(folder):
             p.error(f"--json: the folder {folder!r} does not exist")
-        try:   # creating a file is the test (root ignores modes)
-            with tempfile.TemporaryFile(dir=folder, prefix=".bench-model-"):
-                pass
-        except OSError as err:
-            p.error(f"--json: cannot write into {folder!r}: {err.strerror}")
+        why = _cannot_write_into(folder)
+        if why:
+            p.error(f"--json: cannot write into {folder!r}: {why}")
 
 
 def main(argv=None):
