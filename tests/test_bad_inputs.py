@@ -662,6 +662,9 @@ CASES = [
     Case("python -m ktfp8.bench.model", "--json in a folder that does not exist",
          lambda c: _bench_model(c, "--layers", "1", "--json", str(c.tmp / "absent" / "r.json")), 2,
          "--json: the folder"),
+    Case("python -m ktfp8.bench.model", "--json in a folder it cannot write into",
+         lambda c: _bench_model(c, "--layers", "1", "--json", "/proc/r.json"), 2,
+         "--json: cannot write into '/proc'"),
 ]
 
 
