@@ -240,6 +240,7 @@ def _native_class(name, fmt, doc):
     def __init__(self, config, experts, threads=None, copy_to_cpu=False):
         if not _NATIVE_BACKENDS:
             raise RuntimeError(_unsupported(name))
+        check_layer_types(config, experts)
         if experts.format != fmt:
             raise ValueError(f"{name} takes {fmt!r} experts, got {experts.format!r}")
         MoE.__init__(self, config, experts, backend=_NATIVE_BACKENDS[0], threads=threads, copy_to_cpu=copy_to_cpu)

@@ -169,6 +169,27 @@ def test_ktransformers_named_class_on_a_build_without_native_kernels(monkeypatch
         moe_mod.AMXFP8PerChannel_MOE(config("fp8_per_channel"), experts)
 
 
+def test_ktransformers_named_classes_check_their_inputs(monkeypatch):
+    """As on a CPU with the native kernels (their emulated build here): wrong types and another format
+    are refused by name, and the class runs the emulated kernel's sums."""
+    from ktfp8 import moe as moe_mod
+    monkeypatch.setattr(moe_mod, "_NATIVE_BACKENDS", ["avx512_bf16_emulated"])
+    experts, dense = make_experts("fp8_per_channel", E, H, I, seed=14)
+    cls = moe_mod.AMXFP8PerChannel_MOE
+    with pytest.raises(TypeError, match="experts must be ktfp8.ExpertWeights, got NoneType"):
+        cls(config("fp8_per_channel"), None)
+    with pytest.raises(TypeError, match="config must be a ktfp8.MoeConfig, got dict"):
+        cls({}, experts)
+    with pytest.raises(ValueError, match="AMXFP8_MOE takes 'fp8_block' experts, got 'fp8_per_channel'"):
+        moe_mod.AMXFP8_MOE(config("fp8_per_channel"), experts)
+    m = cls(config("fp8_per_channel"), experts)
+    x, ids, w = _inputs(3)
+    assert m.backend == "avx512_bf16_emulated"
+    np.testing.assert_array_equal(m(x, ids, w), MoE(config("fp8_per_channel"), experts,
+                                                    backend="avx512_bf16_emulated")(x, ids, w))
+    assert nmse(m(x, ids, w), moe_fp64(x, ids, w, *dense)) <= 2e-5
+
+
 def test_moe_forward_functional_form(layer):
     fmt, cfg, experts, dense = layer
     x, ids, w = _inputs(4, seed=15)
