@@ -169,6 +169,21 @@ def test_ktransformers_named_class_on_a_build_without_native_kernels(monkeypatch
         moe_mod.AMXFP8PerChannel_MOE(config("fp8_per_channel"), experts)
 
 
+def test_ktransformers_named_class_where_the_os_has_not_enabled_avx512(monkeypatch):
+    """A CPU with every AVX-512 flag whose OS leaves AVX-512 state off in XCR0: the message blames the
+    OS, not the CPU (it used to say 'this CPU lacks os_avx512')."""
+    from ktfp8 import moe as moe_mod
+    monkeypatch.setattr(moe_mod, "_NATIVE_BACKENDS", [])
+    features = dict.fromkeys(moe_mod._AVX512_BF16_FLAGS, 1)
+    features["os_avx512"] = 0
+    monkeypatch.setattr(moe_mod.backends, "cpu_features", lambda: features)
+    experts, _ = make_experts("fp8_per_channel", E, H, I, seed=14)
+    with pytest.raises(RuntimeError) as e:
+        moe_mod.AMXFP8PerChannel_MOE(config("fp8_per_channel"), experts)
+    assert "this CPU lacks" not in str(e.value) and "did not compile" not in str(e.value)
+    assert "OS" in str(e.value) and "XCR0" in str(e.value)
+
+
 def test_ktransformers_named_classes_check_their_inputs(monkeypatch):
     """As on a CPU with the native kernels (their emulated build here): wrong types and another format
     are refused by name, and the class runs the emulated kernel's sums."""
