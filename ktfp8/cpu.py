@@ -24,11 +24,15 @@ def report():
     usable = backends.available_backends()
     needs, _ = backends.isa_levels()[NATIVE_FP8_LEVEL]
     missing = _missing(f, needs)
-    if not missing:
+    fallback = (f"FP8 MoE will run on the '{usable[0]}' fallback (correct, slower than the "
+                "AVX-512-BF16 path).")
+    if not missing and any(b in usable for b in ("amx", "avx512_bf16")):
         verdict = "✅ Your CPU supports full AVX512 (F/BF16/VBMI) – FP8 MoE will work!"
+    elif not missing:  # the CPU runs the level, so its variants were left out of this build
+        verdict = ("⚠️ Your CPU supports full AVX512 (F/BF16/VBMI), but this build did not compile the "
+                   f"avx512_bf16 / amx kernels (KTFP8_ENABLE_AVX512_BF16) – {fallback}")
     else:
-        verdict = (f"⚠️ Your CPU lacks {', '.join(missing)} – FP8 MoE will run on the "
-                   f"'{usable[0]}' fallback (correct, slower than the AVX-512-BF16 path).")
+        verdict = f"⚠️ Your CPU lacks {', '.join(missing)} – {fallback}"
     selected = _selected()
     if selected.startswith("none: "):
         verdict += f" But MoE() refuses ${backends.ENV_BACKEND} now: {selected[len('none: '):]}."

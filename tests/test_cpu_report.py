@@ -64,6 +64,20 @@ def test_verdict_names_what_is_missing(monkeypatch):
             assert (name in r["verdict"]) == (not f[name])
 
 
+def test_verdict_on_a_full_avx512_cpu_whose_build_lacks_the_native_kernels(monkeypatch):
+    """Every flag the native level needs, but no avx512_bf16 / amx variant usable (a build with
+    KTFP8_ENABLE_AVX512_BF16=OFF): the verdict used to promise the full path while MoE ran a fallback."""
+    monkeypatch.delenv("KTFP8_BACKEND", raising=False)
+    needs, _ = backends.isa_levels()[cpu.NATIVE_FP8_LEVEL]
+    full = {**ktfp8.cpu_features(), **dict.fromkeys(needs, 1)}
+    monkeypatch.setattr(backends, "cpu_features", lambda: full)
+    monkeypatch.setattr(backends, "available_backends", lambda: ["avx2", "reference"])
+    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "avx2")
+    verdict = cpu.report()["verdict"]
+    assert not verdict.startswith("✅") and "FP8 MoE will work!" not in verdict
+    assert "'avx2' fallback" in verdict and "build" in verdict and "lacks" not in verdict
+
+
 def test_verdict_says_what_a_forced_backend_changes(monkeypatch):
     """$KTFP8_BACKEND decides what MoE() runs: the verdict says so, where it differs from the default."""
     monkeypatch.delenv("KTFP8_BACKEND", raising=False)
