@@ -301,6 +301,17 @@ def test_goals_are_the_issues_four_on_the_default_backend():
     assert g["measured"] == pytest.approx(floor_ms / 100.0) and g["reached"] is False
 
 
+def test_prefill_goal_names_the_peak_it_divides_by_on_an_amx_machine_with_another_default():
+    """KTFP8_BACKEND=avx512_bf16 on an AMX machine: the roofline goal is drawn with the vdpbf16ps peak
+    (the default's unit, as the rows and the interleaved step measure it) and used to say 'AMX peak'."""
+    lim = {n: dict(v, dpbf16_gflops=4 * v["fma_gflops"]) for n, v in _limits(amx=2000.0).items()}
+    rows = [_row("ktfp8 avx512_bf16", "fp8_per_channel", 512, 100.0, unit="dpbf16", limits=lim)]
+    g = [g for g in report.goals(rows, lim, "L", "avx512_bf16") if g["goal"].startswith("T=512: fraction")][0]
+    assert "AMX" not in g["goal"] and "vdpbf16ps" in g["goal"]
+    floor_ms = max(64 * EXPERT_BYTES / 20e9, 2 * 512 * 8 * EXPERT_BYTES / 800e9) * 1e3
+    assert g["measured"] == pytest.approx(floor_ms / 100.0)
+
+
 def test_interleaved_decode_goals_are_medians_of_per_round_ratios_from_the_recorded_numbers():
     from ktfp8.bench import interleaved
     backend = ktfp8.available_backends()[0]

@@ -185,8 +185,10 @@ def goals(rows, limits, layer, default, interleaved=None, choice=None, peers=Non
     # 3. prefill near the roofline
     r = find(mine, 512)
     roof = roofline_goal_figures(interleaved, 512)
-    if has_amx:
-        goal = "T=512: fraction of the roofline (max(bytes / bandwidth, FLOPs / AMX peak))"
+    unit = r["compute_unit"] if r else roofline.backend_unit(default)
+    if has_amx:  # the peak of the default's unit: AMX unless $KTFP8_BACKEND forces another backend
+        peak_name = "AMX" if unit == "amx" else roofline.UNIT_NAMES[unit]
+        goal = f"T=512: fraction of the roofline (max(bytes / bandwidth, FLOPs / {peak_name} peak))"
         if roof:
             add(goal, "fraction", 0.5, roof["figures"]["roofline_fraction"],
                 f"{roof['how']}; {roof['ms']:.2f} ms vs floor {roof['floor_ms']:.2f} ms (medians over rounds)")
@@ -195,7 +197,6 @@ def goals(rows, limits, layer, default, interleaved=None, choice=None, peers=Non
             add(goal, "fraction", 0.5, floor / r["ms"] if r else None,
                 f"{r['ms']:.2f} ms vs floor {floor:.2f} ms" if r else "not timed")
     else:  # no AMX here: the goal is the peak of the unit the backend computes on
-        unit = r["compute_unit"] if r else roofline.backend_unit(default)
         goal = f"T=512 (no AMX here): fraction of the measured {roofline.UNIT_NAMES[unit]} peak"
         if roof:
             add(goal, "fraction", 0.6, roof["figures"]["peak_fraction"],
