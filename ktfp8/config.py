@@ -229,10 +229,14 @@ class MoeConfig:
         routed_scaling_factor, norm_topk_prob. DeepSeek-V3: sigmoid, topk_method "noaux_tc" (group score
         = sum of the two best biased scores). A field the file leaves out takes the default of that
         family's reference code (e.g. DeepSeek-V3: norm_topk_prob True, routed_scaling_factor 2.5).
+        GLM-4.5 (glm4_moe), MiniMax-M2, DeepSeek-V3.2 and the other _NOAUX_TC_FAMILIES route as DeepSeek-V3
+        without saying so in config.json.  A model_type outside the families ktfp8 knows must name its
+        routing (scoring_func or topk_method, in the file or as an override), else ValueError; a dict
+        without model_type takes MoeConfig's defaults for what it leaves out.
         Note: transformers' DeepseekV2 ignores norm_topk_prob while DeepSeek's own code honours it; every
         released V2 checkpoint sets it to false, where both agree.
         """
-        fields = _fields_from_hf(_read_hf_config(path_or_dict))
+        fields = _fields_from_hf(_read_hf_config(path_or_dict), routing_given="scoring_func" in overrides)
         fields.update(overrides)
         return cls(**fields)
 
@@ -292,6 +296,21 @@ _FAMILY_DEFAULTS = {
     "deepseek_v3": {"norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
                     "topk_method": "noaux_tc"},
 }
+# Families whose router is DeepSeek-V3's (sigmoid scores, a correction bias, group-limited top-k:
+# topk_method "noaux_tc") although their config.json names no topk_method, and families that route by
+# softmax top-k.  Each is checked against its transformers router (tests/test_routing.py).  Any other
+# model_type must name its routing (scoring_func / topk_method, in config.json or as overrides): a
+# guess would route silently wrong (GLM-4.5 read as softmax, for one).
+_NOAUX_TC_FAMILIES = ("axk1", "axk2", "deepseek_v32", "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite",
+                      "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "lfm2_moe",
+                      "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "muse_spark_text", "nemotron_h",
+                      "solar_open")
+_SOFTMAX_FAMILIES = ("cohere2_moe", "flex_olmo", "lara_mini", "mellum", "minimax", "mixtral", "olmoe", "qwen2_moe",
+                     "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text",
+                     "qwen3_omni_moe_text", "qwen3_vl_moe_text", "qwen4_exp_text")
+for _family in _NOAUX_TC_FAMILIES:
+    _FAMILY_DEFAULTS.setdefault(_family, {"topk_method": "noaux_tc"})
+_KNOWN_FAMILIES = frozenset(_FAMILY_DEFAULTS) | frozenset(_SOFTMAX_FAMILIES)
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 
 
@@ -323,9 +342,16 @@ def _read_hf_config(source):
     return config
 
 
-def _fields_from_hf(config):
+def _fields_from_hf(config, routing_given=False):
+    """MoeConfig fields of a config.json dict.  routing_given: the caller passes scoring_func itself."""
     family = config.get("model_type")
     defaults = _FAMILY_DEFAULTS.get(family, {})
+    names_routing = any(config.get(key) is not None for key in ("scoring_func", "topk_method"))
+    if family is not None and family not in _KNOWN_FAMILIES and not (names_routing or routing_given):
+        raise ValueError(f"Hugging Face config: model_type {family!r} names no scoring_func or topk_method, "
+                         f"and ktfp8 does not know how that family routes; give its routing: "
+                         f"MoeConfig.from_hf_config(..., scoring_func='softmax' or 'sigmoid', norm_topk_prob=..., "
+                         f"n_group=..., topk_group=..., routed_scaling_factor=...)")
 
     def get(key, default=None):
         value = config.get(key)

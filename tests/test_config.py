@@ -317,6 +317,24 @@ def test_from_hf_config_nested_text_config():
     assert cfg.expert_num == 16 and cfg.n_group == 1
 
 
+def test_from_hf_config_unknown_family_must_name_its_routing():
+    """A model_type ktfp8 has not checked routes however its own code does: guessing softmax would route
+    GLM-4.5 (sigmoid, bias, groups) silently wrong, so it must say how, in the file or as an override."""
+    sizes = dict(n_routed_experts=16, num_experts_per_tok=4, hidden_size=32, moe_intermediate_size=24,
+                 n_group=4, topk_group=2)
+    with pytest.raises(ValueError, match="model_type 'novel_moe' names no scoring_func or topk_method"):
+        MoeConfig.from_hf_config(dict(sizes, model_type="novel_moe"))
+    named = MoeConfig.from_hf_config(dict(sizes, model_type="novel_moe", scoring_func="sigmoid"))
+    assert (named.scoring_func, named.n_group, named.topk_group) == ("sigmoid", 4, 2)
+    by_method = MoeConfig.from_hf_config(dict(sizes, model_type="novel_moe", topk_method="noaux_tc"))
+    assert by_method == named
+    assert MoeConfig.from_hf_config(dict(sizes, model_type="novel_moe"), scoring_func="sigmoid") == named
+    # GLM-4.5's config.json names neither, yet routes as DeepSeek-V3 (tests/test_routing.py checks how)
+    assert MoeConfig.from_hf_config(dict(sizes, model_type="glm4_moe")) == named
+    # a hand-written dict without model_type takes MoeConfig's documented defaults
+    assert MoeConfig.from_hf_config(sizes).scoring_func == MoeConfig(16, 4, 32, 24).scoring_func == "softmax"
+
+
 def test_from_hf_config_overrides():
     hf = dict(num_experts=16, num_experts_per_tok=4, hidden_size=32, moe_intermediate_size=24)
     cfg = MoeConfig.from_hf_config(hf, threads=2, quant_config=QuantConfig("BF16"))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ktfp8 import MoeConfig, route
+from ktfp8 import config as config_module
 
 T = 512           # tokens per check: enough rows for grouping / bias to change choices
 WEIGHT_RTOL = 1e-6
@@ -154,6 +155,54 @@ def test_qwen3_vl_moe_text_config():
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
     logits, hf_w, hf_ids = _run_block(Qwen3VLMoeTextSparseMoeBlock(hf.text_config), 32)
     _assert_same_routing(*route(logits, MoeConfig.from_hf_config(hf)), hf_ids, hf_w)
+
+
+def _family_block(family):
+    """(transformers config of `family` at its class defaults but tiny sizes, that family's MoE block)."""
+    torch, _ = _torch_transformers()
+    import importlib
+    import inspect
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if family not in CONFIG_MAPPING:
+        pytest.skip(f"no {family} in this transformers")
+    hf = CONFIG_MAPPING[family]()
+    tiny = dict(hidden_size=32, num_experts=16, n_routed_experts=16, num_local_experts=16, num_experts_per_tok=4,
+                moe_intermediate_size=8, intermediate_size=8, head_dim=8, num_attention_heads=4,
+                num_key_value_heads=4)
+    if getattr(hf, "n_group", None):
+        tiny.update(n_group=4, topk_group=2)         # where the family has groups, make them count
+    for key, value in tiny.items():
+        if hasattr(hf, key):
+            setattr(hf, key, value)
+    modeling = importlib.import_module(type(hf).__module__.replace(".configuration_", ".modeling_"))
+    for cls in vars(modeling).values():              # the module holding both a router and the experts
+        if inspect.isclass(cls) and issubclass(cls, torch.nn.Module) and cls.__module__ == modeling.__name__:
+            init = inspect.getsource(cls.__init__)
+            if "self.gate" in init and "self.experts" in init:
+                return hf, cls(hf)
+    pytest.fail(f"no MoE block found in {modeling.__name__}")
+
+
+@pytest.mark.parametrize("family", sorted(config_module._NOAUX_TC_FAMILIES + config_module._SOFTMAX_FAMILIES))
+def test_every_known_family_routes_as_its_transformers_block(family):
+    """The families from_hf_config routes by name, their config.json naming no scoring_func: GLM-4.5,
+    MiniMax-M2, ... (DeepSeek-V3's sigmoid with bias and groups), Qwen, OLMoE, ... (softmax)."""
+    torch, _ = _torch_transformers()
+    hf, block = _family_block(family)
+    bias = None
+    for name, tensor in [*block.named_parameters(), *block.named_buffers()]:
+        if name.endswith(("e_score_correction_bias", "expert_bias")):   # on the router or on the block
+            bias = np.random.default_rng(3).uniform(-0.3, 0.3, 16).astype(np.float32)
+            with torch.no_grad():
+                tensor.copy_(torch.from_numpy(bias))
+            if getattr(block, "use_expert_bias", True) is False:
+                block.use_expert_bias = True
+    logits, hf_w, hf_ids = _run_block(block, 32)
+    cfg = MoeConfig.from_hf_config(hf)
+    noaux_tc = family in config_module._NOAUX_TC_FAMILIES
+    assert cfg.scoring_func == ("sigmoid" if noaux_tc else "softmax") and (bias is None or noaux_tc)
+    _assert_same_routing(*route(logits.reshape(T, 16), cfg, correction_bias=bias),
+                         hf_ids.reshape(T, -1), hf_w.reshape(T, -1))
 
 
 def test_bfloat16_and_float16_logits():
