@@ -1,5 +1,6 @@
 """Tiny random Hugging Face MoE models written by `save_pretrained`: MODELS (Qwen3-MoE, DeepSeek-V3,
-Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE) for the ktfp8.hf tests.  Sizes are small but not multiples of 128, so block-wise tails are exercised."""
+Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE, GLM-4.5,
+MiniMax-M2) for the ktfp8.hf tests.  Sizes are small but not multiples of 128, so block-wise tails are exercised."""
 import hashlib
 import os
 
@@ -48,6 +49,17 @@ MORE_MODELS = {
         num_attention_heads=4, num_key_value_heads=4, num_experts=EXPERTS, num_experts_per_tok=2,
         bos_token_id=1, eos_token_id=2, pad_token_id=0), [0, 1],
         "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=40, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True), [1],
+        "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=MOE_INTER, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=40, num_local_experts=EXPERTS,
+        num_experts_per_tok=2, bos_token_id=1, eos_token_id=2), [0, 1],
+        "model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight"),
 }
 ALL_MODELS = {**MODELS, **MORE_MODELS}
 MIXTRAL_ROLE = {"gate": "w1", "up": "w3", "down": "w2"}

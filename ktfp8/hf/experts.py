@@ -17,7 +17,8 @@ from .layer import build_layer, local_experts
 # transformers experts classes whose layout and activation the kernels compute (silu(gate) * up, no bias)
 SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_moe",
                      "DeepseekV2Experts": "deepseek_v2", "DeepseekV3Experts": "deepseek_v3",
-                     "MixtralExperts": "mixtral", "OlmoeExperts": "olmoe"}
+                     "MixtralExperts": "mixtral", "OlmoeExperts": "olmoe", "Glm4MoeExperts": "glm4_moe",
+                     "MiniMaxM2Experts": "minimax_m2"}
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_EXPERTS.values())
 
 # experts_implementation name -> how the weights are held
