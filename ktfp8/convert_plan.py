@@ -172,7 +172,7 @@ def _fp8_item(checkpoint, name, info, input_type, spec, in_block, consumed):
         raise SafetensorsError(f"tensor {name!r} has shape {list(info.shape)}; a Linear weight is 2-D")
     scale_name = name + "_scale_inv"
     if scale_name not in checkpoint:
-        other = "a per-channel weight_scale (already the target format)" \
+        other = "a weight_scale (per-channel or per-tensor: ktfp8 loads it as it is)" \
             if name + "_scale" in checkpoint else "no weight_scale_inv"
         raise SafetensorsError(f"tensor {name!r} is F8_E4M3 with {other}; --input-type fp8 reads "
                                f"block-wise FP8 (weight + weight_scale_inv)")

@@ -2,8 +2,9 @@
 
 Reads single-file and sharded (`model.safetensors.index.json`) folders, recognises expert naming of
 DeepSeek/Qwen (`mlp.experts.{e}.{gate,up,down}_proj`) and Mixtral (`block_sparse_moe.experts.{e}.w1/w3/w2`)
-under any prefix (`model.`, `model.language_model.`, ...), and the weight formats
-fp8_per_channel (`weight_scale` [N] or [N, 1]), fp8_block (`weight_scale_inv`), bf16 / fp16 / fp32."""
+under any prefix (`model.`, `model.language_model.`, ...), and the weight formats fp8_per_channel
+(`weight_scale` [N] or [N, 1]; a per-tensor [] or [1] is every row's), fp8_block (`weight_scale_inv`),
+bf16 / fp16 / fp32."""
 import json
 import numbers
 import re
@@ -381,11 +382,14 @@ class FP8SafeTensorLoader:
     def _per_channel_scale(self, layer, role, weights, experts):
         scale = self._scale(layer, role, "weight_scale", experts)
         E, out, _ = weights.shape
+        if scale.shape in ((E,), (E, 1)):     # per-tensor (compressed-tensors "tensor"): every row's scale
+            scale = np.repeat(scale.reshape(E, 1, 1), out, axis=1)
         if scale.shape == (E, out):
             scale = scale[..., None]
         if scale.shape != (E, out, 1):
             raise SafetensorsError(f"{self.path}: layer {layer} {role} weight_scale has per-expert shape "
-                                   f"{list(scale.shape[1:])}; per-channel needs [{out}] or [{out}, 1]")
+                                   f"{list(scale.shape[1:])}; per-channel needs [{out}] or [{out}, 1] "
+                                   f"(per-tensor: [] or [1])")
         return scale
 
     def _block_scale(self, layer, role, weights, block, experts):

@@ -242,6 +242,36 @@ def test_compressed_tensors_layout_with_bf16_scales(hf, tmp_path, scale_shape):
         np.testing.assert_array_equal(getattr(experts, role), codes)
 
 
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+@pytest.mark.parametrize("scale_shape", [[], [1]])
+def test_per_tensor_scales_load_as_every_rows_scale(hf, tmp_path, scale_shape, dtype):
+    """FP8 checkpoints with one scale per expert matrix (compressed-tensors strategy "tensor", e.g. FP8
+    Mixtral releases): a per-channel layout whose rows share one scale, so they load exactly as that."""
+    kind, _, single, _ = hf
+    np_dtype = np.float32 if dtype == "F32" else ml_dtypes.bfloat16
+
+    def per_tensor(w):
+        w = np.asarray(w, np.float32)
+        scale = np.float32(np.abs(w).max() / np.float32(448)).astype(np_dtype).astype(np.float32)
+        return np.clip(w / scale, -448, 448).astype(E4M3).view(np.uint8), scale
+
+    def quantize(name, dtype_, a):
+        if "experts" not in name or not name.endswith(".weight"):
+            return [(name, dtype_, a)]
+        codes, scale = per_tensor(a)
+        return [(name, "F8_E4M3", codes), (name + "_scale", dtype, np.full(scale_shape, scale, np_dtype))]
+
+    experts = FP8SafeTensorLoader(_rewrite(single, tmp_path / "pt", transform=quantize)).load_experts(
+        moe_layers(kind)[0])
+    for role in ROLES:
+        original = read_experts(single, kind, moe_layers(kind)[0], role)
+        for e in range(original.shape[0]):
+            codes, scale = per_tensor(original[e])
+            np.testing.assert_array_equal(getattr(experts, role)[e], codes)
+            got = getattr(experts, role + "_scale")[e]
+            assert got.shape == (original.shape[1], 1) and (got == scale).all()
+
+
 def test_language_model_prefix(hf, tmp_path):
     """Multimodal checkpoints put the text model under model.language_model. and config under text_config."""
     kind, _, single, _ = hf
