@@ -1,6 +1,7 @@
 """Tiny random Hugging Face MoE models written by `save_pretrained`: MODELS (Qwen3-MoE, DeepSeek-V3,
-Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE, GLM-4.5,
-MiniMax-M2) for the ktfp8.hf tests.  Sizes are small but not multiples of 128, so block-wise tails are exercised."""
+Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE, GLM-4.5, MiniMax-M2,
+GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax) for the ktfp8.hf tests.  Sizes are small but
+not multiples of 128, so block-wise tails are exercised."""
 import hashlib
 import os
 
@@ -59,6 +60,24 @@ MORE_MODELS = {
         vocab_size=128, hidden_size=HIDDEN, intermediate_size=MOE_INTER, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=40, num_local_experts=EXPERTS,
         num_experts_per_tok=2, bos_token_id=1, eos_token_id=2), [0, 1],
+        "model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight"),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.8,
+        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), [1],
+        "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, head_dim=8, index_topk=4, index_head_dim=16, index_n_heads=2),
+        [1], "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=MOE_INTER, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=40, num_local_experts=EXPERTS,
+        num_experts_per_tok=2, block_size=8), [0, 1],
         "model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight"),
 }
 ALL_MODELS = {**MODELS, **MORE_MODELS}

@@ -18,7 +18,8 @@ from .layer import build_layer, local_experts
 SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_moe",
                      "DeepseekV2Experts": "deepseek_v2", "DeepseekV3Experts": "deepseek_v3",
                      "MixtralExperts": "mixtral", "OlmoeExperts": "olmoe", "Glm4MoeExperts": "glm4_moe",
-                     "MiniMaxM2Experts": "minimax_m2"}
+                     "MiniMaxM2Experts": "minimax_m2", "Glm4MoeLiteExperts": "glm4_moe_lite",
+                     "DeepseekV32Experts": "deepseek_v32", "MiniMaxExperts": "minimax"}
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_EXPERTS.values())
 
 # experts_implementation name -> how the weights are held
