@@ -1,6 +1,6 @@
 """Tiny random Hugging Face MoE models written by `save_pretrained`: MODELS (Qwen3-MoE, DeepSeek-V3,
 Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE, GLM-4.5, MiniMax-M2,
-GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax) for the ktfp8.hf tests.  Sizes are small but
+GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax, Qwen3-Next) for the ktfp8.hf tests.  Sizes are small but
 not multiples of 128, so block-wise tails are exercised."""
 import hashlib
 import os
@@ -79,6 +79,13 @@ MORE_MODELS = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=40, num_local_experts=EXPERTS,
         num_experts_per_tok=2, block_size=8), [0, 1],
         "model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=40, linear_conv_kernel_dim=4, linear_key_head_dim=24, linear_value_head_dim=24,
+        linear_num_key_heads=2, linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
+        num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=True), [0, 1],
+        "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
 }
 ALL_MODELS = {**MODELS, **MORE_MODELS}
 MIXTRAL_ROLE = {"gate": "w1", "up": "w3", "down": "w2"}

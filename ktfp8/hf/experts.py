@@ -19,7 +19,8 @@ SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_m
                      "DeepseekV2Experts": "deepseek_v2", "DeepseekV3Experts": "deepseek_v3",
                      "MixtralExperts": "mixtral", "OlmoeExperts": "olmoe", "Glm4MoeExperts": "glm4_moe",
                      "MiniMaxM2Experts": "minimax_m2", "Glm4MoeLiteExperts": "glm4_moe_lite",
-                     "DeepseekV32Experts": "deepseek_v32", "MiniMaxExperts": "minimax"}
+                     "DeepseekV32Experts": "deepseek_v32", "MiniMaxExperts": "minimax",
+                     "Qwen3NextExperts": "qwen3_next"}
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_EXPERTS.values())
 
 # experts_implementation name -> how the weights are held
