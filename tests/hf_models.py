@@ -1,7 +1,7 @@
 """Tiny random Hugging Face MoE models written by `save_pretrained`: MODELS (Qwen3-MoE, DeepSeek-V3,
 Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE, GLM-4.5, MiniMax-M2,
-GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax, Qwen3-Next) for the ktfp8.hf tests.  Sizes are small but
-not multiples of 128, so block-wise tails are exercised."""
+GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax, Qwen3-Next, Qwen3.5-MoE) for the ktfp8.hf tests.
+Sizes are small but not multiples of 128, so block-wise tails are exercised."""
 import hashlib
 import os
 
@@ -86,6 +86,17 @@ MORE_MODELS = {
         linear_num_key_heads=2, linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
         num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=True), [0, 1],
         "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    # the vision-language checkpoint (its layout on the Hub); AutoModelForCausalLM loads its text model
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
+        text_config=dict(
+            vocab_size=128, hidden_size=HIDDEN, moe_intermediate_size=MOE_INTER, shared_expert_intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
+            linear_conv_kernel_dim=4, linear_key_head_dim=24, linear_value_head_dim=24, linear_num_key_heads=2,
+            linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"], num_experts=EXPERTS,
+            num_experts_per_tok=2),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=HIDDEN,
+                           num_position_embeddings=16)), [0, 1],
+        "model.language_model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
 }
 ALL_MODELS = {**MODELS, **MORE_MODELS}
 MIXTRAL_ROLE = {"gate": "w1", "up": "w3", "down": "w2"}

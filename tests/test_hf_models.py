@@ -1,6 +1,7 @@
 """ktfp8.hf on tiny random models of every supported architecture, both loading paths, against the same
 transformers model running its own eager experts on the dequantized FP8 weights (float32 throughout,
 so that only the order of float32 additions differs)."""
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -8,10 +9,10 @@ pytest.importorskip("transformers", minversion="5")
 
 import ktfp8.hf  # noqa: E402
 from hf_models import ALL_MODELS, moe_layers  # noqa: E402
-from hf_oracle import (BLOCK_TOO, eager_model, experts_module, greedy, logits,  # noqa: E402
+from hf_oracle import (BLOCK_TOO, eager_model, experts_module, greedy, logits, per_channel_roundtrip,  # noqa: E402
                        model_folders, tiny_model_settings)
 from moe_oracle import nmse  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: E402
 
 NMSE_MAX = 1e-8     # float32 on the same weights: the sums' order alone differs (measured ~1e-12)
 
@@ -71,3 +72,26 @@ def test_bf16_experts_and_bfloat16_activations(tmp_path_factory, monkeypatch):
     oracle = eager_model(folders["bf16"], "mixtral", fp8_folder=folders["fp8"]).to(torch.bfloat16)
     assert nmse(logits(model), logits(oracle)) < 1e-3
     assert model.dtype == torch.bfloat16
+
+
+def test_prepare_takes_the_whole_vision_language_model(tmp_path_factory):
+    """A Qwen3.5-MoE checkpoint as AutoModelForImageTextToText loads it: config model_type qwen3_5_moe, the
+    experts in its text model (text_config qwen3_5_moe_text).  prepare takes it and runs what transformers'
+    eager experts compute on the same per-channel FP8 weights."""
+    folders = model_folders("qwen3_5_moe", tmp_path_factory)
+    model = AutoModelForImageTextToText.from_pretrained(folders["bf16"], dtype=torch.float32)
+    oracle = AutoModelForImageTextToText.from_pretrained(folders["bf16"], dtype=torch.float32,
+                                                         experts_implementation="eager")
+    assert model.config.model_type == "qwen3_5_moe" and "qwen3_5_moe" not in ktfp8.hf.SUPPORTED_MODEL_TYPES
+    for layer in moe_layers("qwen3_5_moe"):
+        ex = oracle.model.language_model.layers[layer].mlp.experts
+        inter = ex.intermediate_dim
+        with torch.no_grad():
+            gate_up = ex.gate_up_proj.numpy()
+            ex.gate_up_proj.copy_(torch.from_numpy(np.concatenate(
+                [per_channel_roundtrip(gate_up[:, :inter]), per_channel_roundtrip(gate_up[:, inter:])], axis=1)))
+            ex.down_proj.copy_(torch.from_numpy(per_channel_roundtrip(ex.down_proj.numpy())))
+    assert ktfp8.hf.prepare(model) is model
+    assert nmse(logits(model), logits(oracle)) < NMSE_MAX
+    for layer in moe_layers("qwen3_5_moe"):
+        assert model.model.language_model.layers[layer].mlp.experts.gate_up_proj.numel() == 0

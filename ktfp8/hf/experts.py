@@ -20,7 +20,7 @@ SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_m
                      "MixtralExperts": "mixtral", "OlmoeExperts": "olmoe", "Glm4MoeExperts": "glm4_moe",
                      "MiniMaxM2Experts": "minimax_m2", "Glm4MoeLiteExperts": "glm4_moe_lite",
                      "DeepseekV32Experts": "deepseek_v32", "MiniMaxExperts": "minimax",
-                     "Qwen3NextExperts": "qwen3_next"}
+                     "Qwen3NextExperts": "qwen3_next", "Qwen3_5MoeExperts": "qwen3_5_moe_text"}
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_EXPERTS.values())
 
 # experts_implementation name -> how the weights are held
@@ -42,8 +42,12 @@ def _unsupported(what):
 
 
 def check_model_type(config):
+    """Raises ValueError unless the model, or the text model of a multimodal one (where its experts are:
+    model_type "qwen3_5_moe" holds a "qwen3_5_moe_text" text_config), is of a supported type."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    get_text_config = getattr(config, "get_text_config", None)
+    text_type = getattr(get_text_config(), "model_type", None) if callable(get_text_config) else None
+    if model_type not in SUPPORTED_MODEL_TYPES and text_type not in SUPPORTED_MODEL_TYPES:
         raise _unsupported(f"model type {model_type!r}")
 
 
