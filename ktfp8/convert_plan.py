@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .config import _EXPERT_COUNT_KEYS, ODD_BLOCK_EDGE, _read_hf_config
-from .loader import EXPERT_RE, ROLE, ROLES, _is_positive_int, block_size_of, stacks_by_prefix
+from .loader import (EXPERT_RE, PER_EXPERT_NAMES, ROLE, ROLES, _is_positive_int, block_size_of,
+                     fused_experts_tensor, stacks_by_prefix)
 from .safetensors_io import SafetensorsError, tensor_nbytes
 
 INPUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp8": "F8_E4M3"}
@@ -310,8 +311,23 @@ def quantization_config(spec, ignore):
             "ignore": ignore, "kv_cache_scheme": None}
 
 
+def _refuse_fused_experts(checkpoint, all_linear):
+    """Routed experts stored fused (transformers' own layout, e.g. Qwen3-VL-MoE's checkpoints) are not
+    read: refused, with --all-linear too, which would leave them, most of the weights, unquantized."""
+    fused = fused_experts_tensor(checkpoint)
+    if fused is None:
+        return
+    also = "; refused with --all-linear too, which would leave them, most of the weights, unquantized" \
+        if all_linear else ""
+    raise SafetensorsError(f"{checkpoint.folder}: tensor {fused[0]!r} {fused[1]} holds a layer's routed experts "
+                           f"fused in one 3-D tensor; python -m ktfp8.convert reads {PER_EXPERT_NAMES}{also}. "
+                           f"A BF16 checkpoint like this one is quantized on load instead: transformers' "
+                           f"from_pretrained(path, experts_implementation=\"ktfp8\") after `import ktfp8.hf`")
+
+
 def build_plan(checkpoint, input_type, spec, all_linear, max_shard_bytes):
     hf_config = checkpoint.hf_config() or {}
+    _refuse_fused_experts(checkpoint, all_linear)
     items = _classify(checkpoint, input_type, spec, all_linear, hf_config)
     _check_experts(checkpoint, hf_config)
     if input_type == "fp8" and not any(i.src_scale or i.out_dtype == "F8_E4M3" and i.action == "copy"

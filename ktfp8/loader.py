@@ -24,6 +24,11 @@ EXPERT_RE = re.compile(
     r"^(?P<stack>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts)"
     r"\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
     r"\.(?P<kind>weight|weight_scale|weight_scale_inv)$")
+# transformers 5's own layout of a layer's routed experts, which ktfp8 does not read: one 3-D tensor per
+# projection pair, `...experts.gate_up_proj` ([E, 2I, H], or [E, H, 2I] as Hub checkpoints hold it) and
+# `...experts.down_proj`
+FUSED_EXPERTS_RE = re.compile(r"^(?:.*\.)?experts\.(?:gate_up_proj|down_proj)$")
+PER_EXPERT_NAMES = "per-expert tensors only (...experts.<e>.gate_proj.weight, up_proj, down_proj)"
 ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 ROLES = ("gate", "up", "down")
 FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
@@ -190,6 +195,14 @@ def _check_scale_values(path, names, scale):
                                f"scales must be finite and >= 0")
 
 
+def fused_experts_tensor(checkpoint):
+    """(name, shape) of the first tensor, in name order, that holds a layer's routed experts fused (see
+    FUSED_EXPERTS_RE); None where there is none."""
+    fused = sorted(n for n in checkpoint.names()
+                   if FUSED_EXPERTS_RE.match(n) and len(checkpoint.info(n).shape) == 3)
+    return (fused[0], list(checkpoint.info(fused[0]).shape)) if fused else None
+
+
 class FP8SafeTensorLoader:
     """Experts of a Hugging Face checkpoint folder: `.format`, `.moe_layers()`, `.load_experts(layer)`
     (memory-mapped ExpertWeights), `.config` (ktfp8 MoeConfig from config.json)."""
@@ -293,7 +306,10 @@ class FP8SafeTensorLoader:
         if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
             raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
         if layer not in self._layers:
-            raise ValueError(f"layer {layer!r} has no experts in {self.path}; MoE layers: {self.moe_layers()}")
+            fused = fused_experts_tensor(self.checkpoint)
+            why = f"; its routed experts are stored fused (e.g. {fused[0]!r} {fused[1]}), and FP8SafeTensorLoader " \
+                f"reads {PER_EXPERT_NAMES}" if fused else ""
+            raise ValueError(f"layer {layer!r} has no experts in {self.path}; MoE layers: {self.moe_layers()}{why}")
 
     def _expert_range(self, layer, experts):
         total = self.expert_count(layer)

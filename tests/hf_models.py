@@ -130,6 +130,23 @@ def expert_name(kind, layer, expert, role):
     return template.format(l=layer, e=expert, role=role, w=MIXTRAL_ROLE[role])
 
 
+def fuse_experts(tensors, kind, layers, transposed=False):
+    """Edits {name: (dtype, array)} in place: the per-expert weights of each of `layers` become one
+    `...experts.gate_up_proj` [E, 2I, H] and `...experts.down_proj` [E, H, I], as transformers 5 saves
+    them (transposed: [E, H, 2I] and [E, I, H], as Qwen3-VL-MoE's Hub checkpoints hold them)."""
+    for layer in layers:
+        count = next(e for e in range(10**4) if expert_name(kind, layer, e, "gate") not in tensors)
+        w = {role: [tensors.pop(expert_name(kind, layer, e, role)) for e in range(count)]
+             for role in ("gate", "up", "down")}
+        gate_up = np.stack([np.concatenate([g, u]) for (_, g), (_, u) in zip(w["gate"], w["up"])])
+        down = np.stack([d for _, d in w["down"]])
+        if transposed:
+            gate_up, down = gate_up.transpose(0, 2, 1), down.transpose(0, 2, 1)
+        stack = expert_name(kind, layer, 0, "gate").rsplit(".0.", 1)[0]
+        tensors[stack + ".gate_up_proj"] = (w["gate"][0][0], np.ascontiguousarray(gate_up))
+        tensors[stack + ".down_proj"] = (w["down"][0][0], np.ascontiguousarray(down))
+
+
 def moe_layers(kind):
     return ALL_MODELS[kind][3]
 

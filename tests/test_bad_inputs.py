@@ -176,6 +176,13 @@ def _without_sizes(tensors, config):
     tensors[_expert(3, "down")] = ("BF16", np.zeros((H, I - 8), BF16))
 
 
+def _fused(tensors, config):
+    """Layer 0's experts as transformers 5 saves them: one gate_up_proj [E, 2I, H] and one down_proj [E, H, I]."""
+    w = {role: np.stack([tensors.pop(_expert(e, role))[1] for e in range(E)]) for role in ("gate", "up", "down")}
+    tensors["model.layers.0.mlp.experts.gate_up_proj"] = ("BF16", np.concatenate([w["gate"], w["up"]], axis=1))
+    tensors["model.layers.0.mlp.experts.down_proj"] = ("BF16", w["down"])
+
+
 def _non_empty(c):
     (c.tmp / "full").mkdir(exist_ok=True)
     (c.tmp / "full" / "mine.txt").write_text("keep")
@@ -607,6 +614,10 @@ CASES = [
          lambda c: _convert_bf16(c, "extra_expert", lambda t, cfg: t.update(
              {_expert(E, r): t[_expert(0, r)] for r in ("gate", "up", "down")})), 1,
          f"expert index {E} is out of range (config.json: num_experts {E}"),
+    Case("python -m ktfp8.convert", "routed experts stored fused (...experts.gate_up_proj, 3-D)",
+         lambda c: _convert_bf16(c, "fused", _fused), 1,
+         "holds a layer's routed experts fused in one 3-D tensor; python -m ktfp8.convert reads per-expert tensors "
+         "only"),
     # ---------------------------------------------------------------- python -m ktfp8.cpu
     Case("python -m ktfp8.cpu", "an unknown option", lambda c: cpu_main(["--verbose"]), 2,
          "unrecognized arguments: --verbose"),

@@ -18,8 +18,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hf_models import (EXPERTS, HIDDEN, MODELS, MOE_INTER, build_model, expert_name, folder_digest, moe_layers,
-                       save_model)
+from hf_models import (EXPERTS, HIDDEN, MODELS, MOE_INTER, build_model, expert_name, folder_digest, fuse_experts,
+                       moe_layers, save_model)
 from ktfp8.convert import main as convert
 from ktfp8.loader import FP8SafeTensorLoader
 from ktfp8.safetensors_io import SafetensorsError, SafetensorsFile, write_file
@@ -628,6 +628,33 @@ def test_fp8_expert_weight_not_2d_is_refused(tmp_path, capsys):
                                               name + "_scale_inv": ("F32", np.ones((1, 1), np.float32))})
     _expect_error(folder, tmp_path, capsys, f"tensor {name!r} has shape [1, 4, 8]; a Linear weight is 2-D",
                   input_type="fp8")
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_fused_experts_are_refused(tiny, tmp_path, capsys, kind):
+    """Routed experts stored fused, one 3-D ...experts.gate_up_proj / down_proj per layer (transformers'
+    own layout, Qwen3-VL-MoE's checkpoints): the converter reads per-expert tensors only, so it names one
+    and the way that works (quantize on load) instead of 'found no weights to quantize'; with --all-linear
+    too, which would leave most of the weights unquantized.  Nothing is written."""
+    layers, count = moe_layers(kind), _expert_count(tiny[kind])[1]
+    stack = expert_name(kind, layers[0], 0, "gate").rsplit(".0.", 1)[0]
+    works = 'quantized on load instead: transformers\' from_pretrained(path, experts_implementation="ktfp8") ' \
+            'after `import ktfp8.hf`'
+    src = _edited(tiny[kind], tmp_path / "fused", lambda t: fuse_experts(t, kind, layers))
+    fused = f"tensor '{stack}.down_proj' [{count}, {HIDDEN}, {MOE_INTER}] holds a layer's routed experts fused in " \
+        f"one 3-D tensor; python -m ktfp8.convert reads per-expert tensors only (...experts.<e>.gate_proj.weight, " \
+        f"up_proj, down_proj)"
+    _expect_error(src, tmp_path, capsys, f"{fused}. A BF16 checkpoint like this one is {works}")
+    assert run(src, tmp_path / "o", "--all-linear") == 1
+    err = capsys.readouterr().err
+    assert f"{fused}; refused with --all-linear too, which would leave them, most of the weights, unquantized" \
+           in err and works in err, err
+    assert not (tmp_path / "o").exists()
+    # the Hub's transposed layout, in the last MoE layer only (the others per-expert): refused all the same
+    last = expert_name(kind, layers[-1], 0, "gate").rsplit(".0.", 1)[0]
+    src = _edited(tiny[kind], tmp_path / "hub", lambda t: fuse_experts(t, kind, layers[-1:], transposed=True))
+    _expect_error(src, tmp_path, capsys, f"tensor '{last}.down_proj' [{count}, {MOE_INTER}, {HIDDEN}] holds a "
+                  f"layer's routed experts fused")
 
 
 def test_legitimate_shapes_convert(tmp_path):

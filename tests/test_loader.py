@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hf_models import (EXPERTS, HIDDEN, MODELS, MOE_INTER, build_model, expert_name, moe_layers,
+from hf_models import (EXPERTS, HIDDEN, MODELS, MOE_INTER, build_model, expert_name, fuse_experts, moe_layers,
                        read_experts, save_model, sqnr_db)
 from ktfp8.convert import main as convert
 from ktfp8.loader import FP8SafeTensorLoader
@@ -365,6 +365,26 @@ def _with_config(src, dst, edit):
     edit(config)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def test_fused_experts_named_when_a_layer_has_none(qwen_folders, tmp_path):
+    """A checkpoint whose routed experts are stored fused (transformers' ...experts.gate_up_proj /
+    down_proj, 3-D): the loader reads per-expert tensors only, finds no MoE layer, and says why."""
+    src = qwen_folders["bf16"]
+    with SafetensorsFile(src / "model.safetensors") as f:
+        tensors = {n: (i.dtype, f.read_rows(n)) for n, i in f.tensors.items()}
+    fuse_experts(tensors, QWEN, moe_layers(QWEN))
+    folder = _rewrite(src, tmp_path / "fused")
+    write_file(folder / "model.safetensors", tensors)
+    loader = FP8SafeTensorLoader(folder)
+    assert loader.moe_layers() == []
+    with pytest.raises(ValueError, match=re.escape(
+            f"layer 0 has no experts in {folder}; MoE layers: []; its routed experts are stored fused (e.g. "
+            f"'model.layers.0.mlp.experts.down_proj' [{EXPERTS}, {HIDDEN}, {MOE_INTER}]), and FP8SafeTensorLoader "
+            f"reads per-expert tensors only")):
+        loader.load_experts(0)
+    with pytest.raises(ValueError, match=r"layer 7 has no experts in .*; MoE layers: \[0, 1\]$"):   # not fused
+        FP8SafeTensorLoader(qwen_folders["per_channel"]).load_experts(7)
 
 
 @pytest.mark.parametrize("fmt", ["per_channel", "block"])
