@@ -1,7 +1,8 @@
 """Tiny random Hugging Face MoE models written by `save_pretrained`: MODELS (Qwen3-MoE, DeepSeek-V3,
 Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE, GLM-4.5, MiniMax-M2,
-GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax, Qwen3-Next, Qwen3.5-MoE) for the ktfp8.hf tests.
-Sizes are small but not multiples of 128, so block-wise tails are exercised."""
+GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax, Qwen3-Next, Qwen3.5-MoE) for the ktfp8.hf tests,
+FUSED_MODELS (Qwen3-VL-MoE: experts stored fused, quantized on load only).  Sizes are small but not
+multiples of 128, so block-wise tails are exercised."""
 import hashlib
 import os
 
@@ -99,6 +100,20 @@ MORE_MODELS = {
         "model.language_model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
 }
 ALL_MODELS = {**MODELS, **MORE_MODELS}
+# checkpoints that hold each layer's routed experts fused (...experts.gate_up_proj [E, 2I, H], down_proj
+# [E, H, I]), which ktfp8.convert does not read: no FP8 folder, ktfp8.hf quantizes them on load only
+FUSED_MODELS = {
+    # the vision-language model (AutoModelForCausalLM has no class for qwen3_vl_moe)
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", dict(
+        text_config=dict(
+            vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=40, num_experts=EXPERTS,
+            num_experts_per_tok=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                        mrope_section=[8, 6, 6])),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=HIDDEN,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0])), [0, 1], None),
+}
+_ANY_MODEL = {**ALL_MODELS, **FUSED_MODELS}
 MIXTRAL_ROLE = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
@@ -106,7 +121,7 @@ def build_model(kind, seed=0):
     """The random transformers model (float32, eval mode) of `kind`."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    config_cls, model_cls, kwargs, _, _ = ALL_MODELS[kind]
+    config_cls, model_cls, kwargs, _, _ = _ANY_MODEL[kind]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**kwargs)
     model = getattr(transformers, model_cls)(config).eval()
@@ -148,7 +163,7 @@ def fuse_experts(tensors, kind, layers, transposed=False):
 
 
 def moe_layers(kind):
-    return ALL_MODELS[kind][3]
+    return _ANY_MODEL[kind][3]
 
 
 def read_experts(folder, kind, layer, role):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..loader import EXPERT_RE, FP8SafeTensorLoader
+from ..loader import EXPERT_RE, PER_EXPERT_NAMES, FP8SafeTensorLoader, fused_experts_tensor
 from . import experts as hf_experts
 from .layer import build_layer, local_experts
 
@@ -61,6 +61,13 @@ def _check_folder(path):
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such model folder")
     loader = FP8SafeTensorLoader(folder)
+    fused = fused_experts_tensor(loader.checkpoint)
+    if fused is not None:
+        raise ValueError(f"{folder}: its routed experts are stored fused (e.g. {fused[0]!r} {fused[1]}); "
+                         f"ktfp8.hf.from_pretrained loads FP8 folders written by `python -m ktfp8.convert`, which "
+                         f"reads {PER_EXPERT_NAMES}. Load a BF16 checkpoint like this one with transformers' "
+                         f"from_pretrained(path, experts_implementation='ktfp8') after `import ktfp8.hf` (its "
+                         f"experts are quantized on load)")
     if loader.format == "mixed":
         raise _mixed_formats(folder, loader)
     if loader.format not in _FP8_FORMATS:
@@ -73,6 +80,23 @@ def _check_folder(path):
         raise ValueError(f"{folder}: FP8 tensors outside the routed experts (e.g. {others[0]!r}); ktfp8.hf "
                          f"loads checkpoints whose experts only are FP8 (convert without --all-linear)")
     return loader
+
+
+def check_causal_lm(config):
+    """Raises ValueError when transformers' AutoModelForCausalLM, which from_pretrained and `python -m
+    ktfp8.generate` load models with, has no class for the config's model type (Qwen3-VL-MoE: its
+    experts run under ktfp8 in the vision-language model only)."""
+    from transformers.models.auto import modeling_auto
+
+    model_type = getattr(config, "model_type", None)
+    if model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    auto = "AutoModelForImageTextToText" if model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES \
+        else "its transformers Auto class"
+    raise ValueError(f"model type {model_type!r} has no transformers AutoModelForCausalLM class, which "
+                     f"ktfp8.hf.from_pretrained and python -m ktfp8.generate load models with; ktfp8.hf runs its "
+                     f"experts when {auto} loads its BF16 checkpoint: {auto}.from_pretrained(bf16_path, "
+                     f"experts_implementation='ktfp8') after `import ktfp8.hf`, or ktfp8.hf.prepare(model)")
 
 
 def _check_kwargs(kwargs):
@@ -101,6 +125,7 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
     loader = _check_folder(path)
     config = AutoConfig.from_pretrained(path)
     hf_experts.check_model_type(config)
+    check_causal_lm(config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config        # the experts are ours; the rest is not quantized
     quant_config = loader.quant_config
