@@ -295,6 +295,14 @@ _FAMILY_DEFAULTS = {
     "deepseek_v2": {"norm_topk_prob": False, "routed_scaling_factor": 1.0, "topk_method": "greedy"},
     "deepseek_v3": {"norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
                     "topk_method": "noaux_tc"},
+    "deepseek_v32": {"routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4},
+    "axk1": {"routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4},
+    "axk2": {"routed_scaling_factor": 2.5}, "exaone_moe": {"routed_scaling_factor": 2.5},
+    "glm5_next_text": {"routed_scaling_factor": 2.5}, "glm_moe_dsa": {"routed_scaling_factor": 2.5},
+    "glm4_moe_lite": {"routed_scaling_factor": 1.8}, "minicpm5_moe": {"routed_scaling_factor": 3.66},
+    "hy_v4": {"routed_scaling_factor": 2.827}, "hy_v4_vl_text": {"routed_scaling_factor": 2.827},
+    "flex_olmo": {"norm_topk_prob": False}, "olmoe": {"norm_topk_prob": False},
+    "qwen3_omni_moe_talker_text": {"norm_topk_prob": False},
 }
 # Families whose router is DeepSeek-V3's (sigmoid scores, a correction bias, group-limited top-k:
 # topk_method "noaux_tc") although their config.json names no topk_method, and families that route by
@@ -309,7 +317,7 @@ _SOFTMAX_FAMILIES = ("cohere2_moe", "flex_olmo", "lara_mini", "mellum", "minimax
                      "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text",
                      "qwen3_omni_moe_text", "qwen3_vl_moe_text", "qwen4_exp_text")
 for _family in _NOAUX_TC_FAMILIES:
-    _FAMILY_DEFAULTS.setdefault(_family, {"topk_method": "noaux_tc"})
+    _FAMILY_DEFAULTS[_family] = {**_FAMILY_DEFAULTS.get(_family, {}), "topk_method": "noaux_tc"}
 _KNOWN_FAMILIES = frozenset(_FAMILY_DEFAULTS) | frozenset(_SOFTMAX_FAMILIES)
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 

@@ -11,6 +11,7 @@ import pytest
 
 import ktfp8
 from ktfp8 import MOEConfig, MoeConfig, QuantConfig
+from ktfp8 import config as config_module
 
 SIZES = dict(expert_num=64, num_experts_per_tok=8, hidden_size=2048, intermediate_size=768)
 
@@ -284,24 +285,22 @@ def test_from_hf_config_original_deepseek_fields():
         MoeConfig.from_hf_config(dict(v2, topk_method="mystery"))
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("family", sorted({"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3",
+                                            *config_module._NOAUX_TC_FAMILIES, *config_module._SOFTMAX_FAMILIES}))
 def test_from_hf_config_missing_routing_fields_take_family_defaults(family):
     """A config.json that leaves routing fields out routes as the family's reference code does:
     compared with transformers' config class defaults for the same sizes."""
-    t = pytest.importorskip("transformers")
-    count_key, inter_key, cls = {
-        "qwen2_moe": ("num_experts", "moe_intermediate_size", "Qwen2MoeConfig"),
-        "qwen3_moe": ("num_experts", "moe_intermediate_size", "Qwen3MoeConfig"),
-        "mixtral": ("num_local_experts", "intermediate_size", "MixtralConfig"),
-        "deepseek_v2": ("n_routed_experts", "moe_intermediate_size", "DeepseekV2Config"),
-        "deepseek_v3": ("n_routed_experts", "moe_intermediate_size", "DeepseekV3Config"),
-    }[family]
-    if not hasattr(t, cls):
-        pytest.skip(f"{cls} not in this transformers")
-    sizes = {count_key: 64, inter_key: 32, "num_experts_per_tok": 4, "hidden_size": 48}
+    pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if family not in CONFIG_MAPPING:
+        pytest.skip(f"no {family} in this transformers")
+    reference = CONFIG_MAPPING[family]().to_dict()
+    count_key = next(k for k in ("num_experts", "n_routed_experts", "num_local_experts") if reference.get(k))
+    sizes = {count_key: 64, "num_experts_per_tok": 4, "hidden_size": 48, "moe_intermediate_size": 32,
+             "intermediate_size": 32}
+    sizes = {k: v for k, v in sizes.items() if k in reference}
     minimal = dict(sizes, model_type=family)
-    reference = getattr(t, cls)(**sizes, **HEADS).to_dict()
-    assert MoeConfig.from_hf_config(minimal) == MoeConfig.from_hf_config(reference)
+    assert MoeConfig.from_hf_config(minimal) == MoeConfig.from_hf_config(dict(reference, **sizes))
 
 
 def test_from_hf_config_nested_text_config():
