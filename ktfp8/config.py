@@ -388,7 +388,8 @@ def _fields_from_hf(config, routing_given=False):
     return dict(
         expert_num=need(*_EXPERT_COUNT_KEYS),
         num_experts_per_tok=need("num_experts_per_tok"),
-        hidden_size=need("hidden_size"),
+        # NemotronH (moe_latent_size) and Muse Spark (moe_hidden_size) project x to the experts' own width
+        hidden_size=need("moe_latent_size", "moe_hidden_size", "hidden_size"),
         intermediate_size=need("moe_intermediate_size", "intermediate_size"),
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=get("routed_scaling_factor", 1.0), hidden_act=get("hidden_act", "silu"))

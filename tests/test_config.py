@@ -296,8 +296,8 @@ def test_from_hf_config_missing_routing_fields_take_family_defaults(family):
         pytest.skip(f"no {family} in this transformers")
     reference = CONFIG_MAPPING[family]().to_dict()
     count_key = next(k for k in ("num_experts", "n_routed_experts", "num_local_experts") if reference.get(k))
-    sizes = {count_key: 64, "num_experts_per_tok": 4, "hidden_size": 48, "moe_intermediate_size": 32,
-             "intermediate_size": 32}
+    sizes = {count_key: 64, "num_experts_per_tok": 4, "hidden_size": 48, "moe_hidden_size": 40,
+             "moe_intermediate_size": 32, "intermediate_size": 32}
     sizes = {k: v for k, v in sizes.items() if k in reference}
     minimal = dict(sizes, model_type=family)
     assert MoeConfig.from_hf_config(minimal) == MoeConfig.from_hf_config(dict(reference, **sizes))

@@ -199,6 +199,7 @@ def test_every_known_family_routes_as_its_transformers_block(family):
                 block.use_expert_bias = True
     logits, hf_w, hf_ids = _run_block(block, 32)
     cfg = MoeConfig.from_hf_config(hf)
+    assert (cfg.expert_num, cfg.hidden_size, cfg.intermediate_size) == tuple(block.experts.down_proj.shape)
     noaux_tc = family in config_module._NOAUX_TC_FAMILIES
     assert cfg.scoring_func == ("sigmoid" if noaux_tc else "softmax") and (bias is None or noaux_tc)
     _assert_same_routing(*route(logits.reshape(T, 16), cfg, correction_bias=bias),
