@@ -200,13 +200,13 @@ def _check_experts(checkpoint, hf_config):
     """Refuses routed experts that no engine can load, before anything is written.  In each expert stack
     (e.g. model.layers.3.mlp.experts): experts 0 .. E-1, E from config.json (else the highest index + 1),
     each with gate, up and down weights; gate and up [intermediate, hidden], down [hidden, intermediate],
-    sizes from config.json (moe_intermediate_size, else intermediate_size; hidden_size), else those most
-    experts of the stack have.  Shared experts, dense MLPs and other tensors are not routed experts and
-    keep whatever shape they have.  Runs after _classify, which refused expert weights that are not 2-D."""
+    sizes from config.json (moe_intermediate_size, else intermediate_size; moe_latent_size, else
+    moe_hidden_size, else hidden_size), else those most experts of the stack have.  Shared experts, dense
+    MLPs and other tensors are not routed experts and keep whatever shape they have.  Runs after _classify, which refused expert weights that are not 2-D."""
     config = _read_hf_config(hf_config)       # a multimodal config: its text_config
     count_key, count = _config_size(config, *_EXPERT_COUNT_KEYS)
     sizes = {"intermediate": _config_size(config, "moe_intermediate_size", "intermediate_size"),
-             "hidden": _config_size(config, "hidden_size")}
+             "hidden": _config_size(config, "moe_latent_size", "moe_hidden_size", "hidden_size")}
     for prefix, stack in stacks_by_prefix(checkpoint.names()).items():
         names = {(e, role): name for (role, kind), experts in stack.tensors.items() if kind == "weight"
                  for e, name in experts.items()}          # (expert, role) -> weight tensor name

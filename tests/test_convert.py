@@ -703,3 +703,12 @@ def test_two_expert_stacks_in_one_layer_both_convert(tiny, tmp_path):
     with pytest.raises(SafetensorsError, match=re.escape(f"layer {layer} has experts under two prefixes: "
                                                          f"{stack!r} and {vision!r}")):
         FP8SafeTensorLoader(tmp_path / "o")
+
+
+def test_experts_of_their_own_width_convert(tiny, tmp_path):
+    """Muse Spark (moe_hidden_size) and NemotronH (moe_latent_size) project x to the experts' own width:
+    the experts are checked against that width, not hidden_size."""
+    for key in ("moe_hidden_size", "moe_latent_size"):
+        src = _edited(tiny["qwen3_moe"], tmp_path / key, config=lambda c: c.update(
+            {key: c["hidden_size"], "hidden_size": c["hidden_size"] + 8}))
+        assert run(src, tmp_path / f"{key}_out", "--quant-config", PER_CHANNEL) == 0
