@@ -95,7 +95,8 @@ def build_parser():
                         "(routers, embeddings and lm_head stay as they are)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--threads", type=_threads_arg, default=None,
-                   help="worker threads (default: $KTFP8_NUM_THREADS, else all cores)")
+                   help="worker threads (default: $KTFP8_NUM_THREADS, else the first entry of "
+                        "$OMP_NUM_THREADS, else all cores this process may use)")
     p.add_argument("--max-shard-size", type=_size_arg, default=parse_size("5GB"),
                    help="largest output shard, e.g. 5GB (default), 500MB, 2GiB")
     p.add_argument("--verify", action="store_true",

@@ -149,6 +149,14 @@ def test_threads_do_not_change_the_output(qwen, tmp_path):
     assert {k: v[0] for k, v in a.items()} == {k: v[0] for k, v in b.items()}
 
 
+def test_threads_help_names_every_default():
+    """--threads left out is backends.default_threads(None): KTFP8_NUM_THREADS, OMP_NUM_THREADS, all cores."""
+    from ktfp8.convert import build_parser
+    threads = next(a for a in build_parser()._actions if "--threads" in a.option_strings)
+    assert threads.default is None
+    assert re.search(r"KTFP8_NUM_THREADS.*OMP_NUM_THREADS.*all cores", threads.help)
+
+
 def test_verify_reports_sqnr(qwen, tmp_path, capsys):
     assert run(qwen, tmp_path / "v", "--verify") == 0
     out = capsys.readouterr().out
