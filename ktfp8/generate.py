@@ -56,7 +56,8 @@ def parse_args(argv):
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=_positive, default=32, help="tokens to generate (default 32)")
     p.add_argument("--threads", type=_positive, default=None,
-                   help="threads for torch and the ktfp8 kernels (default: all cores this process may use)")
+                   help="threads for torch and the ktfp8 kernels (default: torch's own count, and for ktfp8 "
+                        "$KTFP8_NUM_THREADS, else $OMP_NUM_THREADS, else all cores this process may use)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")
     return p.parse_args(argv)
 
