@@ -313,8 +313,8 @@ _NOAUX_TC_FAMILIES = ("axk1", "axk2", "deepseek_v32", "exaone_moe", "flint", "gl
                       "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "lfm2_moe",
                       "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "muse_spark_text", "nemotron_h",
                       "solar_open")
-_SOFTMAX_FAMILIES = ("cohere2_moe", "flex_olmo", "lara_mini", "mellum", "minimax", "mixtral", "olmoe", "qwen2_moe",
-                     "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text",
+_SOFTMAX_FAMILIES = ("cohere2_moe", "flex_olmo", "lara_mini", "mellum", "minimax", "mixtral", "olmoe",
+                     "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text",
                      "qwen3_omni_moe_text", "qwen3_vl_moe_text", "qwen4_exp_text")
 for _family in _NOAUX_TC_FAMILIES:
     _FAMILY_DEFAULTS[_family] = {**_FAMILY_DEFAULTS.get(_family, {}), "topk_method": "noaux_tc"}

@@ -202,7 +202,8 @@ def _check_experts(checkpoint, hf_config):
     each with gate, up and down weights; gate and up [intermediate, hidden], down [hidden, intermediate],
     sizes from config.json (moe_intermediate_size, else intermediate_size; moe_latent_size, else
     moe_hidden_size, else hidden_size), else those most experts of the stack have.  Shared experts, dense
-    MLPs and other tensors are not routed experts and keep whatever shape they have.  Runs after _classify, which refused expert weights that are not 2-D."""
+    MLPs and other tensors are not routed experts and keep whatever shape they have.  Runs after
+    _classify, which refused expert weights that are not 2-D."""
     config = _read_hf_config(hf_config)       # a multimodal config: its text_config
     count_key, count = _config_size(config, *_EXPERT_COUNT_KEYS)
     sizes = {"intermediate": _config_size(config, "moe_intermediate_size", "intermediate_size"),
