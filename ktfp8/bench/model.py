@@ -199,7 +199,7 @@ def main(argv=None):
     prog = "python -m ktfp8.bench.model"
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=_positive, default=6,
-                   help=f"first N of the {MODEL_LAYERS} layers (default 6, ~7.5 GB)")
+                   help=f"first N of the {MODEL_LAYERS} layers (default 6: ~8 GB of BF16 model, ~9 GB at the peak)")
     p.add_argument("--threads", type=_positive, default=backends.usable_cores(),
                    help="threads (default: all this process may use)")
     p.add_argument("--prompt-tokens", type=_positive, default=512)
