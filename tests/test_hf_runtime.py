@@ -92,7 +92,7 @@ def test_unsupported_models_are_refused_by_name(tmp_path):
         ktfp8.hf.prepare(llama)
     # no experts module: transformers never calls an experts implementation, the model runs as it is
     AutoModelForCausalLM.from_pretrained(tmp_path / "llama", experts_implementation="ktfp8")(torch.tensor([[1, 2]]))
-    with pytest.raises(ValueError, match="not FP8"):     # a BF16 folder: that is the other path
+    with pytest.raises(ValueError, match="holds no routed experts"):    # not "experts are 'fp32'"
         ktfp8.hf.from_pretrained(tmp_path / "llama")
 
 

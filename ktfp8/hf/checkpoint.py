@@ -68,6 +68,10 @@ def _check_folder(path):
                          f"reads {PER_EXPERT_NAMES}. Load a BF16 checkpoint like this one with transformers' "
                          f"from_pretrained(path, experts_implementation='ktfp8') after `import ktfp8.hf` (its "
                          f"experts are quantized on load)")
+    if not loader.moe_layers():
+        raise ValueError(f"{folder}: holds no routed experts (no ...experts.<e>.gate_proj.weight tensors); "
+                         f"ktfp8.hf.from_pretrained loads MoE models whose experts are FP8, and a model "
+                         f"without experts needs no ktfp8")
     if loader.format == "mixed":
         raise _mixed_formats(folder, loader)
     if loader.format not in _FP8_FORMATS:
