@@ -287,6 +287,10 @@ def _check_moe_combination(v):
 # --- Hugging Face config.json -> MoeConfig fields -------------------------------------------------
 
 _EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+# The width the routed experts compute at, first key set wins: NemotronH (moe_latent_size) and Muse Spark
+# (moe_hidden_size) project x to the experts' own width.  Read by from_hf_config and by convert's checks.
+_EXPERT_HIDDEN_KEYS = ("moe_latent_size", "moe_hidden_size", "hidden_size")
+_EXPERT_INTERMEDIATE_KEYS = ("moe_intermediate_size", "intermediate_size")
 
 # Routing values each family's reference code uses when config.json leaves the field out.
 _FAMILY_DEFAULTS = {
@@ -388,8 +392,7 @@ def _fields_from_hf(config, routing_given=False):
     return dict(
         expert_num=need(*_EXPERT_COUNT_KEYS),
         num_experts_per_tok=need("num_experts_per_tok"),
-        # NemotronH (moe_latent_size) and Muse Spark (moe_hidden_size) project x to the experts' own width
-        hidden_size=need("moe_latent_size", "moe_hidden_size", "hidden_size"),
-        intermediate_size=need("moe_intermediate_size", "intermediate_size"),
+        hidden_size=need(*_EXPERT_HIDDEN_KEYS),
+        intermediate_size=need(*_EXPERT_INTERMEDIATE_KEYS),
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=get("routed_scaling_factor", 1.0), hidden_act=get("hidden_act", "silu"))

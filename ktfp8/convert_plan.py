@@ -7,7 +7,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from .config import _EXPERT_COUNT_KEYS, ODD_BLOCK_EDGE, _read_hf_config
+from .config import (_EXPERT_COUNT_KEYS, _EXPERT_HIDDEN_KEYS, _EXPERT_INTERMEDIATE_KEYS, ODD_BLOCK_EDGE,
+                     _read_hf_config)
 from .loader import (EXPERT_RE, PER_EXPERT_NAMES, ROLE, ROLES, _is_positive_int, block_size_of,
                      fused_experts_tensor, stacks_by_prefix)
 from .safetensors_io import SafetensorsError, tensor_nbytes
@@ -200,14 +201,14 @@ def _check_experts(checkpoint, hf_config):
     """Refuses routed experts that no engine can load, before anything is written.  In each expert stack
     (e.g. model.layers.3.mlp.experts): experts 0 .. E-1, E from config.json (else the highest index + 1),
     each with gate, up and down weights; gate and up [intermediate, hidden], down [hidden, intermediate],
-    sizes from config.json (moe_intermediate_size, else intermediate_size; moe_latent_size, else
-    moe_hidden_size, else hidden_size), else those most experts of the stack have.  Shared experts, dense
-    MLPs and other tensors are not routed experts and keep whatever shape they have.  Runs after
-    _classify, which refused expert weights that are not 2-D."""
+    sizes from config.json (the keys from_hf_config reads: _EXPERT_INTERMEDIATE_KEYS, _EXPERT_HIDDEN_KEYS),
+    else those most experts of the stack have.  Shared experts, dense MLPs and other tensors are not
+    routed experts and keep whatever shape they have.  Runs after _classify, which refused expert weights
+    that are not 2-D."""
     config = _read_hf_config(hf_config)       # a multimodal config: its text_config
     count_key, count = _config_size(config, *_EXPERT_COUNT_KEYS)
-    sizes = {"intermediate": _config_size(config, "moe_intermediate_size", "intermediate_size"),
-             "hidden": _config_size(config, "moe_latent_size", "moe_hidden_size", "hidden_size")}
+    sizes = {"intermediate": _config_size(config, *_EXPERT_INTERMEDIATE_KEYS),
+             "hidden": _config_size(config, *_EXPERT_HIDDEN_KEYS)}
     for prefix, stack in stacks_by_prefix(checkpoint.names()).items():
         names = {(e, role): name for (role, kind), experts in stack.tensors.items() if kind == "weight"
                  for e, name in experts.items()}          # (expert, role) -> weight tensor name
