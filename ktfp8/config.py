@@ -18,6 +18,9 @@ MAX_BLOCK_EDGE = 2**31 - 1
 ODD_BLOCK_EDGE = ("the kernels read K two weights at a time (a BF16 pair per 32-bit lane), and a block "
                   "edge inside a pair would need two scales for one lane")
 SCORING_FUNCS = ("softmax", "sigmoid")
+# A group's score in grouped top-k: its best score, or the sum of its two best.  None: the scoring's own
+# rule (softmax: best, DeepSeek-V2; sigmoid: the two best, DeepSeek-V3).  Mistral 4 sums softmax's two best.
+GROUP_SCORES = ("best", "top2_sum")
 HIDDEN_ACTS = ("silu",)          # the kernels compute silu(gate) * up and nothing else
 
 
@@ -150,8 +153,8 @@ def _check_scale_mode(per_channel, group_size):
 
 
 _MOE_FIELDS = ("expert_num", "num_experts_per_tok", "hidden_size", "intermediate_size", "scoring_func",
-               "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor", "hidden_act", "threads",
-               "quant_config")
+               "norm_topk_prob", "n_group", "topk_group", "group_score", "routed_scaling_factor", "hidden_act",
+               "threads", "quant_config")
 
 
 class MoeConfig:
@@ -160,7 +163,9 @@ class MoeConfig:
     expert_num, num_experts_per_tok (alias routed_expert_num), hidden_size, intermediate_size: the sizes.
     Routing (see ktfp8.routing.route): scoring_func "softmax" | "sigmoid"; norm_topk_prob renormalises
     the top-k weights; n_group / topk_group: grouped top-k keeps the topk_group best of n_group equal
-    groups of experts (n_group = 1: no grouping); routed_scaling_factor multiplies the final weights.
+    groups of experts (n_group = 1: no grouping); group_score: a group's score is its "best" score or
+    the sum of its two best ("top2_sum"), None = the scoring's rule (softmax: best, sigmoid: top2_sum);
+    routed_scaling_factor multiplies the final weights.
     hidden_act: only "silu". threads: None = $KTFP8_NUM_THREADS, else $OMP_NUM_THREADS, else all cores
     (an explicit MoE(..., threads=) overrides it).
     quant_config: a QuantConfig (or a mapping of its fields); default FP8 per-channel.
@@ -171,7 +176,7 @@ class MoeConfig:
     """
 
     def __init__(self, expert_num, num_experts_per_tok=None, hidden_size=None, intermediate_size=None, *,
-                 scoring_func="softmax", norm_topk_prob=True, n_group=1, topk_group=1,
+                 scoring_func="softmax", norm_topk_prob=True, n_group=1, topk_group=1, group_score=None,
                  routed_scaling_factor=1.0, hidden_act="silu", threads=None, quant_config=None,
                  routed_expert_num=None):
         if routed_expert_num is not None:
@@ -186,7 +191,8 @@ class MoeConfig:
             raise TypeError(f"MoeConfig needs {', '.join(missing)}")
         values = {name: _check_moe_field(name, value) for name, value in dict(
             given, scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group,
-            topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, hidden_act=hidden_act,
+            topk_group=topk_group, group_score=group_score, routed_scaling_factor=routed_scaling_factor,
+            hidden_act=hidden_act,
             threads=threads, quant_config=QuantConfig() if quant_config is None else quant_config).items()}
         _check_moe_combination(values)
         for name in _MOE_FIELDS:
@@ -227,7 +233,8 @@ class MoeConfig:
         renormalised. DeepSeek-V2: n_routed_experts, softmax; topk_method "greedy" (no groups) or
         "group_limited_greedy" (n_group, topk_group; group score = best expert);
         routed_scaling_factor, norm_topk_prob. DeepSeek-V3: sigmoid, topk_method "noaux_tc" (group score
-        = sum of the two best biased scores). A field the file leaves out takes the default of that
+        = sum of the two best biased scores). Mistral 4 / Mistral Large 4: softmax, a group scored by the
+        sum of its two best (group_score "top2_sum"). A field the file leaves out takes the default of that
         family's reference code (e.g. DeepSeek-V3: norm_topk_prob True, routed_scaling_factor 2.5).
         GLM-4.5 (glm4_moe), MiniMax-M2, DeepSeek-V3.2 and the other _NOAUX_TC_FAMILIES route as DeepSeek-V3
         without saying so in config.json.  A model_type outside the families ktfp8 knows must name its
@@ -251,6 +258,8 @@ def _check_moe_field(name, value):
         return _as_choice("MoeConfig", name, value, SCORING_FUNCS)
     if name == "hidden_act":
         return _as_choice("MoeConfig", name, value, HIDDEN_ACTS)
+    if name == "group_score":
+        return None if value is None else _as_choice("MoeConfig", name, value, GROUP_SCORES)
     if name == "norm_topk_prob":
         return _as_bool("MoeConfig", name, value)
     if name == "routed_scaling_factor":
@@ -307,22 +316,26 @@ _FAMILY_DEFAULTS = {
     "hy_v4": {"routed_scaling_factor": 2.827}, "hy_v4_vl_text": {"routed_scaling_factor": 2.827},
     "flex_olmo": {"norm_topk_prob": False}, "olmoe": {"norm_topk_prob": False},
     "qwen3_omni_moe_talker_text": {"norm_topk_prob": False},
+    # Mistral 4 (Small 4) and Mistral Large 4: softmax scores, a group scored by its two best.
+    "mistral4": {"group_score": "top2_sum"}, "mistral_large4_text": {"group_score": "top2_sum"},
 }
 # Families whose router is DeepSeek-V3's (sigmoid scores, a correction bias, group-limited top-k:
 # topk_method "noaux_tc") although their config.json names no topk_method, and families that route by
-# softmax top-k.  Each is checked against its transformers router (tests/test_routing.py).  Any other
-# model_type must name its routing (scoring_func / topk_method, in config.json or as overrides): a
-# guess would route silently wrong (GLM-4.5 read as softmax, for one).
+# softmax top-k (Mistral 4's groups scored as _FAMILY_DEFAULTS says).  Each is checked against its
+# transformers router (tests/test_routing.py).  Any other model_type must name its routing (scoring_func /
+# topk_method, in config.json or as overrides): a guess would route silently wrong (GLM-4.5 read as
+# softmax, for one).
 _NOAUX_TC_FAMILIES = ("axk1", "axk2", "deepseek_v32", "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite",
                       "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "lfm2_moe",
                       "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "muse_spark_text", "nemotron_h",
                       "solar_open")
-_SOFTMAX_FAMILIES = ("cohere2_moe", "flex_olmo", "lara_mini", "mellum", "minimax", "mixtral", "olmoe",
-                     "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text",
-                     "qwen3_omni_moe_text", "qwen3_vl_moe_text", "qwen4_exp_text")
+_SOFTMAX_FAMILIES = ("cohere2_moe", "flex_olmo", "lara_mini", "mellum", "minimax", "mistral4", "mistral_large4_text",
+                     "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next",
+                     "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text", "qwen3_vl_moe_text", "qwen4_exp_text")
 for _family in _NOAUX_TC_FAMILIES:
     _FAMILY_DEFAULTS[_family] = {**_FAMILY_DEFAULTS.get(_family, {}), "topk_method": "noaux_tc"}
 _KNOWN_FAMILIES = frozenset(_FAMILY_DEFAULTS) | frozenset(_SOFTMAX_FAMILIES)
+_ALWAYS_RENORMALISED = ("mixtral", "mistral_large4_text")   # their routers have no norm_topk_prob switch
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 
 
@@ -387,12 +400,11 @@ def _fields_from_hf(config, routing_given=False):
     elif topk_method is not None:
         raise ValueError(f"Hugging Face config: unsupported topk_method {topk_method!r} "
                          f"(known: greedy, group_limited_greedy, noaux_tc)")
-    # Mixtral's router always renormalises its top-k; its configs have no norm_topk_prob.
-    norm_topk_prob = True if family == "mixtral" else get("norm_topk_prob", True)
+    norm_topk_prob = True if family in _ALWAYS_RENORMALISED else get("norm_topk_prob", True)
     return dict(
         expert_num=need(*_EXPERT_COUNT_KEYS),
         num_experts_per_tok=need("num_experts_per_tok"),
         hidden_size=need(*_EXPERT_HIDDEN_KEYS),
         intermediate_size=need(*_EXPERT_INTERMEDIATE_KEYS),
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
-        routed_scaling_factor=get("routed_scaling_factor", 1.0), hidden_act=get("hidden_act", "silu"))
+        group_score=defaults.get("group_score"), routed_scaling_factor=get("routed_scaling_factor", 1.0), hidden_act=get("hidden_act", "silu"))

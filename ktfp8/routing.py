@@ -13,6 +13,9 @@ from .config import MoeConfig
 _LOGIT_DTYPES = tuple(np.dtype(t) for t in (np.float32, ml_dtypes.bfloat16, np.float16))
 _BIAS_DTYPES = _LOGIT_DTYPES + (np.dtype(np.float64),)
 _SCORING = {"softmax": _ext.ktfp8_scoring.KTFP8_SOFTMAX, "sigmoid": _ext.ktfp8_scoring.KTFP8_SIGMOID}
+_GROUP_SCORE = {"best": _ext.ktfp8_group_score.KTFP8_GROUP_BEST,
+                "top2_sum": _ext.ktfp8_group_score.KTFP8_GROUP_TOP2_SUM}
+_SCORING_GROUP_SCORE = {"softmax": "best", "sigmoid": "top2_sum"}   # group_score None: the scoring's rule
 
 
 @accepts_tensors("router_logits")
@@ -27,9 +30,10 @@ def route(router_logits, cfg, correction_bias=None):
 
     scores = softmax(logits) (Qwen2/3-MoE, Mixtral, DeepSeek-V2) or sigmoid(logits) (DeepSeek-V3), in
     float32. With n_group > 1, only the topk_group best groups of expert_num / n_group consecutive experts
-    stay eligible; a group's score is its best score (softmax, DeepSeek-V2 group_limited_greedy) or the
-    sum of its two best biased scores (sigmoid, DeepSeek-V3 noaux_tc; a group of one expert: its
-    score). The k eligible experts with the highest (biased) score are chosen; weights are their unbiased
+    stay eligible; a group's score is its best (biased) score or the sum of its two best (a group of one
+    expert: its score), as cfg.group_score says; by default softmax takes the best (DeepSeek-V2
+    group_limited_greedy) and sigmoid the two best (DeepSeek-V3 noaux_tc); Mistral 4 sums softmax's two
+    best (group_score="top2_sum"). The k eligible experts with the highest (biased) score are chosen; weights are their unbiased
     scores, divided by their sum (+1e-20) when norm_topk_prob, times routed_scaling_factor.
 
     Each row lists its experts best first. Among equal scores the lower expert id wins; torch.topk
@@ -55,7 +59,8 @@ def route(router_logits, cfg, correction_bias=None):
 
     topk_ids, topk_weights = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
     _ext.route(np.ascontiguousarray(router_logits, dtype=np.float32), bias, topk_ids, topk_weights,
-               _SCORING[cfg.scoring_func], cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+               _SCORING[cfg.scoring_func], cfg.n_group, cfg.topk_group,
+               _GROUP_SCORE[cfg.group_score or _SCORING_GROUP_SCORE[cfg.scoring_func]], cfg.norm_topk_prob,
                cfg.routed_scaling_factor)
     return topk_ids, topk_weights
 

@@ -304,6 +304,8 @@ CASES = [
          "MoeConfig needs intermediate_size"),
     Case("MoeConfig", "unknown scoring_func", lambda c: cfg(scoring_func="tanh"), ValueError,
          "scoring_func must be one of 'softmax', 'sigmoid'"),
+    Case("MoeConfig", "unknown group_score", lambda c: cfg(group_score="mean"), ValueError,
+         "group_score must be one of 'best', 'top2_sum'"),
     Case("MoeConfig", "hidden_act other than silu", lambda c: cfg(hidden_act="gelu"), ValueError,
          "hidden_act must be one of 'silu'"),
     Case("MoeConfig", "n_group not dividing expert_num", lambda c: cfg(n_group=3), ValueError,

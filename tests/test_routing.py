@@ -238,7 +238,8 @@ def _oracle(logits, cfg, bias):
         choice = scores + (0 if bias is None else bias)
         per = cfg.expert_num // cfg.n_group
         groups = [sorted(choice[g * per:(g + 1) * per], reverse=True) for g in range(cfg.n_group)]
-        group_score = [g[0] if cfg.scoring_func == "softmax" else sum(g[:2]) for g in groups]
+        top2_sum = (cfg.group_score or {"softmax": "best", "sigmoid": "top2_sum"}[cfg.scoring_func]) == "top2_sum"
+        group_score = [sum(g[:2]) if top2_sum else g[0] for g in groups]
         kept = sorted(range(cfg.n_group), key=lambda g: -group_score[g])[:cfg.topk_group]
         eligible = [e for e in range(cfg.expert_num) if e // per in kept]
         chosen = sorted(eligible, key=lambda e: -choice[e])[:cfg.num_experts_per_tok]
@@ -256,6 +257,8 @@ def _oracle(logits, cfg, bias):
     dict(scoring_func="sigmoid", n_group=12, topk_group=5),                      # groups of one expert
     dict(scoring_func="sigmoid", n_group=3, topk_group=2, routed_scaling_factor=2.5),  # DeepSeek-V3 rule
     dict(scoring_func="softmax", n_group=3, topk_group=2, routed_scaling_factor=0.5),
+    dict(scoring_func="softmax", n_group=3, topk_group=2, group_score="top2_sum"),  # Mistral 4 rule
+    dict(scoring_func="sigmoid", n_group=3, topk_group=2, group_score="best"),
 ])
 def test_against_float64_oracle(kwargs):
     rng = np.random.default_rng(7)

@@ -43,8 +43,8 @@ static int score_row(const ktfp8_route_cfg *cfg, const float *logit, float *scor
 }
 
 /* choice[e] = -inf for every expert outside the topk_group best groups.  A group's score is its
- * best score (softmax) or the sum of its two best (sigmoid; a group of one: its score); a NaN in
- * the group makes the group's score NaN. */
+ * best score or the sum of its two best (cfg->group_score; a group of one: its score); a NaN in the
+ * group makes the group's score NaN. */
 static void keep_best_groups(const ktfp8_route_cfg *cfg, float *choice, float *group_score, int64_t *best) {
     const int64_t G = cfg->n_group, per = cfg->experts / G;
     for (int64_t g = 0; g < G; g++) {
@@ -55,7 +55,7 @@ static void keep_best_groups(const ktfp8_route_cfg *cfg, float *choice, float *g
             else if (c[i] > first) second = first, first = c[i];
             else if (c[i] > second) second = c[i];
         }
-        float s = cfg->scoring == KTFP8_SIGMOID && per > 1 ? first + second : first;
+        float s = cfg->group_score == KTFP8_GROUP_TOP2_SUM && per > 1 ? first + second : first;
         group_score[g] = isnan(nan) ? nan : s;
     }
     top_k(group_score, G, cfg->topk_group, best);
