@@ -407,4 +407,5 @@ def _fields_from_hf(config, routing_given=False):
         hidden_size=need(*_EXPERT_HIDDEN_KEYS),
         intermediate_size=need(*_EXPERT_INTERMEDIATE_KEYS),
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
-        group_score=defaults.get("group_score"), routed_scaling_factor=get("routed_scaling_factor", 1.0), hidden_act=get("hidden_act", "silu"))
+        group_score=defaults.get("group_score"), routed_scaling_factor=get("routed_scaling_factor", 1.0),
+        hidden_act=get("hidden_act", "silu"))

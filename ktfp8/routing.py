@@ -33,8 +33,9 @@ def route(router_logits, cfg, correction_bias=None):
     stay eligible; a group's score is its best (biased) score or the sum of its two best (a group of one
     expert: its score), as cfg.group_score says; by default softmax takes the best (DeepSeek-V2
     group_limited_greedy) and sigmoid the two best (DeepSeek-V3 noaux_tc); Mistral 4 sums softmax's two
-    best (group_score="top2_sum"). The k eligible experts with the highest (biased) score are chosen; weights are their unbiased
-    scores, divided by their sum (+1e-20) when norm_topk_prob, times routed_scaling_factor.
+    best (group_score="top2_sum"). The k eligible experts with the highest (biased) score are chosen;
+    weights are their unbiased scores, divided by their sum (+1e-20) when norm_topk_prob, times
+    routed_scaling_factor.
 
     Each row lists its experts best first. Among equal scores the lower expert id wins; torch.topk
     picks some tied expert without saying which, so exact ties may pick other (equally weighted)
