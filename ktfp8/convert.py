@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from .convert_plan import INPUT_DTYPES, build_plan, parse_quant_config, parse_size
+from .convert_plan import INPUT_DTYPES, build_plan, input_nbytes, parse_quant_config, parse_size
 from .convert_work import ShardSet, chunks, run_chunk, sqnr_db, verify_chunk
 from .loader import INDEX_NAME, Checkpoint
 from .safetensors_io import SafetensorsError, SafetensorsFile, tensor_nbytes
@@ -159,7 +159,7 @@ def convert(args):
     threads = default_threads(args.threads)
     checkpoint = Checkpoint(src)
     plan = build_plan(checkpoint, args.input_type, args.quant_config, args.all_linear, args.max_shard_size)
-    total_in = sum(checkpoint.info(i.src).nbytes for i in plan.items)
+    total_in = sum(input_nbytes(i, checkpoint) for i in plan.items)
     log.info("%s: %d tensors (%d FP8 weights out, %s), %.2f GB -> %d shard(s), %d threads",
              src, len(plan.items), len(plan.quantized) + _passthrough_count(plan),
              "per-channel" if args.quant_config.per_channel else f"block {list(args.quant_config.block)}",

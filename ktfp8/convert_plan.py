@@ -9,8 +9,8 @@ from typing import Optional, Tuple
 
 from .config import (_EXPERT_COUNT_KEYS, _EXPERT_HIDDEN_KEYS, _EXPERT_INTERMEDIATE_KEYS, ODD_BLOCK_EDGE,
                      _read_hf_config)
-from .loader import (EXPERT_RE, PER_EXPERT_NAMES, ROLE, ROLES, _is_positive_int, block_size_of,
-                     fused_experts_tensor, stacks_by_prefix)
+from .loader import (EXPERT_RE, FUSED_EXPERTS_RE, FUSED_LAYOUTS, PER_EXPERT_NAMES, ROLE, ROLES, _is_positive_int,
+                     block_size_of, fused_experts_tensor, stacks_by_prefix)
 from .safetensors_io import SafetensorsError, tensor_nbytes
 
 INPUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp8": "F8_E4M3"}
@@ -88,12 +88,29 @@ class Item:
     src_block: Optional[Tuple[int, int]] = None
     out_scale: Optional[str] = None          # weight_scale (per-channel) or weight_scale_inv (block-wise)
     scale_shape: Tuple[int, ...] = ()
+    fused: Optional["FusedPart"] = None      # src holds a layer's experts fused: which part is this weight
 
     def outputs(self):
         specs = [(self.out, self.out_dtype, self.shape)]
         if self.out_scale:
             specs.append((self.out_scale, "F32", self.scale_shape))
         return specs
+
+
+@dataclass(frozen=True)
+class FusedPart:
+    """Where one expert's [out, in] weight lies in a fused stack (gate_up_proj or down_proj): expert
+    `expert`'s rows first .. first + out of its matrix, or with `transposed` its columns (the matrix is
+    stored [in, out])."""
+    expert: int
+    first: int
+    transposed: bool
+
+
+def input_nbytes(item, checkpoint):
+    """Bytes of the input that `item` converts: its part of a fused stack, else the whole tensor."""
+    info = checkpoint.info(item.src)
+    return tensor_nbytes(info.dtype, item.shape) if item.fused else info.nbytes
 
 
 @dataclass
@@ -141,11 +158,14 @@ def _quantized_item(action, name, info, spec, **extra):
                 scale_shape=_scale_shape(info.shape, spec), **extra)
 
 
-def _classify(checkpoint, input_type, spec, all_linear, hf_config):
-    """Items in input order; input weight_scale_inv tensors are consumed by their weight's item."""
+def _classify(checkpoint, input_type, spec, all_linear, hf_config, fused):
+    """Items in input order, but for the `fused` expert stacks (split by _fused_items); input
+    weight_scale_inv tensors are consumed by their weight's item."""
     items, consumed = [], set()
     in_block = block_size_of(hf_config) if input_type == "fp8" else None
     for name in checkpoint.names():
+        if name in fused:
+            continue
         info = checkpoint.info(name)
         if info.dtype == "F8_E4M3" and name.endswith(".weight"):
             items.append(_fp8_item(checkpoint, name, info, input_type, spec, in_block, consumed))
@@ -313,24 +333,119 @@ def quantization_config(spec, ignore):
             "ignore": ignore, "kv_cache_scheme": None}
 
 
-def _refuse_fused_experts(checkpoint, all_linear):
-    """Routed experts stored fused (transformers' own layout, e.g. Qwen3-VL-MoE's checkpoints) are not
-    read: refused, with --all-linear too, which would leave them, most of the weights, unquantized."""
-    fused = fused_experts_tensor(checkpoint)
-    if fused is None:
-        return
+_FUSED_STACK_RE = re.compile(r"^(?P<stack>(?:.*\.)?layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)"
+                             r"\.(?P<part>gate_up_proj|down_proj)$")
+
+
+def _fused_layouts(checkpoint, hf_config, fused, all_linear):
+    """The layouts (stored transposed or not) the checkpoint's fused experts may have; refuses a model
+    type whose layout is not known (with --all-linear too, which would leave them, most of the weights,
+    unquantized)."""
+    types = list(dict.fromkeys(t for t in (hf_config.get("model_type"), _read_hf_config(hf_config).get("model_type"))
+                               if t))   # the model's and its text model's, once each
+    for t in types:
+        if t in FUSED_LAYOUTS:
+            return FUSED_LAYOUTS[t]
     also = "; refused with --all-linear too, which would leave them, most of the weights, unquantized" \
         if all_linear else ""
+    known = " and ".join(t for t in FUSED_LAYOUTS if not t.endswith("_text"))
     raise SafetensorsError(f"{checkpoint.folder}: tensor {fused[0]!r} {fused[1]} holds a layer's routed experts "
-                           f"fused in one 3-D tensor; python -m ktfp8.convert reads {PER_EXPERT_NAMES}{also}. "
-                           f"A BF16 checkpoint like this one is quantized on load instead: transformers' "
-                           f"from_pretrained(path, experts_implementation=\"ktfp8\") after `import ktfp8.hf`")
+                           f"fused in one 3-D tensor, whose layout python -m ktfp8.convert does not know for model "
+                           f"type {' / '.join(types) or '(none given)'}: it splits the fused experts of {known} "
+                           f"checkpoints, and otherwise reads {PER_EXPERT_NAMES}{also}. A BF16 checkpoint like "
+                           f"this one is quantized on load instead: transformers' from_pretrained(path, "
+                           f"experts_implementation=\"ktfp8\") after `import ktfp8.hf`")
+
+
+def _fused_items(checkpoint, input_type, spec, all_linear, hf_config):
+    """The per-expert FP8 weights of every fused expert stack (see FUSED_LAYOUTS), in no order."""
+    fused = fused_experts_tensor(checkpoint)
+    if fused is None:
+        return []
+    layouts = _fused_layouts(checkpoint, hf_config, fused, all_linear)
+    stacks = {}
+    for name in checkpoint.names():
+        if FUSED_EXPERTS_RE.match(name) and len(checkpoint.info(name).shape) == 3:
+            m = _FUSED_STACK_RE.match(name)
+            if m is None:
+                raise SafetensorsError(f"tensor {name!r} holds routed experts fused outside a decoder layer's "
+                                       f"mlp.experts (...layers.<n>.mlp.experts.gate_up_proj); python -m "
+                                       f"ktfp8.convert has no per-expert names for them")
+            stacks.setdefault(m["stack"], {})[m["part"]] = name
+    per_expert = stacks_by_prefix(checkpoint.names())
+    items = []
+    for stack, parts in stacks.items():
+        for part in ("gate_up_proj", "down_proj"):
+            if part not in parts:
+                other = next(iter(parts.values()))
+                raise SafetensorsError(f"tensor {other!r} holds routed experts fused, but '{stack}.{part}' "
+                                       f"is missing")
+        if stack in per_expert:
+            raise SafetensorsError(f"{stack} holds its routed experts twice: fused ({parts['gate_up_proj']!r}) "
+                                   f"and per expert; python -m ktfp8.convert reads one or the other")
+        items += _split_stack(checkpoint, stack, parts, layouts, input_type, spec, hf_config)
+    return items
+
+
+def _fused_sizes(stack_shapes, transposed, config):
+    """((E, H, I), why) of a fused stack read as `transposed` or not: config.json's sizes where it gives
+    them, else those gate_up_proj's shape holds; why says where they come from."""
+    gate_up = stack_shapes["gate_up_proj"]
+    held = (gate_up[0], gate_up[1 if transposed else 2], gate_up[2 if transposed else 1] // 2)
+    sizes, why = [], []
+    for keys, value in zip((_EXPERT_COUNT_KEYS, _EXPERT_HIDDEN_KEYS, _EXPERT_INTERMEDIATE_KEYS), held):
+        key, given = _config_size(config, *keys)
+        sizes.append(given if key else value)
+        why += [f"{key} {given}"] if key else []
+    return tuple(sizes), f"config.json: {', '.join(why)}" if why else "as gate_up_proj holds them"
+
+
+def _fused_shapes(E, H, I, transposed):
+    """{part: (shape, its dimensions in words)} of a fused stack of E experts [I, H] / [H, I]."""
+    if transposed:
+        return {"gate_up_proj": ((E, H, 2 * I), "[experts, hidden, 2 x intermediate]"),
+                "down_proj": ((E, I, H), "[experts, intermediate, hidden]")}
+    return {"gate_up_proj": ((E, 2 * I, H), "[experts, 2 x intermediate, hidden]"),
+            "down_proj": ((E, H, I), "[experts, hidden, intermediate]")}
+
+
+def _split_stack(checkpoint, stack, parts, layouts, input_type, spec, hf_config):
+    """Items gate, up and down of each expert of one fused stack, after checking its dtypes and shapes
+    against each of `layouts` (stored transposed or not; down_proj's shape tells them apart)."""
+    infos = {part: checkpoint.info(name) for part, name in parts.items()}
+    expected_dtype = INPUT_DTYPES[input_type]
+    for part, info in infos.items():
+        if info.dtype not in FLOAT_DTYPES or (input_type != "fp8" and info.dtype != expected_dtype):
+            raise SafetensorsError(f"tensor {parts[part]!r} is {info.dtype}; python -m ktfp8.convert reads fused "
+                                   f"experts as BF16, FP16 or FP32 weights matching --input-type ({input_type}: "
+                                   f"{expected_dtype})")
+    config, shapes = _read_hf_config(hf_config), {part: tuple(info.shape) for part, info in infos.items()}
+    tried = []
+    for transposed in layouts:
+        (E, H, I), why = _fused_sizes(shapes, transposed, config)
+        want = _fused_shapes(E, H, I, transposed)
+        wrong = next((part for part in ("gate_up_proj", "down_proj") if shapes[part] != want[part][0]), None)
+        if wrong is None:
+            break
+        tried.append(f"{want[wrong][1]} = {list(want[wrong][0])} ({why})")
+    else:
+        raise SafetensorsError(f"tensor {parts[wrong]!r} has shape {list(shapes[wrong])}; expected "
+                               f"{' or '.join(tried)}")
+    items = []
+    for e in range(E):
+        for proj, part, first, shape in (("gate_proj", "gate_up_proj", 0, (I, H)),
+                                         ("up_proj", "gate_up_proj", I, (I, H)), ("down_proj", "down_proj", 0, (H, I))):
+            out = f"{stack}.{e}.{proj}.weight"
+            items.append(Item("quantize", parts[part], out, "F8_E4M3", shape,
+                              out_scale=out + ("_scale" if spec.per_channel else "_scale_inv"),
+                              scale_shape=_scale_shape(shape, spec), fused=FusedPart(e, first, transposed)))
+    return items
 
 
 def build_plan(checkpoint, input_type, spec, all_linear, max_shard_bytes):
     hf_config = checkpoint.hf_config() or {}
-    _refuse_fused_experts(checkpoint, all_linear)
-    items = _classify(checkpoint, input_type, spec, all_linear, hf_config)
+    fused = _fused_items(checkpoint, input_type, spec, all_linear, hf_config)
+    items = _classify(checkpoint, input_type, spec, all_linear, hf_config, {i.src for i in fused}) + fused
     _check_experts(checkpoint, hf_config)
     if input_type == "fp8" and not any(i.src_scale or i.out_dtype == "F8_E4M3" and i.action == "copy"
                                        for i in items):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import fp8
+from .convert_plan import input_nbytes
 from .safetensors_io import ShardWriter
 
 CHUNK_BYTES = 32 << 20      # input bytes per chunk: big enough to stream, small enough to bound RSS
@@ -29,15 +30,15 @@ def _rows(shape):
 
 def chunks(item, checkpoint, spec, chunk_bytes=CHUNK_BYTES):
     """The row chunks of `item`; for block-wise scales a chunk starts on a block boundary of the input
-    and of the output, so every chunk owns whole scale rows."""
-    info = checkpoint.info(item.src)
-    rows = _rows(info.shape)
-    align = 1
+    and of the output, so every chunk owns whole scale rows.  A weight stored transposed in a fused
+    stack is one chunk: each chunk reads its expert's whole matrix."""
+    rows = _rows(item.shape)
+    align = rows if item.fused and item.fused.transposed else 1
     if item.src_block:
         align = math.lcm(align, item.src_block[0])
     if item.action != "copy" and not spec.per_channel:
         align = math.lcm(align, spec.block[0])
-    row_bytes = info.nbytes // rows if rows else 0
+    row_bytes = input_nbytes(item, checkpoint) // rows if rows else 0
     step = max(align, (chunk_bytes // max(row_bytes, 1)) // align * align)
     return [Chunk(item, a, min(a + step, rows), min(step, rows - a) * row_bytes)
             for a in range(0, max(rows, 1), step)]
@@ -98,9 +99,21 @@ def _block_rows(start, stop, block_n):
     return start // block_n, -(-stop // block_n)
 
 
+def _fused_rows(chunk, checkpoint):
+    """Rows of one expert's weight out of its fused stack (see convert_plan.FusedPart)."""
+    part, file = chunk.item.fused, checkpoint.file_of(chunk.item.src)
+    if part.transposed:          # [in, out]: the expert's whole matrix, then the columns of this weight
+        matrix = file.read_rows(chunk.item.src, part.expert, part.expert + 1)[0]
+        return np.ascontiguousarray(matrix[:, part.first + chunk.start:part.first + chunk.stop].T)
+    first = part.expert * checkpoint.info(chunk.item.src).shape[1] + part.first
+    return file.read_rows(chunk.item.src, first + chunk.start, first + chunk.stop, matrix=True)
+
+
 def _source_rows(chunk, checkpoint):
     """The input rows of a quantize/requantize chunk as float (dequantized for a block FP8 input)."""
     item = chunk.item
+    if item.fused:
+        return _fused_rows(chunk, checkpoint)
     rows = checkpoint.file_of(item.src).read_rows(item.src, chunk.start, chunk.stop)
     if item.action == "quantize":
         return rows

@@ -24,11 +24,19 @@ EXPERT_RE = re.compile(
     r"^(?P<stack>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts)"
     r"\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
     r"\.(?P<kind>weight|weight_scale|weight_scale_inv)$")
-# transformers 5's own layout of a layer's routed experts, which ktfp8 does not read: one 3-D tensor per
-# projection pair, `...experts.gate_up_proj` ([E, 2I, H], or [E, H, 2I] as Hub checkpoints hold it) and
-# `...experts.down_proj`
+# transformers 5's own layout of a layer's routed experts, which the loader does not read: one 3-D tensor
+# per projection pair, `...experts.gate_up_proj` ([E, 2I, H], or [E, H, 2I] as Qwen3-VL-MoE's checkpoints
+# hold it) and `...experts.down_proj`
 FUSED_EXPERTS_RE = re.compile(r"^(?:.*\.)?experts\.(?:gate_up_proj|down_proj)$")
 PER_EXPERT_NAMES = "per-expert tensors only (...experts.<e>.gate_proj.weight, up_proj, down_proj)"
+# Model types whose fused experts python -m ktfp8.convert splits into per-expert weights -> the layouts
+# they come in (stored transposed or not).  transformers' own layout (Mistral 4's checkpoints, and what
+# transformers 5 saves): gate_up_proj [E, 2I, H], each expert's gate rows then its up rows, and down_proj
+# [E, H, I].  Qwen3-VL-MoE's Hub checkpoints hold them transposed, [E, H, 2I] and [E, I, H].  Other model
+# types are refused: a fused layout may interleave gate and up, or carry biases.
+FUSED_LAYOUTS = {"mistral4": (False,), "qwen3_vl_moe": (True, False), "qwen3_vl_moe_text": (True, False)}
+CONVERT_SPLITS_FUSED = "python -m ktfp8.convert writes them, also from the fused experts of mistral4 and " \
+    "qwen3_vl_moe checkpoints"
 ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 ROLES = ("gate", "up", "down")
 FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
@@ -308,7 +316,7 @@ class FP8SafeTensorLoader:
         if layer not in self._layers:
             fused = fused_experts_tensor(self.checkpoint)
             why = f"; its routed experts are stored fused (e.g. {fused[0]!r} {fused[1]}), and FP8SafeTensorLoader " \
-                f"reads {PER_EXPERT_NAMES}" if fused else ""
+                f"reads {PER_EXPERT_NAMES}: {CONVERT_SPLITS_FUSED}" if fused else ""
             raise ValueError(f"layer {layer!r} has no experts in {self.path}; MoE layers: {self.moe_layers()}{why}")
 
     def _expert_range(self, layer, experts):

@@ -216,16 +216,19 @@ class SafetensorsFile:
                                                strides=(step,) + base.strides, writeable=False)
         return view
 
-    def read_rows(self, name, start=0, stop=None):
-        """Rows [start, stop) of tensor `name` (along its first axis) read into a new array.
+    def read_rows(self, name, start=0, stop=None, *, matrix=False):
+        """Rows [start, stop) of tensor `name` (along its first axis) read into a new array; matrix=True:
+        rows of the tensor seen as a matrix [all but its last axis, last axis] (a 3-D stack of experts:
+        rows of consecutive experts' matrices).
         Reads with pread, so the bytes do not stay charged to this process as mapped pages."""
         info = self.info(name)
-        rows = info.shape[0] if info.shape else 1
+        shape = (math.prod(info.shape[:-1]), info.shape[-1]) if matrix and info.shape else info.shape
+        rows = shape[0] if shape else 1
         stop = rows if stop is None else stop
         if not 0 <= start <= stop <= rows:
             raise ValueError(f"rows [{start}, {stop}) out of range for tensor {name!r} with {rows} rows")
         row_bytes = info.nbytes // rows if rows else 0
-        out = np.empty((stop - start,) + info.shape[1:], dtype=info.np_dtype)
+        out = np.empty((stop - start,) + shape[1:], dtype=info.np_dtype)
         buf = memoryview(out.reshape(-1).view(np.uint8))
         offset, done = info.start + start * row_bytes, 0
         while done < len(buf):

@@ -1,7 +1,7 @@
 """Tiny random Hugging Face MoE models written by `save_pretrained`: MODELS (Qwen3-MoE, DeepSeek-V3,
 Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE, GLM-4.5, MiniMax-M2,
 GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax, Qwen3-Next, Qwen3.5-MoE) for the ktfp8.hf tests,
-FUSED_MODELS (Qwen3-VL-MoE: experts stored fused, quantized on load only).  Sizes are small but not
+FUSED_MODELS (Mistral 4, Qwen3-VL-MoE: experts stored fused, no AutoModelForCausalLM class).  Sizes are small but not
 multiples of 128, so block-wise tails are exercised."""
 import hashlib
 import os
@@ -100,10 +100,18 @@ MORE_MODELS = {
         "model.language_model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
 }
 ALL_MODELS = {**MODELS, **MORE_MODELS}
-# checkpoints that hold each layer's routed experts fused (...experts.gate_up_proj [E, 2I, H], down_proj
-# [E, H, I]), which ktfp8.convert does not read: no FP8 folder, ktfp8.hf quantizes them on load only
+# checkpoints that hold each layer's routed experts fused, which ktfp8.convert splits (expert names: its
+# output's) and ktfp8.hf quantizes on load; AutoModelForCausalLM has no class for either (transformers 5.25)
 FUSED_MODELS = {
-    # the vision-language model (AutoModelForCausalLM has no class for qwen3_vl_moe)
+    # transformers' own layout, gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+    "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=EXPERTS,
+        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16), [0, 1],
+        "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    # the vision-language model (its Hub checkpoints hold the experts transposed, [E, H, 2I] and [E, I, H];
+    # transformers 5 saves them in its own layout, as for Mistral 4)
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", dict(
         text_config=dict(
             vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
@@ -111,7 +119,8 @@ FUSED_MODELS = {
             num_experts_per_tok=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                         mrope_section=[8, 6, 6])),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=HIDDEN,
-                           num_position_embeddings=16, deepstack_visual_indexes=[0])), [0, 1], None),
+                           num_position_embeddings=16, deepstack_visual_indexes=[0])), [0, 1],
+        "model.language_model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
 }
 _ANY_MODEL = {**ALL_MODELS, **FUSED_MODELS}
 MIXTRAL_ROLE = {"gate": "w1", "up": "w3", "down": "w2"}
@@ -141,7 +150,7 @@ def save_model(model, path, max_shard_size=None, dtype="bfloat16"):
 
 
 def expert_name(kind, layer, expert, role):
-    template = ALL_MODELS[kind][4]
+    template = _ANY_MODEL[kind][4]
     return template.format(l=layer, e=expert, role=role, w=MIXTRAL_ROLE[role])
 
 

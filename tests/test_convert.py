@@ -639,19 +639,21 @@ def test_fp8_expert_weight_not_2d_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
-def test_fused_experts_are_refused(tiny, tmp_path, capsys, kind):
-    """Routed experts stored fused, one 3-D ...experts.gate_up_proj / down_proj per layer (transformers'
-    own layout, Qwen3-VL-MoE's checkpoints): the converter reads per-expert tensors only, so it names one
-    and the way that works (quantize on load) instead of 'found no weights to quantize'; with --all-linear
-    too, which would leave most of the weights unquantized.  Nothing is written."""
+def test_fused_experts_of_an_unknown_layout_are_refused(tiny, tmp_path, capsys, kind):
+    """Routed experts stored fused, one 3-D ...experts.gate_up_proj / down_proj per layer, in a model type
+    whose fused layout the converter does not know (gate and up may be interleaved): it names a tensor,
+    the model types it splits and the way that works (quantize on load) instead of 'found no weights to
+    quantize'; with --all-linear too, which would leave most of the weights unquantized.  Nothing is
+    written."""
     layers, count = moe_layers(kind), _expert_count(tiny[kind])[1]
     stack = expert_name(kind, layers[0], 0, "gate").rsplit(".0.", 1)[0]
     works = 'quantized on load instead: transformers\' from_pretrained(path, experts_implementation="ktfp8") ' \
             'after `import ktfp8.hf`'
     src = _edited(tiny[kind], tmp_path / "fused", lambda t: fuse_experts(t, kind, layers))
     fused = f"tensor '{stack}.down_proj' [{count}, {HIDDEN}, {MOE_INTER}] holds a layer's routed experts fused in " \
-        f"one 3-D tensor; python -m ktfp8.convert reads per-expert tensors only (...experts.<e>.gate_proj.weight, " \
-        f"up_proj, down_proj)"
+        f"one 3-D tensor, whose layout python -m ktfp8.convert does not know for model type {kind}: it splits the " \
+        f"fused experts of mistral4 and qwen3_vl_moe checkpoints, and otherwise reads per-expert tensors only " \
+        f"(...experts.<e>.gate_proj.weight, up_proj, down_proj)"
     _expect_error(src, tmp_path, capsys, f"{fused}. A BF16 checkpoint like this one is {works}")
     assert run(src, tmp_path / "o", "--all-linear") == 1
     err = capsys.readouterr().err
@@ -663,6 +665,116 @@ def test_fused_experts_are_refused(tiny, tmp_path, capsys, kind):
     src = _edited(tiny[kind], tmp_path / "hub", lambda t: fuse_experts(t, kind, layers[-1:], transposed=True))
     _expect_error(src, tmp_path, capsys, f"tensor '{last}.down_proj' [{count}, {MOE_INTER}, {HIDDEN}] holds a "
                   f"layer's routed experts fused")
+
+
+# (model_type, stored transposed) as checkpoints hold them (FUSED_LAYOUTS): Mistral 4 in transformers'
+# layout, Qwen3-VL-MoE's Hub checkpoints transposed and transformers 5's saves not
+FUSED_KINDS = [("mistral4", False), ("qwen3_vl_moe", True), ("qwen3_vl_moe", False)]
+FUSED_IDS = ["mistral4", "qwen3_vl_moe-hub", "qwen3_vl_moe-transformers5"]
+BLOCK_64 = '{"method":"FP8","per_channel":false,"group_size":64}'
+
+
+def _fused(tiny, tmp_path, model_type, transposed, tensors=lambda t: None, config=lambda c: None):
+    """The tiny Qwen3-MoE checkpoint with every MoE layer's experts fused (transposed or not), config.json
+    naming `model_type`; then edited by `tensors` and `config`."""
+    kind = "qwen3_moe"
+
+    def edit(t):
+        fuse_experts(t, kind, moe_layers(kind), transposed=transposed)
+        tensors(t)
+
+    def edit_config(c):
+        c["model_type"] = model_type
+        config(c)
+    return _edited(tiny[kind], tmp_path / f"fused_{model_type}", edit, edit_config)
+
+
+@pytest.mark.parametrize("quant", [PER_CHANNEL, BLOCK_64], ids=["per_channel", "block64"])
+@pytest.mark.parametrize("model_type, transposed", FUSED_KINDS, ids=FUSED_IDS)
+def test_fused_experts_convert_as_their_per_expert_form(tiny, tmp_path, model_type, transposed, quant):
+    """Mistral 4's fused experts (transformers' layout, gate_up_proj [E, 2I, H]) and Qwen3-VL-MoE's (also
+    transposed, [E, H, 2I]) are split into per-expert FP8 weights: every output tensor, byte for byte, is
+    what converting the same experts stored per expert gives."""
+    reference = tmp_path / "per_expert"
+    assert run(tiny["qwen3_moe"], reference, "--quant-config", quant) == 0
+    assert run(_fused(tiny, tmp_path, model_type, transposed), tmp_path / "o", "--quant-config", quant) == 0
+    written, expected = _tensors(tmp_path / "o"), _tensors(reference)
+    assert sorted(written) == sorted(expected)
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in written)
+    assert written == expected
+    assert FP8SafeTensorLoader(tmp_path / "o").moe_layers() == moe_layers("qwen3_moe")
+
+
+@pytest.mark.parametrize("model_type, transposed", FUSED_KINDS, ids=FUSED_IDS)
+def test_fused_weights_read_back_in_row_chunks(tiny, tmp_path, model_type, transposed):
+    """However a weight's rows are cut into chunks, the chunks read from its fused stack are the expert's
+    weight as stored per expert (a transposed stack: one chunk a weight)."""
+    from ktfp8.convert_plan import build_plan, parse_quant_config
+    from ktfp8.convert_work import _source_rows, chunks
+    from ktfp8.loader import Checkpoint
+    with SafetensorsFile(tiny["qwen3_moe"] / "model.safetensors") as f:
+        original = {n: f.read_rows(n) for n in f.tensors}
+    checkpoint, spec = Checkpoint(_fused(tiny, tmp_path, model_type, transposed)), parse_quant_config(PER_CHANNEL)
+    fused = [i for i in build_plan(checkpoint, "bf16", spec, False, 10**9).items if i.fused]
+    assert len(fused) == 3 * EXPERTS * len(moe_layers("qwen3_moe"))
+    for item in fused:
+        parts = chunks(item, checkpoint, spec, chunk_bytes=7 * 2 * item.shape[1])     # 7 rows a chunk
+        assert len(parts) == (1 if transposed else -(-item.shape[0] // 7))
+        rows = np.concatenate([_source_rows(c, checkpoint) for c in parts])
+        np.testing.assert_array_equal(rows.view(np.uint16), original[item.out].view(np.uint16))
+
+
+def _rename_stack(t, old, new):
+    for name in [n for n in t if n.startswith(old)]:
+        t[new + name[len(old):]] = t.pop(name)
+
+
+STACK = "model.layers.1.mlp.experts"
+FUSED_REFUSALS = {
+    "down_proj missing": (lambda t: t.pop(f"{STACK}.down_proj"), lambda c: None,
+                          f"tensor '{STACK}.gate_up_proj' holds routed experts fused, but '{STACK}.down_proj' "
+                          f"is missing"),
+    "also per expert": (lambda t: t.update({f"{STACK}.0.gate_proj.weight": _bf16((MOE_INTER, HIDDEN))}),
+                        lambda c: None, f"{STACK} holds its routed experts twice: fused ('{STACK}.gate_up_proj') "
+                                        f"and per expert"),
+    "intermediate size": (lambda t: None, lambda c: c.update(moe_intermediate_size=64),
+                          f"tensor 'model.layers.0.mlp.experts.gate_up_proj' has shape [{EXPERTS}, {2 * MOE_INTER}, "
+                          f"{HIDDEN}]; expected [experts, 2 x intermediate, hidden] = [{EXPERTS}, 128, {HIDDEN}] "
+                          f"(config.json: num_local_experts {EXPERTS}, hidden_size {HIDDEN}, moe_intermediate_size "
+                          f"64)"),
+    "down_proj of other experts": (lambda t: t.update({f"{STACK}.down_proj": _bf16((EXPERTS, MOE_INTER, HIDDEN))}),
+                                   lambda c: None, f"tensor '{STACK}.down_proj' has shape [{EXPERTS}, {MOE_INTER}, "
+                                                   f"{HIDDEN}]; expected [experts, hidden, intermediate]"),
+    "FP8": (lambda t: t.update({f"{STACK}.gate_up_proj": ("F8_E4M3", np.zeros((EXPERTS, 2 * MOE_INTER, HIDDEN),
+                                                                              ml_dtypes.float8_e4m3fn))}),
+            lambda c: None, f"tensor '{STACK}.gate_up_proj' is F8_E4M3; python -m ktfp8.convert reads fused "
+                            f"experts as BF16, FP16 or FP32 weights"),
+    "outside mlp.experts": (lambda t: _rename_stack(t, STACK, "model.layers.1.feed_forward.experts"), lambda c: None,
+                            "tensor 'model.layers.1.feed_forward.experts.gate_up_proj' holds routed experts fused "
+                            "outside a decoder layer's mlp.experts"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUSED_REFUSALS))
+def test_fused_experts_that_cannot_be_split_are_refused(tiny, tmp_path, capsys, case):
+    """A fused stack of a known layout that does not hold what its names say is refused before anything
+    is written, naming the tensor."""
+    tensors, config, message = FUSED_REFUSALS[case]
+    _expect_error(_fused(tiny, tmp_path, "mistral4", False, tensors, config), tmp_path, capsys, message)
+
+
+def test_fused_experts_in_a_layout_their_model_type_does_not_use_are_refused(tiny, tmp_path, capsys):
+    """Mistral 4's checkpoints hold transformers' layout only: a transposed stack is refused, not guessed."""
+    gate_up = f"tensor 'model.layers.0.mlp.experts.gate_up_proj' has shape [{EXPERTS}, {HIDDEN}, {2 * MOE_INTER}]"
+    _expect_error(_fused(tiny, tmp_path, "mistral4", True), tmp_path, capsys,
+                  f"{gate_up}; expected [experts, 2 x intermediate, hidden] = [{EXPERTS}, {2 * MOE_INTER}, {HIDDEN}] "
+                  f"(config.json: ")
+    # where a model type has two layouts and neither fits, both are named
+    bad = _fused(tiny, tmp_path, "qwen3_vl_moe", True, config=lambda c: c.update(moe_intermediate_size=64))
+    _expect_error(bad, tmp_path, capsys, f"{gate_up}; expected [experts, hidden, 2 x intermediate] = [{EXPERTS}, "
+                  f"{HIDDEN}, 128] (config.json: num_local_experts {EXPERTS}, hidden_size {HIDDEN}, "
+                  f"moe_intermediate_size 64) or [experts, 2 x intermediate, hidden] = [{EXPERTS}, 128, {HIDDEN}] "
+                  f"(config.json: ")
 
 
 def test_legitimate_shapes_convert(tmp_path):

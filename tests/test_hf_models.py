@@ -11,11 +11,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", minversion="5")
 
 import ktfp8.hf  # noqa: E402
-from hf_models import ALL_MODELS, build_model, moe_layers, save_model  # noqa: E402
+import ktfp8.loader  # noqa: E402
+from hf_models import (ALL_MODELS, EXPERTS, FUSED_MODELS, HIDDEN, MOE_INTER, build_model, expert_name,  # noqa: E402
+                       moe_layers, save_model)
 from hf_oracle import (BLOCK_TOO, eager_model, experts_module, greedy, logits, per_channel_roundtrip,  # noqa: E402
                        model_folders, tiny_model_settings)
 from ktfp8.convert import main as convert  # noqa: E402
 from ktfp8.generate import main as generate  # noqa: E402
+from ktfp8.hf.experts import SUPPORTED_EXPERTS  # noqa: E402
 from moe_oracle import nmse  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: E402
@@ -80,13 +83,18 @@ def test_bf16_experts_and_bfloat16_activations(tmp_path_factory, monkeypatch):
     assert model.dtype == torch.bfloat16
 
 
+def _text_layers(model):
+    """The decoder layers of a causal LM or of a vision-language model's text model."""
+    return getattr(model.model, "language_model", model.model).layers
+
+
 def _vision_language_oracle(bf16_folder, kind):
     """The float32 AutoModelForImageTextToText model of `bf16_folder`, transformers' eager experts computing
     on the per-channel FP8 quantization of its own expert weights (dequantized with ml_dtypes)."""
     oracle = AutoModelForImageTextToText.from_pretrained(bf16_folder, dtype=torch.float32,
                                                          experts_implementation="eager")
     for layer in moe_layers(kind):
-        ex = oracle.model.language_model.layers[layer].mlp.experts
+        ex = _text_layers(oracle)[layer].mlp.experts
         inter = ex.intermediate_dim
         with torch.no_grad():
             gate_up = ex.gate_up_proj.numpy()
@@ -110,72 +118,79 @@ def test_prepare_takes_the_whole_vision_language_model(tmp_path_factory):
         assert model.model.language_model.layers[layer].mlp.experts.gate_up_proj.numel() == 0
 
 
-@pytest.fixture(scope="module")
-def qwen3_vl_moe(tmp_path_factory):
-    """A Qwen3-VL-MoE BF16 checkpoint as transformers saves it: each layer's experts fused."""
-    return save_model(build_model("qwen3_vl_moe"), tmp_path_factory.mktemp("qwen3_vl_moe") / "bf16")
+@pytest.fixture(scope="module", params=sorted(FUSED_MODELS))
+def fused(request, tmp_path_factory):
+    """(kind, BF16 checkpoint as transformers saves it: each layer's experts fused in transformers' layout,
+    [E, 2I, H] and [E, H, I]; Qwen3-VL-MoE's Hub checkpoints, transposed, are test_convert.py's)."""
+    root = tmp_path_factory.mktemp(request.param)
+    return request.param, save_model(build_model(request.param), root / "bf16")
 
 
-def test_qwen3_vl_moe_quantized_on_load_and_prepared(qwen3_vl_moe):
-    """Qwen3-VL-MoE (experts Qwen3VLMoeTextExperts, text_config qwen3_vl_moe_text): AutoModelForImageTextToText
-    quantizes its experts on load, and prepare takes the eager-loaded model; both run what transformers' eager
-    experts compute on the same per-channel FP8 weights."""
-    oracle = _vision_language_oracle(qwen3_vl_moe, "qwen3_vl_moe")
-    on_load = AutoModelForImageTextToText.from_pretrained(qwen3_vl_moe, dtype=torch.float32,
+def test_fused_checkpoint_quantized_on_load_and_prepared(fused):
+    """Mistral 4 (Mistral4Experts) and Qwen3-VL-MoE (Qwen3VLMoeTextExperts, text_config qwen3_vl_moe_text):
+    AutoModelForImageTextToText quantizes their experts on load, and prepare takes the eager-loaded model;
+    both run what transformers' eager experts compute on the same per-channel FP8 weights."""
+    kind, folder = fused
+    oracle = _vision_language_oracle(folder, kind)
+    on_load = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
                                                           experts_implementation="ktfp8")
-    prepared = AutoModelForImageTextToText.from_pretrained(qwen3_vl_moe, dtype=torch.float32)
+    prepared = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
     assert ktfp8.hf.prepare(prepared) is prepared
     expected = logits(oracle)
     for model in (on_load, prepared):
-        assert model.config.model_type == "qwen3_vl_moe"
+        assert model.config.model_type == kind
         assert nmse(logits(model), expected) < NMSE_MAX
-        for layer in moe_layers("qwen3_vl_moe"):           # the transformers expert weights are released
-            ex = model.model.language_model.layers[layer].mlp.experts
-            assert type(ex).__name__ == "Qwen3VLMoeTextExperts"
+        for layer in moe_layers(kind):           # the transformers expert weights are released
+            ex = _text_layers(model)[layer].mlp.experts
+            assert type(ex).__name__ in SUPPORTED_EXPERTS
             assert ex.gate_up_proj.numel() == 0 and ex.down_proj.numel() == 0
     assert greedy(on_load) == greedy(oracle)
 
 
-def test_qwen3_vl_moe_checkpoint_has_no_fp8_folder_path(qwen3_vl_moe, tmp_path, capsys):
-    """Its experts are stored fused, which convert does not read (per-expert tensors only), and
-    AutoModelForCausalLM, which from_pretrained and generate load with, has no class for it: each refuses
-    with a message that says so and names the way that works, nothing written, no traceback."""
-    fused = "'model.language_model.layers.0.mlp.experts.down_proj' [4, 160, 96]"
-    works = 'from_pretrained(path, experts_implementation="ktfp8") after `import ktfp8.hf`'
-    for extra in ([], ["--all-linear"]):
-        out = tmp_path / "fp8"
-        assert convert(["--input-type", "bf16", "--input-path", str(qwen3_vl_moe), "--output-path", str(out),
-                        *extra]) == 1
-        err = capsys.readouterr().err
-        assert f"tensor {fused} holds a layer's routed experts fused in one 3-D tensor; python -m ktfp8.convert " \
-               f"reads per-expert tensors only" in err and works in err, err
-        assert ("refused with --all-linear too" in err) == bool(extra)
-        assert list(tmp_path.iterdir()) == []
-    with pytest.raises(ValueError, match=re.escape(f"its routed experts are stored fused (e.g. {fused}); "
-                                                   f"ktfp8.hf.from_pretrained loads FP8 folders written by")):
-        ktfp8.hf.from_pretrained(qwen3_vl_moe)
-    assert generate(["--model", str(qwen3_vl_moe), "--prompt-ids", "1,2,3"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith(f"ktfp8.generate: error: {qwen3_vl_moe}: cannot load the model: model type "
-                          f"'qwen3_vl_moe' has no transformers AutoModelForCausalLM class"), err
-    assert "AutoModelForImageTextToText.from_pretrained(bf16_path, experts_implementation='ktfp8')" in err
-    assert "Traceback" not in err and err.count("\n") == 1
-    # the same experts stored per expert (as some FP8 checkpoints hold them) convert, but from_pretrained
-    # cannot load the result: AutoModelForCausalLM has no class for qwen3_vl_moe
-    per_expert = tmp_path / "per_expert"
-    per_expert.mkdir()
-    shutil.copy(qwen3_vl_moe / "config.json", per_expert / "config.json")
-    tensors = load_file(qwen3_vl_moe / "model.safetensors")
-    for name in [n for n in tensors if n.endswith(".experts.gate_up_proj")]:
-        stack = name.rsplit(".", 1)[0]
-        gate, up = tensors.pop(name).chunk(2, dim=1)
-        down = tensors.pop(stack + ".down_proj")
-        for e in range(down.shape[0]):
-            for role, w in (("gate", gate), ("up", up), ("down", down)):
-                tensors[f"{stack}.{e}.{role}_proj.weight"] = w[e].contiguous()
-    save_file(tensors, per_expert / "model.safetensors", metadata={"format": "pt"})
-    assert convert(["--input-type", "bf16", "--input-path", str(per_expert), "--output-path",
-                    str(tmp_path / "fp8")]) == 0
-    with pytest.raises(ValueError, match=re.escape("model type 'qwen3_vl_moe' has no transformers "
-                                                   "AutoModelForCausalLM class")):
+def test_fused_checkpoint_converts_to_an_fp8_folder_the_loader_runs(fused, tmp_path):
+    """python -m ktfp8.convert splits the fused experts into per-expert FP8 weights; FP8SafeTensorLoader's
+    config and experts, run by ktfp8.route and ktfp8.MoE, give each MoE layer's routing and experts'
+    output as the model's router and transformers' eager experts on the same per-channel FP8 weights."""
+    kind, folder = fused
+    assert convert(["--input-type", "bf16", "--input-path", str(folder), "--output-path", str(tmp_path / "fp8")]) == 0
+    loader = ktfp8.loader.FP8SafeTensorLoader(tmp_path / "fp8")
+    assert loader.format == "fp8_per_channel" and loader.moe_layers() == moe_layers(kind)
+    oracle = _vision_language_oracle(folder, kind)
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((9, oracle.config.get_text_config().hidden_size),
+                                                                  dtype=np.float32))
+    for layer in moe_layers(kind):
+        block = _text_layers(oracle)[layer].mlp
+        with torch.no_grad():
+            router_logits, hf_weights, hf_ids = block.gate(x)
+            ids, weights = ktfp8.route(router_logits.numpy(), loader.config)
+            order = np.argsort(hf_ids.numpy(), axis=1)
+            np.testing.assert_array_equal(np.sort(ids, axis=1), np.take_along_axis(hf_ids.numpy(), order, 1))
+            np.testing.assert_allclose(np.take_along_axis(weights, np.argsort(ids, axis=1), 1),
+                                       np.take_along_axis(hf_weights.numpy(), order, 1), rtol=1e-6)
+            expected = block.experts(x, torch.from_numpy(ids), torch.from_numpy(weights)).numpy()
+        y = ktfp8.MoE(loader.config, loader.load_experts(layer))(x.numpy(), ids, weights)
+        assert nmse(y, expected) < NMSE_MAX
+
+
+def test_fused_checkpoint_has_no_causal_lm_path(fused, tmp_path, capsys):
+    """AutoModelForCausalLM, which from_pretrained and generate load with, has no class for either model
+    type: each refuses with a message that says so and names the way that works, no traceback.  On the BF16
+    folder itself, from_pretrained first says its experts are fused and convert splits them."""
+    kind, folder = fused
+    fused_tensor = f"'{expert_name(kind, 0, 0, 'down').split('.0.down_proj')[0]}.down_proj' " \
+        f"{[EXPERTS, HIDDEN, MOE_INTER]}"
+    with pytest.raises(ValueError, match=re.escape(f"its routed experts are stored fused (e.g. {fused_tensor}); "
+                                                   f"ktfp8.hf.from_pretrained loads FP8 folders of per-expert "
+                                                   f"tensors only (...experts.<e>.gate_proj.weight, up_proj, "
+                                                   f"down_proj): python -m ktfp8.convert writes them, also from "
+                                                   f"the fused experts of mistral4 and qwen3_vl_moe")):
+        ktfp8.hf.from_pretrained(folder)
+    assert convert(["--input-type", "bf16", "--input-path", str(folder), "--output-path", str(tmp_path / "fp8")]) == 0
+    with pytest.raises(ValueError, match=re.escape(f"model type {kind!r} has no transformers AutoModelForCausalLM "
+                                                   f"class")):
         ktfp8.hf.from_pretrained(tmp_path / "fp8")
+    capsys.readouterr()
+    assert generate(["--model", str(folder), "--prompt-ids", "1,2,3"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ktfp8.generate: error: {folder}: cannot load the model: model type "
+                          f"{kind!r} has no transformers AutoModelForCausalLM class"), err

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..loader import EXPERT_RE, PER_EXPERT_NAMES, FP8SafeTensorLoader, fused_experts_tensor
+from ..loader import CONVERT_SPLITS_FUSED, EXPERT_RE, PER_EXPERT_NAMES, FP8SafeTensorLoader, fused_experts_tensor
 from . import experts as hf_experts
 from .layer import build_layer, local_experts
 
@@ -64,8 +64,8 @@ def _check_folder(path):
     fused = fused_experts_tensor(loader.checkpoint)
     if fused is not None:
         raise ValueError(f"{folder}: its routed experts are stored fused (e.g. {fused[0]!r} {fused[1]}); "
-                         f"ktfp8.hf.from_pretrained loads FP8 folders written by `python -m ktfp8.convert`, which "
-                         f"reads {PER_EXPERT_NAMES}. Load a BF16 checkpoint like this one with transformers' "
+                         f"ktfp8.hf.from_pretrained loads FP8 folders of {PER_EXPERT_NAMES}: "
+                         f"{CONVERT_SPLITS_FUSED}. Or load a BF16 checkpoint like this one with transformers' "
                          f"from_pretrained(path, experts_implementation='ktfp8') after `import ktfp8.hf` (its "
                          f"experts are quantized on load)")
     if not loader.moe_layers():
