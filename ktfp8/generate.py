@@ -78,17 +78,17 @@ def _cannot_load(folder, error):
 def load(folder, threads):
     """(model, tokenizer or None) of `folder`, experts run by ktfp8."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     import ktfp8.hf
-    from ktfp8.hf.checkpoint import check_causal_lm
+    from ktfp8.hf.checkpoint import text_model_class
 
     if _is_ktfp8_fp8(folder):
         model = ktfp8.hf.from_pretrained(folder, threads=threads, dtype=torch.bfloat16)
     else:
-        check_causal_lm(AutoConfig.from_pretrained(folder))      # Qwen3-VL-MoE: transformers' message lists 200
+        auto_class = text_model_class(AutoConfig.from_pretrained(folder))   # else transformers lists 200 classes
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = auto_class.from_pretrained(
                 folder, dtype=torch.bfloat16, experts_implementation="ktfp8", output_loading_info=True)
         except RuntimeError as e:       # its weight conversion failed, e.g. an expert tensor is missing
             raise _cannot_load(folder, e) from None

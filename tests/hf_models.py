@@ -1,8 +1,8 @@
 """Tiny random Hugging Face MoE models written by `save_pretrained`: MODELS (Qwen3-MoE, DeepSeek-V3,
 Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE, GLM-4.5, MiniMax-M2,
 GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax, Qwen3-Next, Qwen3.5-MoE) for the ktfp8.hf tests,
-FUSED_MODELS (Mistral 4, Qwen3-VL-MoE: experts stored fused, no AutoModelForCausalLM class).  Sizes are small but not
-multiples of 128, so block-wise tails are exercised."""
+FUSED_MODELS (Mistral 4, Qwen3-VL-MoE: experts stored fused, loaded with AutoModelForImageTextToText).
+Sizes are small but not multiples of 128, so block-wise tails are exercised."""
 import hashlib
 import os
 
@@ -101,7 +101,7 @@ MORE_MODELS = {
 }
 ALL_MODELS = {**MODELS, **MORE_MODELS}
 # checkpoints that hold each layer's routed experts fused, which ktfp8.convert splits (expert names: its
-# output's) and ktfp8.hf quantizes on load; AutoModelForCausalLM has no class for either (transformers 5.25)
+# output's); transformers 5.25 loads both with AutoModelForImageTextToText only
 FUSED_MODELS = {
     # transformers' own layout, gate_up_proj [E, 2I, H] and down_proj [E, H, I]
     "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", dict(

@@ -81,7 +81,8 @@ def checkpoint_experts(folder, kind, layer, count):
 
 
 def experts_module(model, layer):
-    return model.model.layers[layer].mlp.experts
+    """The routed experts of `layer` in a causal LM, or in a vision-language model's text model."""
+    return getattr(model.model, "language_model", model.model).layers[layer].mlp.experts
 
 
 def set_experts(model, layer, weights):

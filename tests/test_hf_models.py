@@ -1,6 +1,7 @@
 """ktfp8.hf on tiny random models of every supported architecture, both loading paths, against the same
 transformers model running its own eager experts on the dequantized FP8 weights (float32 throughout,
 so that only the order of float32 additions differs)."""
+import json
 import re
 import shutil
 
@@ -14,8 +15,8 @@ import ktfp8.hf  # noqa: E402
 import ktfp8.loader  # noqa: E402
 from hf_models import (ALL_MODELS, EXPERTS, FUSED_MODELS, HIDDEN, MOE_INTER, build_model, expert_name,  # noqa: E402
                        moe_layers, save_model)
-from hf_oracle import (BLOCK_TOO, eager_model, experts_module, greedy, logits, per_channel_roundtrip,  # noqa: E402
-                       model_folders, tiny_model_settings)
+from hf_oracle import (BLOCK_TOO, checkpoint_experts, eager_model, experts_module, greedy, logits,  # noqa: E402
+                       model_folders, per_channel_roundtrip, set_experts, tiny_model_settings)
 from ktfp8.convert import main as convert  # noqa: E402
 from ktfp8.generate import main as generate  # noqa: E402
 from ktfp8.hf.experts import SUPPORTED_EXPERTS  # noqa: E402
@@ -83,18 +84,13 @@ def test_bf16_experts_and_bfloat16_activations(tmp_path_factory, monkeypatch):
     assert model.dtype == torch.bfloat16
 
 
-def _text_layers(model):
-    """The decoder layers of a causal LM or of a vision-language model's text model."""
-    return getattr(model.model, "language_model", model.model).layers
-
-
 def _vision_language_oracle(bf16_folder, kind):
     """The float32 AutoModelForImageTextToText model of `bf16_folder`, transformers' eager experts computing
     on the per-channel FP8 quantization of its own expert weights (dequantized with ml_dtypes)."""
     oracle = AutoModelForImageTextToText.from_pretrained(bf16_folder, dtype=torch.float32,
                                                          experts_implementation="eager")
     for layer in moe_layers(kind):
-        ex = _text_layers(oracle)[layer].mlp.experts
+        ex = experts_module(oracle, layer)
         inter = ex.intermediate_dim
         with torch.no_grad():
             gate_up = ex.gate_up_proj.numpy()
@@ -141,7 +137,7 @@ def test_fused_checkpoint_quantized_on_load_and_prepared(fused):
         assert model.config.model_type == kind
         assert nmse(logits(model), expected) < NMSE_MAX
         for layer in moe_layers(kind):           # the transformers expert weights are released
-            ex = _text_layers(model)[layer].mlp.experts
+            ex = experts_module(model, layer)
             assert type(ex).__name__ in SUPPORTED_EXPERTS
             assert ex.gate_up_proj.numel() == 0 and ex.down_proj.numel() == 0
     assert greedy(on_load) == greedy(oracle)
@@ -159,23 +155,25 @@ def test_fused_checkpoint_converts_to_an_fp8_folder_the_loader_runs(fused, tmp_p
     x = torch.from_numpy(np.random.default_rng(5).standard_normal((9, oracle.config.get_text_config().hidden_size),
                                                                   dtype=np.float32))
     for layer in moe_layers(kind):
-        block = _text_layers(oracle)[layer].mlp
+        experts = experts_module(oracle, layer)
+        gate = getattr(oracle.model, "language_model", oracle.model).layers[layer].mlp.gate
         with torch.no_grad():
-            router_logits, hf_weights, hf_ids = block.gate(x)
+            router_logits, hf_weights, hf_ids = gate(x)
             ids, weights = ktfp8.route(router_logits.numpy(), loader.config)
             order = np.argsort(hf_ids.numpy(), axis=1)
             np.testing.assert_array_equal(np.sort(ids, axis=1), np.take_along_axis(hf_ids.numpy(), order, 1))
             np.testing.assert_allclose(np.take_along_axis(weights, np.argsort(ids, axis=1), 1),
                                        np.take_along_axis(hf_weights.numpy(), order, 1), rtol=1e-6)
-            expected = block.experts(x, torch.from_numpy(ids), torch.from_numpy(weights)).numpy()
+            expected = experts(x, torch.from_numpy(ids), torch.from_numpy(weights)).numpy()
         y = ktfp8.MoE(loader.config, loader.load_experts(layer))(x.numpy(), ids, weights)
         assert nmse(y, expected) < NMSE_MAX
 
 
-def test_fused_checkpoint_has_no_causal_lm_path(fused, tmp_path, capsys):
-    """AutoModelForCausalLM, which from_pretrained and generate load with, has no class for either model
-    type: each refuses with a message that says so and names the way that works, no traceback.  On the BF16
-    folder itself, from_pretrained first says its experts are fused and convert splits them."""
+def test_fused_checkpoint_fp8_folder_through_from_pretrained_and_generate(fused, tmp_path, capsys):
+    """transformers 5.25 has no AutoModelForCausalLM class for either model type: from_pretrained and
+    generate load them with AutoModelForImageTextToText.  The FP8 folder convert writes runs as
+    transformers' eager experts on its weights; generate prints the greedy tokens of that model from both
+    folders.  On the BF16 folder itself from_pretrained says the experts are fused and convert splits them."""
     kind, folder = fused
     fused_tensor = f"'{expert_name(kind, 0, 0, 'down').split('.0.down_proj')[0]}.down_proj' " \
         f"{[EXPERTS, HIDDEN, MOE_INTER]}"
@@ -185,12 +183,24 @@ def test_fused_checkpoint_has_no_causal_lm_path(fused, tmp_path, capsys):
                                                    f"down_proj): python -m ktfp8.convert writes them, also from "
                                                    f"the fused experts of mistral4 and qwen3_vl_moe")):
         ktfp8.hf.from_pretrained(folder)
-    assert convert(["--input-type", "bf16", "--input-path", str(folder), "--output-path", str(tmp_path / "fp8")]) == 0
-    with pytest.raises(ValueError, match=re.escape(f"model type {kind!r} has no transformers AutoModelForCausalLM "
-                                                   f"class")):
-        ktfp8.hf.from_pretrained(tmp_path / "fp8")
+    fp8 = tmp_path / "fp8"
+    assert convert(["--input-type", "bf16", "--input-path", str(folder), "--output-path", str(fp8)]) == 0
+    model = ktfp8.hf.from_pretrained(fp8, dtype=torch.float32)
+    assert type(model).__name__ == FUSED_MODELS[kind][1]
+    oracle = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, experts_implementation="eager")
+    for layer in moe_layers(kind):
+        set_experts(oracle, layer, checkpoint_experts(fp8, kind, layer, experts_module(oracle, layer).num_experts))
+        assert experts_module(model, layer).gate_up_proj.numel() == 0
+    _check_against(model, oracle)
     capsys.readouterr()
-    assert generate(["--model", str(folder), "--prompt-ids", "1,2,3"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith(f"ktfp8.generate: error: {folder}: cannot load the model: model type "
-                          f"{kind!r} has no transformers AutoModelForCausalLM class"), err
+    prompt = "3,17,42,99,5"
+    for path in (fp8, folder):
+        assert generate(["--model", str(path), "--prompt-ids", prompt, "--max-new-tokens", "8", "--json",
+                         "--threads", "1"]) == 0
+        ids = json.loads(capsys.readouterr().out)["ids"]
+        expected = ktfp8.hf.from_pretrained(fp8) if path == fp8 else ktfp8.hf.prepare(
+            AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16))
+        with torch.inference_mode():
+            out = expected.generate(torch.tensor([[3, 17, 42, 99, 5]]), max_new_tokens=8, do_sample=False,
+                                    pad_token_id=0)
+        assert ids == out[0, 5:].tolist()[:len(ids)] and len(ids) > 0

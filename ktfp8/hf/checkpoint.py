@@ -21,7 +21,7 @@ _SKIPPED = "ktfp8_fp8_routed"        # what expert tensor names become for trans
 _KEY_MAPPING = {r"\.experts\.(\d+)\.": rf".{_SKIPPED}.\1."}
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FP8_FORMATS = ("fp8_per_channel", "fp8_block")
-# AutoModelForCausalLM.from_pretrained arguments that from_pretrained sets itself
+# transformers from_pretrained arguments that from_pretrained sets itself
 _SET_HERE = ("config", "key_mapping", "experts_implementation", "quantization_config", "device_map",
              "output_loading_info")
 
@@ -86,25 +86,28 @@ def _check_folder(path):
     return loader
 
 
-def check_causal_lm(config):
-    """Raises ValueError when transformers' AutoModelForCausalLM, which from_pretrained and `python -m
-    ktfp8.generate` load models with, has no class for the config's model type (Qwen3-VL-MoE: its
-    experts run under ktfp8 in the vision-language model only)."""
+def text_model_class(config):
+    """The transformers Auto class that from_pretrained and `python -m ktfp8.generate` load the config's
+    model with: AutoModelForCausalLM, or where transformers has no causal-LM class for the model type but an
+    image-text-to-text one (Qwen3-VL-MoE; Mistral 4 in transformers 5.25), AutoModelForImageTextToText,
+    whose models generate from text prompts too.  ValueError for a model type with neither."""
+    import transformers
     from transformers.models.auto import modeling_auto
 
     model_type = getattr(config, "model_type", None)
-    if model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return
-    auto = "AutoModelForImageTextToText" if model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES \
-        else "its transformers Auto class"
-    raise ValueError(f"model type {model_type!r} has no transformers AutoModelForCausalLM class, which "
-                     f"ktfp8.hf.from_pretrained and python -m ktfp8.generate load models with; ktfp8.hf runs its "
-                     f"experts when {auto} loads its BF16 checkpoint: {auto}.from_pretrained(bf16_path, "
-                     f"experts_implementation='ktfp8') after `import ktfp8.hf`, or ktfp8.hf.prepare(model)")
+    for mapping, auto in ((modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "AutoModelForCausalLM"),
+                          (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, "AutoModelForImageTextToText")):
+        if model_type in mapping:
+            return getattr(transformers, auto)
+    raise ValueError(f"model type {model_type!r} has no transformers AutoModelForCausalLM or "
+                     f"AutoModelForImageTextToText class, which ktfp8.hf.from_pretrained and python -m "
+                     f"ktfp8.generate load models with; ktfp8.hf runs its experts when its own transformers "
+                     f"class loads its BF16 checkpoint: from_pretrained(bf16_path, experts_implementation='ktfp8') "
+                     f"after `import ktfp8.hf`, or ktfp8.hf.prepare(model)")
 
 
 def _check_kwargs(kwargs):
-    """Refuses the AutoModelForCausalLM.from_pretrained arguments that ktfp8.hf sets itself."""
+    """Refuses the transformers from_pretrained arguments that ktfp8.hf sets itself."""
     if "torch_dtype" in kwargs:             # transformers would let dtype= win, silently here
         raise TypeError("ktfp8.hf.from_pretrained: torch_dtype= is transformers' older name of dtype=; "
                         "pass dtype=torch.bfloat16 or dtype=torch.float32")
@@ -114,13 +117,14 @@ def _check_kwargs(kwargs):
 
 
 def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
-    """The transformers causal-LM model of a ktfp8-converted FP8 folder (per-channel or block-wise),
-    its experts run by ktfp8 straight from the memory-mapped FP8 shards.
+    """The transformers model of a ktfp8-converted FP8 folder (per-channel or block-wise) as
+    text_model_class loads it (a causal LM, else an image-text-to-text one), its experts run by ktfp8
+    straight from the memory-mapped FP8 shards.
 
     threads: kernel threads of the MoE layers (default: KTFP8_NUM_THREADS, OMP_NUM_THREADS, all cores);
     dtype: of everything transformers holds (activations too): torch.bfloat16 or torch.float32;
-    kwargs: passed on to AutoModelForCausalLM.from_pretrained (e.g. attn_implementation)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    kwargs: passed on to that class's from_pretrained (e.g. attn_implementation)."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     if dtype not in (torch.bfloat16, torch.float32):
@@ -129,7 +133,7 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
     loader = _check_folder(path)
     config = AutoConfig.from_pretrained(path)
     hf_experts.check_model_type(config)
-    check_causal_lm(config)
+    auto_class = text_model_class(config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config        # the experts are ours; the rest is not quantized
     quant_config = loader.quant_config
@@ -138,7 +142,7 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
     hf_logging.set_verbosity_error()          # the report lists the experts we skip on purpose
     try:
         with _expert_weights_left_empty():
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = auto_class.from_pretrained(
                 path, config=config, dtype=dtype, key_mapping=_KEY_MAPPING, output_loading_info=True,
                 experts_implementation=hf_experts.implementation_name(quant_config), **kwargs)
     finally:
