@@ -18,6 +18,8 @@ from ._native import _ext
 ENV_BACKEND = "KTFP8_BACKEND"
 ENV_THREADS = "KTFP8_NUM_THREADS"
 ENV_OMP_THREADS = "OMP_NUM_THREADS"
+# Why a CPU that runs the AVX-512-BF16 level still gets a fallback (python -m ktfp8.cpu, the AMX classes)
+NATIVE_LEFT_OUT = "this build did not compile the avx512_bf16 / amx kernels (KTFP8_ENABLE_AVX512_BF16)"
 
 # os.environ.get() of an unset variable raises and catches KeyError inside os.environ, which costs
 # microseconds on every codec call (three variables are read there).  os.environ's own backing dict,

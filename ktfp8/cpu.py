@@ -29,8 +29,7 @@ def report():
     if not missing and any(b in usable for b in ("amx", "avx512_bf16")):
         verdict = "✅ Your CPU supports full AVX512 (F/BF16/VBMI) – FP8 MoE will work!"
     elif not missing:  # the CPU runs the level, so its variants were left out of this build
-        verdict = ("⚠️ Your CPU supports full AVX512 (F/BF16/VBMI), but this build did not compile the "
-                   f"avx512_bf16 / amx kernels (KTFP8_ENABLE_AVX512_BF16) – {fallback}")
+        verdict = f"⚠️ Your CPU supports full AVX512 (F/BF16/VBMI), but {backends.NATIVE_LEFT_OUT} – {fallback}"
     else:
         verdict = f"⚠️ Your CPU lacks {', '.join(missing)} – {fallback}"
     selected = _selected()

@@ -229,7 +229,7 @@ def _unsupported(name):
     os_off = [flag[3:].upper() for flag in _AVX512_BF16_FLAGS if flag.startswith("os_") and not features.get(flag)]
     why = (f"this CPU lacks {', '.join(lacking)}" if lacking else
            f"the OS has not enabled {', '.join(os_off)} register state (XCR0)" if os_off else
-           "this build did not compile the avx512_bf16 / amx kernels (KTFP8_ENABLE_AVX512_BF16)")
+           backends.NATIVE_LEFT_OUT)
     return (f"{name} needs the native AVX-512-BF16 path (AVX-512 F/DQ/BW/VL + BF16 + VBMI) or AMX, and {why}; "
             f"use ktfp8.MoE(config, experts), which runs the same weights here with backend "
             f"{backends.available_backends()[0]!r}")
