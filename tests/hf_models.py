@@ -1,7 +1,8 @@
 """Tiny random Hugging Face MoE models written by `save_pretrained`: MODELS (Qwen3-MoE, DeepSeek-V3,
 Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE, GLM-4.5, MiniMax-M2,
 GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax, Qwen3-Next, Qwen3.5-MoE) for the ktfp8.hf tests,
-FUSED_MODELS (Mistral 4, Qwen3-VL-MoE: experts stored fused, loaded with AutoModelForImageTextToText).
+FUSED_MODELS (Mistral 4, also inside Mistral 3's vision-language wrapper, and Qwen3-VL-MoE: experts stored
+fused, loaded with AutoModelForImageTextToText).
 Sizes are small but not multiples of 128, so block-wise tails are exercised."""
 import hashlib
 import os
@@ -110,6 +111,16 @@ FUSED_MODELS = {
         num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16), [0, 1],
         "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    # Mistral 4 as a vision-language model (Mistral Small 4's form): Mistral 3's wrapper, text_config mistral4
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
+        text_config=dict(model_type="mistral4", vocab_size=128, hidden_size=HIDDEN, intermediate_size=192,
+                         moe_intermediate_size=MOE_INTER, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, n_routed_experts=EXPERTS, num_experts_per_tok=2, n_group=2,
+                         topk_group=1, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=16, head_dim=16),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                           head_dim=16, image_size=32, patch_size=16)), [0, 1],
+        "language_model.model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),      # as transformers saves it
     # the vision-language model (its Hub checkpoints hold the experts transposed, [E, H, 2I] and [E, I, H];
     # transformers 5 saves them in its own layout, as for Mistral 4)
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", dict(
