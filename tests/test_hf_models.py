@@ -204,3 +204,28 @@ def test_fused_checkpoint_fp8_folder_through_from_pretrained_and_generate(fused,
             out = expected.generate(torch.tensor([[3, 17, 42, 99, 5]]), max_new_tokens=8, do_sample=False,
                                     pad_token_id=0)
         assert ids == out[0, 5:].tolist()[:len(ids)] and len(ids) > 0
+
+
+def test_ernie_fp8_folder_routes_with_its_checkpoint_bias(tmp_path):
+    """Ernie 4.5 routes by softmax with a correction bias kept in the checkpoint as
+    mlp.moe_statics.e_score_correction_bias [1, E]: loader.config and that tensor, reshaped, give route()
+    the experts and weights of the model's own router."""
+    model = build_model("ernie4_5_moe")
+    layer = moe_layers("ernie4_5_moe")[0]
+    gate = model.model.layers[layer].mlp.gate
+    with torch.no_grad():
+        gate.moe_statics.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, EXPERTS)[None])
+    bf16 = save_model(model, tmp_path / "bf16", dtype="float32")
+    assert convert(["--input-type", "fp32", "--input-path", str(bf16), "--output-path", str(tmp_path / "fp8")]) == 0
+    loader = ktfp8.loader.FP8SafeTensorLoader(tmp_path / "fp8")
+    bias = loader.tensor(f"model.layers.{layer}.mlp.moe_statics.e_score_correction_bias").reshape(-1)
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((64, HIDDEN), dtype=np.float32))
+    with torch.no_grad():
+        router_logits, hf_weights, hf_ids = gate(x)
+    ids, weights = ktfp8.route(router_logits.numpy(), loader.config, correction_bias=bias)
+    order = np.argsort(hf_ids.numpy(), axis=1)
+    np.testing.assert_array_equal(np.sort(ids, axis=1), np.take_along_axis(hf_ids.numpy(), order, 1))
+    np.testing.assert_allclose(np.take_along_axis(weights, np.argsort(ids, axis=1), 1),
+                               np.take_along_axis(hf_weights.numpy(), order, 1), rtol=1e-6)
+    unbiased = ktfp8.route(router_logits.numpy(), loader.config)[0]       # the bias changes choices here
+    assert (np.sort(unbiased, axis=1) != np.sort(ids, axis=1)).any()
