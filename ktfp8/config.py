@@ -296,7 +296,7 @@ def _check_moe_combination(v):
 # --- Hugging Face config.json -> MoeConfig fields -------------------------------------------------
 
 _EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")   # last: Ernie 4.5
-_TOP_K_KEYS = ("num_experts_per_tok", "moe_k")
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")      # Ernie 4.5, Hunyuan-A13B
 # The width the routed experts compute at, first key set wins: NemotronH (moe_latent_size) and Muse Spark
 # (moe_hidden_size) project x to the experts' own width.  Read by from_hf_config and by convert's checks.
 _EXPERT_HIDDEN_KEYS = ("moe_latent_size", "moe_hidden_size", "hidden_size")
@@ -330,14 +330,14 @@ _NOAUX_TC_FAMILIES = ("axk1", "axk2", "deepseek_v32", "exaone_moe", "flint", "gl
                       "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "lfm2_moe",
                       "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "muse_spark_text", "nemotron_h",
                       "solar_open")
-_SOFTMAX_FAMILIES = ("cohere2_moe", "ernie4_5_moe", "flex_olmo", "lara_mini", "mellum", "minimax", "mistral4",
-                     "mistral_large4_text", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe",
-                     "qwen3_next", "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text", "qwen3_vl_moe_text",
-                     "qwen4_exp_text")
+_SOFTMAX_FAMILIES = ("cohere2_moe", "ernie4_5_moe", "flex_olmo", "hunyuan_v1_moe", "lara_mini", "mellum", "minimax",
+                     "mistral4", "mistral_large4_text", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe_text",
+                     "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text",
+                     "qwen3_vl_moe_text", "qwen4_exp_text")
 for _family in _NOAUX_TC_FAMILIES:
     _FAMILY_DEFAULTS[_family] = {**_FAMILY_DEFAULTS.get(_family, {}), "topk_method": "noaux_tc"}
 _KNOWN_FAMILIES = frozenset(_FAMILY_DEFAULTS) | frozenset(_SOFTMAX_FAMILIES)
-_ALWAYS_RENORMALISED = ("ernie4_5_moe", "mixtral", "mistral_large4_text")   # no norm_topk_prob switch
+_ALWAYS_RENORMALISED = ("ernie4_5_moe", "hunyuan_v1_moe", "mixtral", "mistral_large4_text")   # no norm switch
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 
 
@@ -384,10 +384,18 @@ def _fields_from_hf(config, routing_given=False):
         value = config.get(key)
         return defaults.get(key, default) if value is None else value
 
-    def need(*keys):
+    def need(field, keys):
+        """The first of `keys` config.json sets; a per-layer list (Hunyuan-A13B's moe_topk) must hold one
+        value, as MoeConfig describes one layer."""
         for key in keys:
-            if config.get(key) is not None:
-                return config[key]
+            value = config.get(key)
+            if isinstance(value, (list, tuple)):
+                if len(set(map(repr, value))) != 1:
+                    raise ValueError(f"Hugging Face config (model_type {family!r}): {key} differs between layers "
+                                     f"({value}); a MoeConfig is one layer: pass that layer's {field}=...")
+                value = value[0]
+            if value is not None:
+                return value
         raise ValueError(f"Hugging Face config (model_type {family!r}) has no {' / '.join(keys)} field")
 
     topk_method = get("topk_method")
@@ -404,10 +412,10 @@ def _fields_from_hf(config, routing_given=False):
                          f"(known: greedy, group_limited_greedy, noaux_tc)")
     norm_topk_prob = True if family in _ALWAYS_RENORMALISED else get("norm_topk_prob", True)
     return dict(
-        expert_num=need(*_EXPERT_COUNT_KEYS),
-        num_experts_per_tok=need(*_TOP_K_KEYS),
-        hidden_size=need(*_EXPERT_HIDDEN_KEYS),
-        intermediate_size=need(*_EXPERT_INTERMEDIATE_KEYS),
+        expert_num=need("expert_num", _EXPERT_COUNT_KEYS),
+        num_experts_per_tok=need("num_experts_per_tok", _TOP_K_KEYS),
+        hidden_size=need("hidden_size", _EXPERT_HIDDEN_KEYS),
+        intermediate_size=need("intermediate_size", _EXPERT_INTERMEDIATE_KEYS),
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
         group_score=defaults.get("group_score"), routed_scaling_factor=get("routed_scaling_factor", 1.0),
         hidden_act=get("hidden_act", "silu"))

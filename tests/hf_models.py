@@ -1,8 +1,8 @@
 """Tiny random Hugging Face MoE models written by `save_pretrained`: MODELS (Qwen3-MoE, DeepSeek-V3,
 Mixtral) for the checkpoint tests, MORE_MODELS (Qwen2-MoE, DeepSeek-V2, OLMoE, GLM-4.5, MiniMax-M2,
-GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax, Qwen3-Next, Ernie 4.5, Qwen3.5-MoE) for the ktfp8.hf tests,
-FUSED_MODELS (Mistral 4, also inside Mistral 3's vision-language wrapper, and Qwen3-VL-MoE: experts stored
-fused, loaded with AutoModelForImageTextToText).
+GLM-4.7-Flash (glm4_moe_lite), DeepSeek-V3.2, MiniMax, Qwen3-Next, Ernie 4.5, Hunyuan-A13B, Qwen3.5-MoE)
+for the ktfp8.hf tests, FUSED_MODELS (Mistral 4, also inside Mistral 3's vision-language wrapper, and
+Qwen3-VL-MoE: experts stored fused, loaded with AutoModelForImageTextToText).
 Sizes are small but not multiples of 128, so block-wise tails are exercised."""
 import hashlib
 import os
@@ -93,6 +93,11 @@ MORE_MODELS = {
         vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=40, moe_num_experts=EXPERTS,
         moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1), [1],
+        "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    # Hunyuan-A13B's family: the experts' width is intermediate_size, top-k is moe_topk
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=MOE_INTER, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=40, num_experts=EXPERTS, moe_topk=2), [0, 1],
         "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
     # the vision-language checkpoint (its layout on the Hub); AutoModelForCausalLM loads its text model
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(

@@ -295,12 +295,22 @@ def test_from_hf_config_missing_routing_fields_take_family_defaults(family):
     if family not in CONFIG_MAPPING:
         pytest.skip(f"no {family} in this transformers")
     reference = CONFIG_MAPPING[family]().to_dict()
-    count_key = next(k for k in ("num_experts", "n_routed_experts", "num_local_experts") if reference.get(k))
-    sizes = {count_key: 64, "num_experts_per_tok": 4, "hidden_size": 48, "moe_hidden_size": 40,
+    count_key = next(k for k in config_module._EXPERT_COUNT_KEYS if reference.get(k))
+    top_k_key = next(k for k in config_module._TOP_K_KEYS if k in reference)
+    sizes = {count_key: 64, top_k_key: 4, "hidden_size": 48, "moe_hidden_size": 40,
              "moe_intermediate_size": 32, "intermediate_size": 32}
     sizes = {k: v for k, v in sizes.items() if k in reference}
     minimal = dict(sizes, model_type=family)
     assert MoeConfig.from_hf_config(minimal) == MoeConfig.from_hf_config(dict(reference, **sizes))
+
+
+def test_from_hf_config_per_layer_lists_of_one_value():
+    """Hunyuan-A13B's config.json gives moe_topk and moe_intermediate_size per layer: one value repeated
+    is that value (lists that differ are refused, tests/test_bad_inputs.py)."""
+    cfg = MoeConfig.from_hf_config(dict(model_type="hunyuan_v1_moe", num_experts=64, moe_topk=[8] * 32,
+                                        hidden_size=4096, intermediate_size=3072, moe_intermediate_size=[3072] * 32))
+    assert (cfg.expert_num, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size) == (64, 8, 4096, 3072)
+    assert (cfg.scoring_func, cfg.norm_topk_prob) == ("softmax", True)
 
 
 def test_from_hf_config_nested_text_config():

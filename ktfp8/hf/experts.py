@@ -22,7 +22,7 @@ SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_m
                      "DeepseekV32Experts": "deepseek_v32", "MiniMaxExperts": "minimax",
                      "Qwen3NextExperts": "qwen3_next", "Qwen3_5MoeExperts": "qwen3_5_moe_text",
                      "Qwen3VLMoeTextExperts": "qwen3_vl_moe_text", "Mistral4Experts": "mistral4",
-                     "Ernie4_5_MoeExperts": "ernie4_5_moe"}
+                     "Ernie4_5_MoeExperts": "ernie4_5_moe", "HunYuanMoEV1Experts": "hunyuan_v1_moe"}
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_EXPERTS.values())
 
 # experts_implementation name -> how the weights are held
