@@ -212,9 +212,13 @@ def _fp8_item(checkpoint, name, info, input_type, spec, in_block, consumed):
 
 def _config_size(config, *keys):
     """(key, value) of the first of `keys` that config.json sets, or (None, None) where it sets none of
-    them or not as one positive integer (some models keep per-layer lists there)."""
+    them or not as one positive integer; a per-layer list holding one value (Hunyuan-A13B's
+    moe_intermediate_size) is that value, one whose values differ is none."""
     key = next((k for k in keys if config.get(k) is not None), None)
-    return (key, config[key]) if key and _is_positive_int(config[key]) else (None, None)
+    value = config.get(key)
+    if isinstance(value, list) and value and all(v == value[0] for v in value):
+        value = value[0]
+    return (key, value) if key and _is_positive_int(value) else (None, None)
 
 
 def _check_experts(checkpoint, hf_config):

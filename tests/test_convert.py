@@ -627,6 +627,20 @@ def test_config_json_without_sizes(tiny, tmp_path, capsys):
                   f"needs experts 0-{EXPERTS - 1} (the highest index found is {EXPERTS - 1})")
 
 
+def test_config_json_with_per_layer_sizes(tiny, tmp_path, capsys):
+    """Hunyuan-A13B's config.json gives moe_intermediate_size per layer: a list holding one value checks
+    the experts as that size does; a list whose values differ checks them against each other."""
+    kind, layer = "qwen3_moe", moe_layers("qwen3_moe")[-1]
+    odd = expert_name(kind, layer, 3, "down")
+    src = _edited(tiny[kind], tmp_path / "one", lambda t: t.update({odd: _bf16((HIDDEN, MOE_INTER - 16))}),
+                  lambda c: c.update(moe_intermediate_size=[MOE_INTER] * 2))
+    _expect_error(src, tmp_path, capsys, f"tensor {odd!r} has shape [{HIDDEN}, {MOE_INTER - 16}]; expected "
+                  f"[hidden, intermediate] = [{HIDDEN}, {MOE_INTER}] (config.json: hidden_size {HIDDEN}, "
+                  f"moe_intermediate_size {MOE_INTER})")
+    src = _edited(tiny[kind], tmp_path / "two", config=lambda c: c.update(moe_intermediate_size=[MOE_INTER, 64]))
+    assert run(src, tmp_path / "ok") == 0
+
+
 def test_fp8_expert_weight_not_2d_is_refused(tmp_path, capsys):
     folder = tmp_path / "fp8"
     folder.mkdir()
