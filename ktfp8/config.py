@@ -192,8 +192,8 @@ class MoeConfig:
         values = {name: _check_moe_field(name, value) for name, value in dict(
             given, scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group,
             topk_group=topk_group, group_score=group_score, routed_scaling_factor=routed_scaling_factor,
-            hidden_act=hidden_act,
-            threads=threads, quant_config=QuantConfig() if quant_config is None else quant_config).items()}
+            hidden_act=hidden_act, threads=threads,
+            quant_config=QuantConfig() if quant_config is None else quant_config).items()}
         _check_moe_combination(values)
         for name in _MOE_FIELDS:
             object.__setattr__(self, name, values[name])
@@ -234,8 +234,10 @@ class MoeConfig:
         "group_limited_greedy" (n_group, topk_group; group score = best expert);
         routed_scaling_factor, norm_topk_prob. DeepSeek-V3: sigmoid, topk_method "noaux_tc" (group score
         = sum of the two best biased scores). Mistral 4 / Mistral Large 4: softmax, a group scored by the
-        sum of its two best (group_score "top2_sum"). A field the file leaves out takes the default of that
-        family's reference code (e.g. DeepSeek-V3: norm_topk_prob True, routed_scaling_factor 2.5).
+        sum of its two best (group_score "top2_sum"). Ernie 4.5 (moe_num_experts, moe_k) and Hunyuan-A13B
+        (moe_topk, per-layer lists of one value): softmax, always renormalised. A field the file leaves
+        out takes the default of that family's reference code (e.g. DeepSeek-V3: norm_topk_prob True,
+        routed_scaling_factor 2.5).
         GLM-4.5 (glm4_moe), MiniMax-M2, DeepSeek-V3.2 and the other _NOAUX_TC_FAMILIES route as DeepSeek-V3
         without saying so in config.json.  A model_type outside the families ktfp8 knows must name its
         routing (scoring_func or topk_method, in the file or as an override), else ValueError; a dict
@@ -390,9 +392,9 @@ def _fields_from_hf(config, routing_given=False):
         for key in keys:
             value = config.get(key)
             if isinstance(value, (list, tuple)):
-                if len(set(map(repr, value))) != 1:
-                    raise ValueError(f"Hugging Face config (model_type {family!r}): {key} differs between layers "
-                                     f"({value}); a MoeConfig is one layer: pass that layer's {field}=...")
+                if not value or any(v != value[0] for v in value):
+                    raise ValueError(f"Hugging Face config (model_type {family!r}): {key} is {value}, not one value "
+                                     f"for every layer; a MoeConfig is one layer: pass that layer's {field}=...")
                 value = value[0]
             if value is not None:
                 return value

@@ -349,8 +349,8 @@ CASES = [
          lambda c: ktfp8.MoeConfig.from_hf_config({"model_type": "hunyuan_v1_moe", "num_experts": 4,
                                                    "moe_topk": [2, 2, 3], "hidden_size": 8,
                                                    "intermediate_size": 8}),
-         ValueError, "moe_topk differs between layers ([2, 2, 3]); a MoeConfig is one layer: pass that layer's "
-                     "num_experts_per_tok=..."),
+         ValueError, "moe_topk is [2, 2, 3], not one value for every layer; a MoeConfig is one layer: pass that "
+                     "layer's num_experts_per_tok=..."),
     Case("MoeConfig.from_hf_config", "unknown topk_method",
          lambda c: ktfp8.MoeConfig.from_hf_config({"num_experts": 4, "num_experts_per_tok": 2,
                                                    "hidden_size": 8, "intermediate_size": 8,
