@@ -180,18 +180,24 @@ def _classify(checkpoint, input_type, spec, all_linear, hf_config, fused):
         if info.dtype not in FLOAT_DTYPES or (input_type != "fp8" and info.dtype != expected):
             raise SafetensorsError(f"tensor {name!r} is {info.dtype}, but --input-type {input_type} "
                                    f"expects {expected} weights")
-        if len(info.shape) != 2:
-            raise SafetensorsError(f"tensor {name!r} has shape {list(info.shape)}; a Linear weight is 2-D")
+        _check_matrix(name, info.shape)
         items.append(_quantized_item("quantize", name, info, spec))
     return [i for i in items if i.src not in consumed]
+
+
+def _check_matrix(name, shape):
+    """A weight to quantize is a Linear's: 2-D, and not empty (a row of no weights has no scale)."""
+    if len(shape) != 2:
+        raise SafetensorsError(f"tensor {name!r} has shape {list(shape)}; a Linear weight is 2-D")
+    if 0 in shape:
+        raise SafetensorsError(f"tensor {name!r} has shape {list(shape)}; an empty weight has nothing to quantize")
 
 
 def _fp8_item(checkpoint, name, info, input_type, spec, in_block, consumed):
     if input_type != "fp8":
         raise SafetensorsError(f"tensor {name!r} is already F8_E4M3; use --input-type fp8 for a "
                                f"block-wise FP8 checkpoint")
-    if len(info.shape) != 2:
-        raise SafetensorsError(f"tensor {name!r} has shape {list(info.shape)}; a Linear weight is 2-D")
+    _check_matrix(name, info.shape)
     scale_name = name + "_scale_inv"
     if scale_name not in checkpoint:
         other = "a weight_scale (per-channel or per-tensor: ktfp8 loads it as it is)" \
@@ -435,6 +441,9 @@ def _split_stack(checkpoint, stack, parts, layouts, input_type, spec, hf_config)
     else:
         raise SafetensorsError(f"tensor {parts[wrong]!r} has shape {list(shapes[wrong])}; expected "
                                f"{' or '.join(tried)}")
+    if 0 in (H, I):
+        raise SafetensorsError(f"tensor {parts['gate_up_proj']!r} has shape {list(shapes['gate_up_proj'])}; experts "
+                               f"of no width have nothing to quantize")
     items = []
     for e in range(E):
         for proj, part, first, shape in (("gate_proj", "gate_up_proj", 0, (I, H)),

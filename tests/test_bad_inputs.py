@@ -622,6 +622,10 @@ CASES = [
          lambda c: _convert_bf16(c, "extra_expert", lambda t, cfg: t.update(
              {_expert(E, r): t[_expert(0, r)] for r in ("gate", "up", "down")})), 1,
          f"expert index {E} is out of range (config.json: num_experts {E}"),
+    Case("python -m ktfp8.convert", "an expert weight with no rows",
+         lambda c: _convert_bf16(c, "empty_expert", lambda t, cfg: t.update(
+             {_expert(1, "up"): ("BF16", np.zeros((0, H), BF16))})),
+         1, f"tensor '{_expert(1, 'up')}' has shape [0, {H}]; an empty weight has nothing to quantize"),
     Case("python -m ktfp8.convert", "routed experts stored fused (...experts.gate_up_proj, 3-D) by a model type "
          "whose fused layout it does not know",
          lambda c: _convert_bf16(c, "fused", _fused), 1,

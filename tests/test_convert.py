@@ -763,6 +763,11 @@ FUSED_REFUSALS = {
                                                                               ml_dtypes.float8_e4m3fn))}),
             lambda c: None, f"tensor '{STACK}.gate_up_proj' is F8_E4M3; python -m ktfp8.convert reads fused "
                             f"experts as BF16, FP16 or FP32 weights"),
+    "no width": (lambda t: t.update({f"{STACK}.gate_up_proj": _bf16((EXPERTS, 0, HIDDEN)),
+                                      f"{STACK}.down_proj": _bf16((EXPERTS, HIDDEN, 0))}),
+                 lambda c: c.update(moe_intermediate_size=0),
+                 f"tensor '{STACK}.gate_up_proj' has shape [{EXPERTS}, 0, {HIDDEN}]; experts of no width have "
+                 f"nothing to quantize"),
     "outside mlp.experts": (lambda t: _rename_stack(t, STACK, "model.layers.1.feed_forward.experts"), lambda c: None,
                             "tensor 'model.layers.1.feed_forward.experts.gate_up_proj' holds routed experts fused "
                             "outside a decoder layer's mlp.experts"),
