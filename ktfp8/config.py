@@ -371,6 +371,14 @@ def _read_hf_config(source):
     return config
 
 
+def _one_value(value):
+    """A config.json size as one layer sees it: a per-layer list holding one value (Hunyuan-A13B's moe_topk,
+    moe_intermediate_size) is that value; any other value, an empty or mixed list too, stays as it is."""
+    if isinstance(value, (list, tuple)) and value and all(v == value[0] for v in value):
+        return value[0]
+    return value
+
+
 def _fields_from_hf(config, routing_given=False):
     """MoeConfig fields of a config.json dict.  routing_given: the caller passes scoring_func itself."""
     family = config.get("model_type")
@@ -390,12 +398,10 @@ def _fields_from_hf(config, routing_given=False):
         """The first of `keys` config.json sets; a per-layer list (Hunyuan-A13B's moe_topk) must hold one
         value, as MoeConfig describes one layer."""
         for key in keys:
-            value = config.get(key)
+            value = _one_value(config.get(key))
             if isinstance(value, (list, tuple)):
-                if not value or any(v != value[0] for v in value):
-                    raise ValueError(f"Hugging Face config (model_type {family!r}): {key} is {value}, not one value "
-                                     f"for every layer; a MoeConfig is one layer: pass that layer's {field}=...")
-                value = value[0]
+                raise ValueError(f"Hugging Face config (model_type {family!r}): {key} is {value}, not one value "
+                                 f"for every layer; a MoeConfig is one layer: pass that layer's {field}=...")
             if value is not None:
                 return value
         raise ValueError(f"Hugging Face config (model_type {family!r}) has no {' / '.join(keys)} field")

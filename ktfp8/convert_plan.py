@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .config import (_EXPERT_COUNT_KEYS, _EXPERT_HIDDEN_KEYS, _EXPERT_INTERMEDIATE_KEYS, ODD_BLOCK_EDGE,
-                     _read_hf_config)
+                     _one_value, _read_hf_config)
 from .loader import (EXPERT_RE, FUSED_EXPERTS_RE, FUSED_LAYOUTS, PER_EXPERT_NAMES, ROLE, ROLES, _is_positive_int,
                      block_size_of, fused_experts_tensor, stacks_by_prefix)
 from .safetensors_io import SafetensorsError, tensor_nbytes
@@ -221,9 +221,7 @@ def _config_size(config, *keys):
     them or not as one positive integer; a per-layer list holding one value (Hunyuan-A13B's
     moe_intermediate_size) is that value, one whose values differ is none."""
     key = next((k for k in keys if config.get(k) is not None), None)
-    value = config.get(key)
-    if isinstance(value, list) and value and all(v == value[0] for v in value):
-        value = value[0]
+    value = _one_value(config.get(key))
     return (key, value) if key and _is_positive_int(value) else (None, None)
 
 
