@@ -9,8 +9,8 @@ from typing import Optional, Tuple
 
 from .config import (_EXPERT_COUNT_KEYS, _EXPERT_HIDDEN_KEYS, _EXPERT_INTERMEDIATE_KEYS, ODD_BLOCK_EDGE,
                      _one_value, _read_hf_config)
-from .loader import (EXPERT_RE, FUSED_EXPERTS_RE, FUSED_LAYOUTS, PER_EXPERT_NAMES, ROLE, ROLES, _is_positive_int,
-                     block_size_of, fused_experts_tensor, stacks_by_prefix)
+from .loader import (EXPERT_RE, FUSED_LAYOUTS, FUSED_STACK_RE, PER_EXPERT_NAMES, ROLE, ROLES, _is_positive_int,
+                     block_size_of, fused_expert_names, fused_experts_tensor, stacks_by_prefix)
 from .safetensors_io import SafetensorsError, tensor_nbytes
 
 INPUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp8": "F8_E4M3"}
@@ -341,10 +341,6 @@ def quantization_config(spec, ignore):
             "ignore": ignore, "kv_cache_scheme": None}
 
 
-_FUSED_STACK_RE = re.compile(r"^(?P<stack>(?:.*\.)?layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)"
-                             r"\.(?P<part>gate_up_proj|down_proj)$")
-
-
 def _fused_layouts(checkpoint, hf_config, fused, all_linear):
     """The layouts (stored transposed or not) the checkpoint's fused experts may have; refuses a model
     type whose layout is not known (with --all-linear too, which would leave them, most of the weights,
@@ -372,14 +368,13 @@ def _fused_items(checkpoint, input_type, spec, all_linear, hf_config):
         return []
     layouts = _fused_layouts(checkpoint, hf_config, fused, all_linear)
     stacks = {}
-    for name in checkpoint.names():
-        if FUSED_EXPERTS_RE.match(name) and len(checkpoint.info(name).shape) == 3:
-            m = _FUSED_STACK_RE.match(name)
-            if m is None:
-                raise SafetensorsError(f"tensor {name!r} holds routed experts fused outside a decoder layer's "
-                                       f"mlp.experts (...layers.<n>.mlp.experts.gate_up_proj); python -m "
-                                       f"ktfp8.convert has no per-expert names for them")
-            stacks.setdefault(m["stack"], {})[m["part"]] = name
+    for name in fused_expert_names(checkpoint):
+        m = FUSED_STACK_RE.match(name)
+        if m is None:
+            raise SafetensorsError(f"tensor {name!r} holds routed experts fused outside a decoder layer's "
+                                   f"mlp.experts (...layers.<n>.mlp.experts.gate_up_proj); python -m "
+                                   f"ktfp8.convert has no per-expert names for them")
+        stacks.setdefault(m["stack"], {})[m["part"]] = name
     per_expert = stacks_by_prefix(checkpoint.names())
     items = []
     for stack, parts in stacks.items():

@@ -20,14 +20,16 @@ from .safetensors_io import SafetensorsError, SafetensorsFile
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
+_EXPERT_STACK = r"(?P<stack>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts)"
 EXPERT_RE = re.compile(
-    r"^(?P<stack>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts)"
-    r"\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
+    rf"^{_EXPERT_STACK}\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
     r"\.(?P<kind>weight|weight_scale|weight_scale_inv)$")
 # transformers 5's own layout of a layer's routed experts, which the loader does not read: one 3-D tensor
 # per projection pair, `...experts.gate_up_proj` ([E, 2I, H], or [E, H, 2I] as Qwen3-VL-MoE's checkpoints
-# hold it) and `...experts.down_proj`
+# hold it) and `...experts.down_proj`, under any prefix; FUSED_STACK_RE: those of a decoder layer's experts
+# stack, which python -m ktfp8.convert can name per expert
 FUSED_EXPERTS_RE = re.compile(r"^(?:.*\.)?experts\.(?:gate_up_proj|down_proj)$")
+FUSED_STACK_RE = re.compile(rf"^{_EXPERT_STACK}\.(?P<part>gate_up_proj|down_proj)$")
 PER_EXPERT_NAMES = "per-expert tensors only (...experts.<e>.gate_proj.weight, up_proj, down_proj)"
 # Model types whose fused experts python -m ktfp8.convert splits into per-expert weights -> the layouts
 # they come in (stored transposed or not).  transformers' own layout (Mistral 4's checkpoints, and what
@@ -203,12 +205,15 @@ def _check_scale_values(path, names, scale):
                                f"scales must be finite and >= 0")
 
 
+def fused_expert_names(checkpoint):
+    """The tensors, in checkpoint order, that hold a layer's routed experts fused (see FUSED_EXPERTS_RE)."""
+    return [n for n in checkpoint.names() if FUSED_EXPERTS_RE.match(n) and len(checkpoint.info(n).shape) == 3]
+
+
 def fused_experts_tensor(checkpoint):
-    """(name, shape) of the first tensor, in name order, that holds a layer's routed experts fused (see
-    FUSED_EXPERTS_RE); None where there is none."""
-    fused = sorted(n for n in checkpoint.names()
-                   if FUSED_EXPERTS_RE.match(n) and len(checkpoint.info(n).shape) == 3)
-    return (fused[0], list(checkpoint.info(fused[0]).shape)) if fused else None
+    """(name, shape) of the first tensor, in name order, of fused_expert_names; None where there is none."""
+    fused = fused_expert_names(checkpoint)
+    return (min(fused), list(checkpoint.info(min(fused)).shape)) if fused else None
 
 
 class FP8SafeTensorLoader:
