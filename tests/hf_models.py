@@ -69,12 +69,9 @@ MORE_MODELS = {
         num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.8,
         kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), [1],
         "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    # DeepSeek-V3 with its attention's token indexer
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
-        vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
-        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-        routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=16, head_dim=8, index_topk=4, index_head_dim=16, index_n_heads=2),
+        MODELS["deepseek_v3"][2], head_dim=8, index_topk=4, index_head_dim=16, index_n_heads=2),
         [1], "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
         vocab_size=128, hidden_size=HIDDEN, intermediate_size=MOE_INTER, num_hidden_layers=2,
@@ -114,21 +111,18 @@ MORE_MODELS = {
 ALL_MODELS = {**MODELS, **MORE_MODELS}
 # checkpoints that hold each layer's routed experts fused, which ktfp8.convert splits (expert names: its
 # output's); transformers 5.25 loads both with AutoModelForImageTextToText only
+MISTRAL4 = dict(
+    vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=EXPERTS, num_experts_per_tok=2, n_group=2,
+    topk_group=1, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+    v_head_dim=16, head_dim=16)
 FUSED_MODELS = {
     # transformers' own layout, gate_up_proj [E, 2I, H] and down_proj [E, H, I]
-    "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", dict(
-        vocab_size=128, hidden_size=HIDDEN, intermediate_size=192, moe_intermediate_size=MOE_INTER,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=EXPERTS,
-        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16), [0, 1],
-        "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
+    "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", MISTRAL4, [0, 1],
+                 "model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),
     # Mistral 4 as a vision-language model (Mistral Small 4's form): Mistral 3's wrapper, text_config mistral4
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
-        text_config=dict(model_type="mistral4", vocab_size=128, hidden_size=HIDDEN, intermediate_size=192,
-                         moe_intermediate_size=MOE_INTER, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, n_routed_experts=EXPERTS, num_experts_per_tok=2, n_group=2,
-                         topk_group=1, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-                         qk_nope_head_dim=8, v_head_dim=16, head_dim=16),
+        text_config=dict(MISTRAL4, model_type="mistral4"),
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                            head_dim=16, image_size=32, patch_size=16)), [0, 1],
         "language_model.model.layers.{l}.mlp.experts.{e}.{role}_proj.weight"),      # as transformers saves it

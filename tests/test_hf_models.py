@@ -114,6 +114,14 @@ def test_prepare_takes_the_whole_vision_language_model(tmp_path_factory):
         assert model.model.language_model.layers[layer].mlp.experts.gate_up_proj.numel() == 0
 
 
+def _assert_routed_as(ids, weights, hf_ids, hf_weights):
+    """ktfp8.route's experts and weights are a transformers router's, in whatever order each lists them."""
+    order = np.argsort(hf_ids.numpy(), axis=1)
+    np.testing.assert_array_equal(np.sort(ids, axis=1), np.take_along_axis(hf_ids.numpy(), order, 1))
+    np.testing.assert_allclose(np.take_along_axis(weights, np.argsort(ids, axis=1), 1),
+                               np.take_along_axis(hf_weights.numpy(), order, 1), rtol=1e-6)
+
+
 @pytest.fixture(scope="module", params=sorted(FUSED_MODELS))
 def fused(request, tmp_path_factory):
     """(kind, BF16 checkpoint as transformers saves it: each layer's experts fused in transformers' layout,
@@ -160,10 +168,7 @@ def test_fused_checkpoint_converts_to_an_fp8_folder_the_loader_runs(fused, tmp_p
         with torch.no_grad():
             router_logits, hf_weights, hf_ids = gate(x)
             ids, weights = ktfp8.route(router_logits.numpy(), loader.config)
-            order = np.argsort(hf_ids.numpy(), axis=1)
-            np.testing.assert_array_equal(np.sort(ids, axis=1), np.take_along_axis(hf_ids.numpy(), order, 1))
-            np.testing.assert_allclose(np.take_along_axis(weights, np.argsort(ids, axis=1), 1),
-                                       np.take_along_axis(hf_weights.numpy(), order, 1), rtol=1e-6)
+            _assert_routed_as(ids, weights, hf_ids, hf_weights)
             expected = experts(x, torch.from_numpy(ids), torch.from_numpy(weights)).numpy()
         y = ktfp8.MoE(loader.config, loader.load_experts(layer))(x.numpy(), ids, weights)
         assert nmse(y, expected) < NMSE_MAX
@@ -223,9 +228,6 @@ def test_ernie_fp8_folder_routes_with_its_checkpoint_bias(tmp_path):
     with torch.no_grad():
         router_logits, hf_weights, hf_ids = gate(x)
     ids, weights = ktfp8.route(router_logits.numpy(), loader.config, correction_bias=bias)
-    order = np.argsort(hf_ids.numpy(), axis=1)
-    np.testing.assert_array_equal(np.sort(ids, axis=1), np.take_along_axis(hf_ids.numpy(), order, 1))
-    np.testing.assert_allclose(np.take_along_axis(weights, np.argsort(ids, axis=1), 1),
-                               np.take_along_axis(hf_weights.numpy(), order, 1), rtol=1e-6)
+    _assert_routed_as(ids, weights, hf_ids, hf_weights)
     unbiased = ktfp8.route(router_logits.numpy(), loader.config)[0]       # the bias changes choices here
     assert (np.sort(unbiased, axis=1) != np.sort(ids, axis=1)).any()
