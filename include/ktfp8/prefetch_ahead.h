@@ -66,4 +66,32 @@ static inline int64_t ktfp8_prefetch_bound(int64_t until, int64_t unit_bytes, in
     return first_beyond + group - 1 < end ? first_beyond + group - 1 : end;
 }
 
+/* One stream prefetched at two distances: `far` into L2 (prefetcht1), `near` into L1 (prefetcht0),
+ * each running on into the next tile as above.  Why two (the avx512_bf16 decode loop, Zen 4 VM):
+ * a prefetcht0 holds one of the core's L1 miss buffers until its line arrives from DRAM, so a few
+ * dozen lines in flight cap one core at about the 15 GB/s that loop streamed with prefetcht0 4 KiB
+ * ahead (half the read probe's 27-30); prefetcht1 waits in L2's larger miss queue, and the near
+ * prefetcht0 then finds the line in L2. */
+typedef struct ktfp8_prefetch_two {
+    ktfp8_prefetch_ahead far, near;
+} ktfp8_prefetch_two;
+
+static inline ktfp8_prefetch_two ktfp8_prefetch_two_of(const void *w, const void *w_next, int64_t tile_bytes,
+                                                        int64_t far, int64_t near) {
+    ktfp8_prefetch_two p;
+    p.far = ktfp8_prefetch_ahead_of(w, w_next, tile_bytes, far);
+    p.near = ktfp8_prefetch_ahead_of(w, w_next, tile_bytes, near);
+    return p;
+}
+
+/* Both bases for reads from tile byte `offset` (ktfp8_prefetch_run), valid before *until: the
+ * K loop runs in up to three runs, each cut changing one base. */
+static inline void ktfp8_prefetch_two_run(const ktfp8_prefetch_two *p, int64_t offset, uintptr_t *far_base,
+                                          uintptr_t *near_base, int64_t *until) {
+    int64_t until_near;
+    *far_base = ktfp8_prefetch_run(&p->far, offset, until);
+    *near_base = ktfp8_prefetch_run(&p->near, offset, &until_near);
+    if (until_near < *until) *until = until_near;
+}
+
 #endif

@@ -57,8 +57,10 @@
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
 #define DECODE_M 4  /* tokens per pass up to which each token has more than one accumulator (CHAINS) */
 #define MR 8        /* tokens per pass: each converted weight vector feeds up to MR vdpbf16ps */
-/* Software prefetch distance of the FP8 code stream (prefetch_ahead.h says why 4 KiB). */
+/* Software prefetch distances of the FP8 code stream: into L2 4 KiB ahead (prefetch_ahead.h says
+ * why 4 KiB), into L1 1 KiB ahead (ktfp8_prefetch_two says why both). */
 #define PREFETCH_BYTES KTFP8_AVX512_PREFETCH_BYTES
+#define PREFETCH_L1_BYTES 1024
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -104,7 +106,7 @@ INLINE __m512 dpbf16(__m512 acc, __m512i w, __m512i a) {
  * ahead[t]: stream t's software prefetch. */
 INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a, int64_t a_stride, const int M,
                            const int U, int64_t p0, int64_t p1, const ktfp8_e4m3_bf16_lut *lut,
-                           __m512 sum[][MR], const ktfp8_prefetch_ahead *ahead) {
+                           __m512 sum[][MR], const ktfp8_prefetch_two *ahead) {
     const int Q = U - 1; /* slot q of a step uses accumulator q & Q */
     const uint8_t *codes[2] = {(const uint8_t *)w[0], (const uint8_t *)w[NW - 1]};
     __m512 acc[2][MR][4];
@@ -127,19 +129,21 @@ INLINE void dot_fp8_stream(const void *const *w, const int NW, const uint16_t *a
         p++;
     }
     /* two groups = four pairs = two cache lines of each stream per step, a group of every stream
-     * converted at a time (NW x 2 weight vectors live); in two runs, one per prefetch base (the
-     * tiles have one k, so one cut: prefetch_ahead.h) */
+     * converted at a time (NW x 2 weight vectors live); in runs of fixed prefetch bases (the tiles
+     * have one k, so the streams share their cuts: prefetch_ahead.h) */
     while (p + 4 <= p1) {
         int64_t until;
-        uintptr_t ahead_base[2];
+        uintptr_t far_base[2], near_base[2];
 #pragma GCC unroll 2
-        for (int t = 0; t < NW; t++) ahead_base[t] = ktfp8_prefetch_run(&ahead[t], 32 * p, &until);
+        for (int t = 0; t < NW; t++) ktfp8_prefetch_two_run(&ahead[t], 32 * p, &far_base[t], &near_base[t], &until);
         const int64_t stop = ktfp8_prefetch_bound(until, 32, 4, p1);
         for (; p + 4 <= stop; p += 4) {
 #pragma GCC unroll 2
             for (int t = 0; t < NW; t++) {
-                _mm_prefetch((const char *)(ahead_base[t] + (uintptr_t)(32 * p)), _MM_HINT_T0);
-                _mm_prefetch((const char *)(ahead_base[t] + (uintptr_t)(32 * p + 64)), _MM_HINT_T0);
+                _mm_prefetch((const char *)(far_base[t] + (uintptr_t)(32 * p)), _MM_HINT_T1);
+                _mm_prefetch((const char *)(far_base[t] + (uintptr_t)(32 * p + 64)), _MM_HINT_T1);
+                _mm_prefetch((const char *)(near_base[t] + (uintptr_t)(32 * p)), _MM_HINT_T0);
+                _mm_prefetch((const char *)(near_base[t] + (uintptr_t)(32 * p + 64)), _MM_HINT_T0);
             }
 #pragma GCC unroll 2
             for (int g = 0; g < 4; g += 2) {
@@ -239,9 +243,10 @@ INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, c
     const int64_t pairs = j->k / 2;
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t nkb = blockwise ? j->n_kblocks : 1, block_pairs = blockwise ? j->block_k / 2 : pairs;
-    ktfp8_prefetch_ahead ahead[2];
+    ktfp8_prefetch_two ahead[2];
 #pragma GCC unroll 2
-    for (int t = 0; t < NW; t++) ahead[t] = ktfp8_prefetch_ahead_of(w[t], jobs[t]->w_next, j->k * NB, PREFETCH_BYTES);
+    for (int t = 0; t < NW; t++)
+        ahead[t] = ktfp8_prefetch_two_of(w[t], jobs[t]->w_next, j->k * NB, PREFETCH_BYTES, PREFETCH_L1_BYTES);
     __m512 res[2][MR], sum[2][MR];
 #pragma GCC unroll 2
     for (int t = 0; t < NW; t++)
