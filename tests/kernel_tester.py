@@ -61,10 +61,11 @@ KERNELS = {
     # (KTFP8_FOR_M5_TO_8 for the first, KTFP8_FOR_M8 for the last)
     "avx512": Kernel("moe_avx512.c", F32, {"DECODE_M": 4, "MR": 8},
                      lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
-    # passes of up to MR tokens, each converting the codes in registers (KTFP8_FOR_M8); more
-    # accumulators per token in a pass of at most DECODE_M: the later passes change too (MR + DECODE_M)
+    # the fewest passes of up to MR tokens, as even as they go, each converting the codes in
+    # registers (KTFP8_FOR_M8); more accumulators per token in a pass of at most DECODE_M, which a
+    # later pass is at MR + 1 (5 + 4); 2 MR + 1 takes three passes
     "avx512_bf16": Kernel("moe_avx512bf16.c", BF16, {"DECODE_M": 4, "MR": 8},
-                          lambda d: (d["DECODE_M"] + 1, d["MR"], d["MR"] + d["DECODE_M"], 2 * d["MR"])),
+                          lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
     # m < AMX_MIN_M: the avx512_bf16 micro-kernel; from it on tiles of CHUNK tokens, CHUNKS of
     # them per pass, a short last tile for m % CHUNK
     "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 2, "CHUNK": 16, "CHUNKS": 4},
