@@ -27,7 +27,9 @@
  * 2 KiB 16.8, 4 KiB 18.4 (read bandwidth 23.4): the hardware prefetchers alone leave the bus half
  * idle.  It was 2 KiB while each thread took single tiles, since what ran past a tile's end (12 KiB
  * for a K = 768 down tile) was then some other thread's; now the prefetch runs on from a tile's end
- * into the tile this thread reads next.  4 KiB in the MoE is not yet timed on AMX hardware. */
+ * into the tile this thread reads next.  4 KiB in the MoE is not yet timed on AMX hardware.
+ * avx512_bf16's decode loop prefetches this far into L2 only, and 1 KiB ahead into L1
+ * (ktfp8_prefetch_two below); the amx and avx512 kernels prefetch this far into L1. */
 #define KTFP8_AVX512_PREFETCH_BYTES 4096
 
 typedef struct ktfp8_prefetch_ahead {
