@@ -70,6 +70,36 @@ def test_calls_route_m_tokens_to_every_expert():
         np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
 
 
+def test_before_round_runs_ahead_of_each_rounds_calls():
+    events = []
+
+    class Recorder:
+        def __call__(self, x, ids, weights):
+            events.append(("call", x.shape[0]))
+
+    tpe.time_calls([Recorder()], 4, [1, 3], rounds=3, hidden=64, before_round=lambda: events.append(("probe",)))
+    warm_up, timed = events[:2], events[2:]
+    assert ("probe",) not in warm_up
+    per_round = 1 + 2 * tpe.MIN_CALLS  # the probe, then each m walked to MIN_CALLS calls
+    assert len(timed) == 3 * per_round
+    for r in range(3):
+        assert timed[r * per_round] == ("probe",)
+        assert ("probe",) not in timed[r * per_round + 1:(r + 1) * per_round]
+
+
+def test_the_rows_roofline_uses_the_read_bandwidth_probed_between_rounds(capsys, monkeypatch):
+    # the limits pass reads 1000 GB/s, every probe between rounds 0.001 GB/s: the rows must sit on the latter
+    monkeypatch.setattr(tpe, "measure_limits", lambda counts, nbytes, log: {
+        n: roofline.Roofline(threads=n, read_gbs=1000.0, fma_gflops=1e6, dpbf16_gflops=None) for n in counts})
+    monkeypatch.setattr(roofline, "read_bandwidth", lambda threads, buf=None, repeats=5, nbytes=0: 0.001)
+    assert tpe.main(TINY + ["--tokens", "1", "--backends", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert "reference, 1 thread(s): read 0.0 GB/s between its rounds" in out
+    (row,) = [r.groups() for r in map(ROW.match, out.splitlines()) if r]
+    # memory floor = 4 x 3 x 64 x 32 bytes / 1 MB/s = 24.6 ms, far above any call of this tiny layer
+    assert int(row[8]) > 100
+
+
 def test_a_cpu_without_a_compute_peak_gets_the_memory_floor_alone(capsys):
     layer = L.Layer("tiny", 4, 4, 64, 32)
     # as measured without AVX2: no FMA peak, no other unit

@@ -8,8 +8,11 @@ benchmark layer's hidden 2048 and intermediate 768) routes every token to every 
 expert gets exactly m tokens.  Each backend walks distinct packed copies of it totalling at least 4x
 the L3 (at most 8), so the weights come from DRAM as in a model's forward.  Per thread count and m:
 each backend's median ms per call, GFLOP/s, its fraction of the peak of the unit it computes on and
-of its roofline (floor = max(weight bytes / read bandwidth, FLOPs / that peak), the limits measured in
-the same run, each the best of three readings as the bench takes them), the fastest backend marked *."""
+of its roofline (floor = max(weight bytes / read bandwidth, FLOPs / that peak)), the fastest backend
+marked *.  The peaks are the best of three readings before the table, as the bench takes them; the
+read bandwidth is probed before every round of the backend's own timing (the median of those
+readings), because a shared machine's bus drifts over minutes: on a Zen 4 VM the best of three
+readings before a table gave 44-58 GB/s on 2 threads where probes a minute later read 32-35."""
 import argparse
 import dataclasses
 import os
@@ -26,6 +29,7 @@ from .run import Plan, _ktfp8_factory, build_walk, measure_limits
 
 DEFAULT_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32]
 MIN_CALLS = 4  # timed calls per m and round at least (a layer with one copy is walked 4 times)
+PROBE_REPEATS = 3  # passes of the read probe before each round (their median is the round's reading)
 
 
 def parse_args(argv):
@@ -52,11 +56,12 @@ def parse_args(argv):
     return args
 
 
-def time_calls(walk, experts, token_counts, rounds, hidden):
+def time_calls(walk, experts, token_counts, rounds, hidden, before_round=None):
     """{m: median seconds of one call with m tokens on each of `experts` experts}, walking the copies
     of `walk` (a list of sides).  Each round times every m in turn, each walking the copies (as often
     as it takes to make MIN_CALLS calls), so that a moment of noise on a shared machine lands on a few
-    samples of several m rather than on all samples of one."""
+    samples of several m rather than on all samples of one.  before_round: called (no arguments)
+    before each round's calls, e.g. a read probe."""
     rng = np.random.default_rng(0)
     calls = {m: (rng.standard_normal((m, hidden)).astype(np.float32),
                  np.tile(np.arange(experts, dtype=np.int64), (m, 1)),
@@ -67,6 +72,8 @@ def time_calls(walk, experts, token_counts, rounds, hidden):
     seconds = {m: [] for m in token_counts}
     walk = walk * -(-MIN_CALLS // len(walk))
     for _ in range(rounds):
+        if before_round:
+            before_round()
         for m in token_counts:
             for side in walk:
                 start = time.perf_counter()
@@ -117,9 +124,12 @@ def main(argv=None):
     for n in thread_counts:
         peaks = ", ".join(f"{roofline.UNIT_NAMES[u]} {limits[n][field]:.0f}"
                           for u, field in roofline.UNIT_FIELDS.items() if limits[n][field])
-        print(f"{n} thread(s): read {limits[n]['read_gbs']:.1f} GB/s; GFLOP/s peaks: {peaks}", flush=True)
+        print(f"{n} thread(s): read {limits[n]['read_gbs']:.1f} GB/s (the rows use the probes between their "
+              f"rounds); GFLOP/s peaks: {peaks}", flush=True)
     experts = L.random_experts(layer, args.format)
     weight_bytes = layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[args.format]
+    l3 = L.l3_bytes()
+    probe_buf = roofline.probe_buffer(L.WALK_L3_MULTIPLE * l3 if l3 else 1 << 28)
     rows = []
     for backend in plan.backends:  # packed once; the thread count changes between calls
         walk = build_walk(_ktfp8_factory(backend), layer, experts, thread_counts[0], max(args.tokens),
@@ -127,8 +137,14 @@ def main(argv=None):
         print(f"  {backend}: {len(walk.copies)} packed copies of {weight_bytes / 1e6:.0f} MB", flush=True)
         for n in thread_counts:
             walk.threads = n
-            seconds_by_m = time_calls(walk.copies, layer.experts, args.tokens, args.rounds, layer.hidden)
-            rows += rows_for(layer, weight_bytes, backend, n, seconds_by_m, limits[n])
+            reads = []
+            seconds_by_m = time_calls(walk.copies, layer.experts, args.tokens, args.rounds, layer.hidden,
+                                      before_round=lambda: reads.append(roofline.read_bandwidth(
+                                          n, buf=probe_buf, repeats=PROBE_REPEATS)))
+            read_gbs = statistics.median(reads)
+            print(f"  {backend}, {n} thread(s): read {read_gbs:.1f} GB/s between its rounds "
+                  f"({min(reads):.1f}-{max(reads):.1f})", flush=True)
+            rows += rows_for(layer, weight_bytes, backend, n, seconds_by_m, dict(limits[n], read_gbs=read_gbs))
         walk.close()
     print(table(rows))
     return 0
