@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 from .config import (_EXPERT_COUNT_KEYS, _EXPERT_HIDDEN_KEYS, _EXPERT_INTERMEDIATE_KEYS, ODD_BLOCK_EDGE,
                      _one_value, _read_hf_config)
 from .loader import (EXPERT_RE, FUSED_LAYOUTS, FUSED_STACK_RE, PER_EXPERT_NAMES, ROLE, ROLES, _is_positive_int,
-                     block_size_of, fused_expert_names, fused_experts_tensor, stacks_by_prefix)
+                     block_size_of, fused_expert_names, stacks_by_prefix)
 from .safetensors_io import SafetensorsError, tensor_nbytes
 
 INPUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp8": "F8_E4M3"}
@@ -341,10 +341,10 @@ def quantization_config(spec, ignore):
             "ignore": ignore, "kv_cache_scheme": None}
 
 
-def _fused_layouts(checkpoint, hf_config, fused, all_linear):
-    """The layouts (stored transposed or not) the checkpoint's fused experts may have; refuses a model
-    type whose layout is not known (with --all-linear too, which would leave them, most of the weights,
-    unquantized)."""
+def _fused_layouts(checkpoint, hf_config, fused_names, all_linear):
+    """The layouts (stored transposed or not) the checkpoint's fused experts (fused_names) may have;
+    refuses a model type whose layout is not known (with --all-linear too, which would leave them, most
+    of the weights, unquantized)."""
     types = list(dict.fromkeys(t for t in (hf_config.get("model_type"), _read_hf_config(hf_config).get("model_type"))
                                if t))   # the model's and its text model's, once each
     for t in types:
@@ -353,22 +353,23 @@ def _fused_layouts(checkpoint, hf_config, fused, all_linear):
     also = "; refused with --all-linear too, which would leave them, most of the weights, unquantized" \
         if all_linear else ""
     known = " and ".join(t for t in FUSED_LAYOUTS if not t.endswith("_text"))
-    raise SafetensorsError(f"{checkpoint.folder}: tensor {fused[0]!r} {fused[1]} holds a layer's routed experts "
-                           f"fused in one 3-D tensor, whose layout python -m ktfp8.convert does not know for model "
-                           f"type {' / '.join(types) or '(none given)'}: it splits the fused experts of {known} "
-                           f"checkpoints, and otherwise reads {PER_EXPERT_NAMES}{also}. A BF16 checkpoint like "
-                           f"this one is quantized on load instead: transformers' from_pretrained(path, "
-                           f"experts_implementation=\"ktfp8\") after `import ktfp8.hf`")
+    first = min(fused_names)
+    raise SafetensorsError(f"{checkpoint.folder}: tensor {first!r} {list(checkpoint.info(first).shape)} holds a "
+                           f"layer's routed experts fused in one 3-D tensor, whose layout python -m ktfp8.convert "
+                           f"does not know for model type {' / '.join(types) or '(none given)'}: it splits the "
+                           f"fused experts of {known} checkpoints, and otherwise reads {PER_EXPERT_NAMES}{also}. "
+                           f"A BF16 checkpoint like this one is quantized on load instead: transformers' "
+                           f"from_pretrained(path, experts_implementation=\"ktfp8\") after `import ktfp8.hf`")
 
 
 def _fused_items(checkpoint, input_type, spec, all_linear, hf_config):
     """The per-expert FP8 weights of every fused expert stack (see FUSED_LAYOUTS), in no order."""
-    fused = fused_experts_tensor(checkpoint)
-    if fused is None:
+    names = fused_expert_names(checkpoint)
+    if not names:
         return []
-    layouts = _fused_layouts(checkpoint, hf_config, fused, all_linear)
+    layouts = _fused_layouts(checkpoint, hf_config, names, all_linear)
     stacks = {}
-    for name in fused_expert_names(checkpoint):
+    for name in names:
         m = FUSED_STACK_RE.match(name)
         if m is None:
             raise SafetensorsError(f"tensor {name!r} holds routed experts fused outside a decoder layer's "
