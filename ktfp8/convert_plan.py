@@ -176,13 +176,18 @@ def _classify(checkpoint, input_type, spec, all_linear, hf_config, fused):
         if not wanted:
             items.append(Item("copy", name, name, info.dtype, info.shape))
             continue
-        expected = INPUT_DTYPES[input_type]
-        if info.dtype not in FLOAT_DTYPES or (input_type != "fp8" and info.dtype != expected):
+        if not _quantizable_dtype(info.dtype, input_type):
             raise SafetensorsError(f"tensor {name!r} is {info.dtype}, but --input-type {input_type} "
-                                   f"expects {expected} weights")
+                                   f"expects {INPUT_DTYPES[input_type]} weights")
         _check_matrix(name, info.shape)
         items.append(_quantized_item("quantize", name, info, spec))
     return [i for i in items if i.src not in consumed]
+
+
+def _quantizable_dtype(dtype, input_type):
+    """Whether a weight of `dtype` may be quantized under --input-type: the float type it names, or under
+    --input-type fp8 any float type."""
+    return dtype in FLOAT_DTYPES and (input_type == "fp8" or dtype == INPUT_DTYPES[input_type])
 
 
 def _check_matrix(name, shape):
@@ -417,12 +422,11 @@ def _split_stack(checkpoint, stack, parts, layouts, input_type, spec, hf_config)
     """Items gate, up and down of each expert of one fused stack, after checking its dtypes and shapes
     against each of `layouts` (stored transposed or not; down_proj's shape tells them apart)."""
     infos = {part: checkpoint.info(name) for part, name in parts.items()}
-    expected_dtype = INPUT_DTYPES[input_type]
     for part, info in infos.items():
-        if info.dtype not in FLOAT_DTYPES or (input_type != "fp8" and info.dtype != expected_dtype):
+        if not _quantizable_dtype(info.dtype, input_type):
             raise SafetensorsError(f"tensor {parts[part]!r} is {info.dtype}; python -m ktfp8.convert reads fused "
                                    f"experts as BF16, FP16 or FP32 weights matching --input-type ({input_type}: "
-                                   f"{expected_dtype})")
+                                   f"{INPUT_DTYPES[input_type]})")
     config, shapes = _read_hf_config(hf_config), {part: tuple(info.shape) for part, info in infos.items()}
     tried = []
     for transposed in layouts:
