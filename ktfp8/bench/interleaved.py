@@ -52,11 +52,10 @@ def run(plan, layer, backend, log=print):
     if reason:
         log(f"interleaved step skipped: {reason}")
         return {"skipped": reason}
-    l3 = L.l3_bytes()
     tokens = step_tokens(plan)
     formats = [f for f in L.FORMATS if f in plan.formats] if 1 in tokens else [PC]
     result = measure(layer, backend, plan.threads, formats,
-                     probe_bytes=L.WALK_L3_MULTIPLE * l3 if l3 else plan.read_buffer_bytes,
+                     probe_bytes=L.probe_bytes(plan.read_buffer_bytes),
                      walk_bytes=plan.walk_bytes, walk_memory_bytes=plan.walk_memory_bytes,
                      roof_tokens=[t for t in tokens if t != 1], rounds=ROUNDS if 1 in tokens else 0, log=log)
     if 1 not in tokens:

@@ -124,6 +124,13 @@ def routing_rounds(layer, tokens, rounds, seed=0, copies=1):
     return draws
 
 
+def probe_bytes(fallback):
+    """Bytes of the read probe run beside the walks: WALK_L3_MULTIPLE x the L3, as the walks total at
+    least, or `fallback` where the L3 is unknown."""
+    l3 = l3_bytes()
+    return WALK_L3_MULTIPLE * l3 if l3 else fallback
+
+
 def l3_bytes():
     """Total bytes of the distinct L3 caches this machine reports (sysfs), else glibc's figure for one
     L3, else None."""

@@ -25,11 +25,11 @@ from .. import backends, cpu, roofline
 from ..generate import _positive  # the command lines' positive-integer check
 from . import layers as L
 from .__main__ import _default_backends, _int_list
+from .interleaved import PROBE_REPEATS
 from .run import Plan, _ktfp8_factory, build_walk, measure_limits
 
 DEFAULT_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32]
 MIN_CALLS = 4  # timed calls per m and round at least (a layer with one copy is walked 4 times)
-PROBE_REPEATS = 3  # passes of the read probe before each round (their median is the round's reading)
 
 
 def parse_args(argv):
@@ -128,8 +128,7 @@ def main(argv=None):
               f"rounds); GFLOP/s peaks: {peaks}", flush=True)
     experts = L.random_experts(layer, args.format)
     weight_bytes = layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[args.format]
-    l3 = L.l3_bytes()
-    probe_buf = roofline.probe_buffer(L.WALK_L3_MULTIPLE * l3 if l3 else 1 << 28)
+    probe_buf = roofline.probe_buffer(L.probe_bytes(1 << 28))
     rows = []
     for backend in plan.backends:  # packed once; the thread count changes between calls
         walk = build_walk(_ktfp8_factory(backend), layer, experts, thread_counts[0], max(args.tokens),
