@@ -170,8 +170,8 @@ def run(args):
         _generate(args, folder, rank == 0)
     finally:
         if world_size > 1:
-            import torch.distributed
-            torch.distributed.destroy_process_group()
+            from .distributed import destroy_process_group
+            destroy_process_group()
 
 
 def _prompt_ids(args, folder, tokenizer, vocab_size):

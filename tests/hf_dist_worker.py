@@ -12,7 +12,7 @@ def run(bf16_folder, fp8_folder, out_dir):
 
     import ktfp8.hf
     from hf_oracle import experts_module, greedy, logits
-    from ktfp8.distributed import init_process_group
+    from ktfp8.distributed import destroy_process_group, init_process_group
     from ktfp8.hf import op
 
     torch.set_num_threads(1)  # as the one-process oracle; OMP_NUM_THREADS came after torch's import
@@ -28,4 +28,4 @@ def run(bf16_folder, fp8_folder, out_dir):
         result[f"{path}_nbytes"] = np.array([op.layer_of(experts_module(model, i)._ktfp8_handle).moe.nbytes
                                              for i in layers])
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
-    torch.distributed.destroy_process_group()
+    destroy_process_group()

@@ -124,6 +124,21 @@ def test_outside_a_process_group_is_a_clear_error(monkeypatch):
             distributed.timeout_seconds(bad)
 
 
+def test_destroy_process_group_ends_torch_distributed_then_leaves_the_gil(monkeypatch):
+    import torch.distributed as dist
+    from ktfp8 import distributed
+    events = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: events.append("destroy"))
+    monkeypatch.setattr(distributed.time, "sleep", lambda s: events.append(("sleep", s)))
+    distributed.destroy_process_group()
+    assert events == ["destroy", ("sleep", distributed.GLOO_RELEASE_S)]
+    events.clear()
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)     # nothing to end: only the wait
+    distributed.destroy_process_group()
+    assert events == [("sleep", distributed.GLOO_RELEASE_S)]
+
+
 def test_importing_ktfp8_and_its_distributed_module_does_not_import_torch():
     import subprocess
     import sys
