@@ -74,8 +74,9 @@ def test_thread_count_does_not_change_results(backend):
 @pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_runs_of_tiles_do_not_change_results(backend, fmt):
-    """Wide enough that the driver hands out runs of several tiles (items / (8 x threads)), which
-    start at other tiles for every thread count, and takes phase 2's runs as groups (experts outer):
+    """Wide enough that the driver hands out runs of several tiles (items / (8 x threads), the last
+    threads x run items in runs a quarter as long), which start at other tiles for every thread
+    count, and takes phase 2's runs as groups (experts outer):
     33 column tiles, the last one 8 columns wide, so groups of 4 on 1 thread and of 2 on 2 end in a
     short group.  The outputs stay identical bit for bit, and equal to the float64 MoE."""
     e, h, i = 8, 520, 512
