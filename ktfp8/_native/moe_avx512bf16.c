@@ -10,7 +10,8 @@
  * Every pass takes up to MR tokens (the fewest passes, as even as they go: run_jobs says why) and
  * converts the codes in registers as they stream: the first pass reads them from DRAM, the later
  * ones (m > MR) from L2, where the first left them (64 KiB per tile pair at k = 2048); BF16 weights
- * are read as they are.  Accumulators per token by the height of the pass (CHAINS).
+ * are read as they are.  Accumulators per token by the height of the pass (CHAINS).  One token against
+ * per-channel FP8 (decode) reads each tile as two streams instead, its K halves (decode_halves).
  * Why no converted copy of the tile for the later passes (what this kernel kept in scratch until
  * it was measured): the bf16 copy has twice the bytes of the codes, so a later pass over it moved
  * twice as much from L2, and the first pass stored every converted vector, while on the Zen 5 VM
@@ -93,8 +94,8 @@ INLINE __m512 dpbf16(__m512 acc, __m512i w, __m512i a) {
  * weight vectors fit).  The count depends on the height of a pass only, and tile_matmul and
  * tile_matmul2 cut a job into the same passes, so a tile's sums do not depend on NW.
  * The kernel harness's token counts (tests/kernel_tester.py) do not straddle DECODE_WIDE_M: m = 1
- * and m = DECODE_M run the 4- and the 2-accumulator loops against the oracle; m = 2, 3 differ from
- * them only in the token count. */
+ * (block-wise and BF16 weights; per-channel FP8 takes decode_halves) and m = DECODE_M run the 4- and
+ * the 2-accumulator loops against the oracle; m = 2, 3 differ from them only in the token count. */
 #define DECODE_WIDE_M 2
 #define CHAINS(M) ((M) <= DECODE_WIDE_M ? 4 : (M) <= DECODE_M ? 2 : 1)
 
@@ -276,6 +277,73 @@ INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, c
         for (int i = 0; i < M; i++) _mm512_storeu_ps(jobs[t]->c + (i0 + i) * jobs[t]->c_stride, res[t][i]);
 }
 
+/* One token against per-channel FP8 tiles (decode), each tile read as two code streams: its K halves
+ * side by side, so that a tile pair streams four.  Why: one core's stream from DRAM, not its
+ * conversion, bounds decode on the Zen 4 VM (the two-stream loop converts a tile pair in 1.5 us hot,
+ * 2.2-2.6 us from DRAM), and more streams in flight read more of the bus.  Measured there
+ * (tools/kernel_ab, one thread, codes from DRAM, against the two-stream loop, three runs): K = 2048
+ * 0.887x-0.894x, K = 768 0.899x-0.920x; the benchmark layer at T = 1 0.941x on 1 thread and 0.956x
+ * on 2 (tools/ab_builds.py).  Hot in L2 it takes 1.22x the time: GCC keeps a vector and a few
+ * pointers of the four streams on the stack.  Block-wise scales keep the loop above (a scale block
+ * would straddle the halves), as does BF16 (no conversion, and no more bytes per stream).
+ * Two accumulators per stream; a tile adds its halves' four in one order whatever NW, so tile_matmul
+ * and tile_matmul2 give the same sums bit for bit. */
+_Static_assert(KTFP8_K_ALIGN % 16 == 0, "k / 4 pairs per half: whole 4-pair steps (k_pad, moe_pack.c)");
+INLINE void decode_halves(const ktfp8_tile_job *const *jobs, const int NW, const ktfp8_e4m3_bf16_lut *lut) {
+    const int64_t half = jobs[0]->k / 4;  /* pairs per half: [0, half) and [half, 2 half) */
+    const uintptr_t second = 32 * half;   /* bytes from a tile's first half to its second */
+    const uint16_t *a = (const uint16_t *)jobs[0]->a;
+    const uint8_t *codes[2];
+    /* Each half's stream runs on into the same half of the next tile (its tiles have this k), so the
+     * second half's prefetch bases are always the first half's plus `second`: one base per tile and
+     * kind, and fewer registers live in the loop. */
+    ktfp8_prefetch_two ahead[2];
+    __m512 acc[2][2][2]; /* [half][tile][chain] */
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++) {
+        codes[t] = (const uint8_t *)jobs[t]->w;
+        ahead[t] = ktfp8_prefetch_two_of(codes[t], jobs[t]->w_next, 32 * half, PREFETCH_BYTES, PREFETCH_L1_BYTES);
+        for (int h = 0; h < 2; h++) acc[h][t][0] = acc[h][t][1] = _mm512_setzero_ps();
+    }
+    for (int64_t p = 0; p < half;) { /* in runs of fixed prefetch bases (prefetch_ahead.h) */
+        int64_t until;
+        uintptr_t far_base[2], near_base[2];
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) ktfp8_prefetch_two_run(&ahead[t], 32 * p, &far_base[t], &near_base[t], &until);
+        const int64_t stop = ktfp8_prefetch_bound(until, 32, 4, half);
+        for (; p + 4 <= stop; p += 4) {
+#pragma GCC unroll 2
+            for (int t = 0; t < NW; t++)
+                for (int h = 0; h < 2; h++) {
+                    const uintptr_t far = far_base[t] + h * second + (uintptr_t)(32 * p);
+                    const uintptr_t near = near_base[t] + h * second + (uintptr_t)(32 * p);
+                    _mm_prefetch((const char *)far, _MM_HINT_T1);
+                    _mm_prefetch((const char *)(far + 64), _MM_HINT_T1);
+                    _mm_prefetch((const char *)near, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(near + 64), _MM_HINT_T0);
+                }
+#pragma GCC unroll 2
+            for (int g = 0; g < 4; g += 2)
+                for (int h = 0; h < 2; h++) {
+                    const __m512i x0 = bcast_pair(a, h * half + p + g), x1 = bcast_pair(a, h * half + p + g + 1);
+#pragma GCC unroll 2
+                    for (int t = 0; t < NW; t++) {
+                        __m512i w0, w1;
+                        ktfp8_e4m3x64_to_bf16(lut, codes[t] + h * second + 32 * (p + g), &w0, &w1);
+                        acc[h][t][0] = DPBF16(acc[h][t][0], w0, x0);
+                        acc[h][t][1] = DPBF16(acc[h][t][1], w1, x1);
+                    }
+                }
+        }
+    }
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++) {
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0][t][0], acc[0][t][1]),
+                                         _mm512_add_ps(acc[1][t][0], acc[1][t][1]));
+        _mm512_storeu_ps(jobs[t]->c, _mm512_mul_ps(sum, _mm512_loadu_ps(jobs[t]->scale)));
+    }
+}
+
 /* NW jobs (1, or the 2 of tile_matmul2) over the same activations, m tokens in the fewest passes of
  * at most MR, as even as they go (heights differ by one at most, the taller first).
  * Why even: every pass converts the whole tile again, so a pass of a few tokens costs nearly what a
@@ -289,6 +357,10 @@ INLINE void run_jobs(const ktfp8_tile_job *const *jobs, const int NW) {
     if (j->m <= 0) return;
     const void *w[2] = {jobs[0]->w, jobs[NW - 1]->w};
     const int fp8_stream = j->format != KTFP8_FMT_BF16;
+    if (j->m == 1 && j->format == KTFP8_FMT_FP8_CHANNEL) {
+        decode_halves(jobs, NW, &lut);
+        return;
+    }
     const int64_t passes = (j->m + MR - 1) / MR;
     for (int64_t pass = 0, i0 = 0; pass < passes; pass++) {
         const int64_t left = passes - pass, rows = (j->m - i0 + left - 1) / left;
