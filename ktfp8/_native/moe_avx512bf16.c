@@ -281,11 +281,12 @@ INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, c
  * side by side, so that a tile pair streams four.  Why: one core's stream from DRAM, not its
  * conversion, bounds decode on the Zen 4 VM (the two-stream loop converts a tile pair in 1.5 us hot,
  * 2.2-2.6 us from DRAM), and more streams in flight read more of the bus.  Measured there
- * (tools/kernel_ab, one thread, codes from DRAM, against the two-stream loop, three runs): K = 2048
- * 0.887x-0.894x, K = 768 0.899x-0.920x; the benchmark layer at T = 1 0.941x on 1 thread and 0.956x
- * on 2 (tools/ab_builds.py).  Hot in L2 it takes 1.22x the time: GCC keeps a vector and a few
- * pointers of the four streams on the stack.  Block-wise scales keep the loop above (a scale block
- * would straddle the halves), as does BF16 (no conversion, and no more bytes per stream).
+ * (tools/kernel_ab, one thread, codes from DRAM, against the two-stream loop): K = 2048 0.89x-0.92x,
+ * K = 768 0.89x-0.93x; hot in L2 1.03x (with a prefetch base and a code pointer per stream instead
+ * of per tile, GCC kept a vector and pointers on the stack: 1.22x).  The benchmark layer
+ * (tools/ab_builds.py): T = 1 0.904x on 1 thread, 0.930x, 0.956x and 1.018x on 2 (three runs, the
+ * bus near its limit there), T = 4 0.958x / 0.933x.  Block-wise scales keep the loop above (a scale
+ * block would straddle the halves), as do BF16 weights (no conversion to hide).
  * Two accumulators per stream; a tile adds its halves' four in one order whatever NW, so tile_matmul
  * and tile_matmul2 give the same sums bit for bit. */
 _Static_assert(KTFP8_K_ALIGN % 16 == 0, "k / 4 pairs per half: whole 4-pair steps (k_pad, moe_pack.c)");
