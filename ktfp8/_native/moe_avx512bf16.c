@@ -285,8 +285,9 @@ INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, c
  * K = 768 0.89x-0.93x; hot in L2 1.03x (with a prefetch base and a code pointer per stream instead
  * of per tile, GCC kept a vector and pointers on the stack: 1.22x).  The benchmark layer
  * (tools/ab_builds.py): T = 1 0.904x on 1 thread, 0.930x, 0.956x and 1.018x on 2 (three runs, the
- * bus near its limit there), T = 4 0.958x / 0.933x.  Block-wise scales keep the loop above (a scale
- * block would straddle the halves), as do BF16 weights (no conversion to hide).
+ * bus near its limit there), T = 4 0.958x / 0.933x.  Block-wise scales keep the loop above: a
+ * version that also took them, block b of both halves at a time, made this per-channel loop 1.03x-
+ * 1.07x slower from DRAM (docs/tuning-notes.md).  BF16 weights too (no conversion to hide).
  * Two accumulators per stream; a tile adds its halves' four in one order whatever NW, so tile_matmul
  * and tile_matmul2 give the same sums bit for bit. */
 _Static_assert(KTFP8_K_ALIGN % 16 == 0, "k / 4 pairs per half: whole 4-pair steps (k_pad, moe_pack.c)");
