@@ -417,6 +417,25 @@ def test_interleaved_roofline_goals_are_medians_of_per_round_ratios_from_the_rec
     assert goals[3]["measured"] == res["figures"]["roofline"]["64"]["over_memory_floor"]
 
 
+@pytest.mark.parametrize("peak_gflops, out_of_reach", [(10.0, True), (1000.0, False)])
+def test_t64_goal_says_when_the_compute_floor_alone_is_past_it(peak_gflops, out_of_reach):
+    """T=64 at 1.5x the memory floor cannot be met where FLOPs / peak is already more than that (a
+    fast minute of a VM's bus): the note says so, with the ratio of the two floors."""
+    backend = ktfp8.available_backends()[0]
+    unit = roofline.backend_unit(backend)
+    flops, active = 4e9, 1e9                 # 1 GB at 100 GB/s: a 10 ms memory floor
+    rec = {"2": dict(ms=50.0, read_gbs=100.0, peak_gflops=peak_gflops)}
+    entry = dict(rounds=[rec], active_bytes=active, flops=flops, unit=unit, calls=3)
+    res = {"rounds": [], "decode_skipped": "T=1 is not in the plan (--tokens)", "roofline": {"64": entry},
+           "figures": {"roofline": {"64": dict(over_memory_floor=5.0, peak_fraction=None, roofline_fraction=None)}}}
+    memory = next(g for g in report.goals([], _limits(), "L", backend, res) if g["goal"].startswith("T=64: time"))
+    compute_ms = flops / (peak_gflops * 1e9) * 1e3  # 400 ms or 4 ms against the 10 ms memory floor
+    assert f"compute floor {compute_ms:.2f} ms" in memory["note"]
+    assert ("the compute floor alone is 40.00x the memory floor: out of reach for any kernel here"
+            in memory["note"]) == out_of_reach
+    assert ("out of reach" in memory["note"]) == out_of_reach
+
+
 def test_backend_choice_goal_is_the_worst_median_of_per_round_ratios_from_the_recorded_numbers():
     from ktfp8.bench import backend_choice
     default = ktfp8.available_backends()[0]
