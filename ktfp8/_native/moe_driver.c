@@ -218,16 +218,23 @@ typedef struct phase1_runs {
 
 static phase1_runs phase1_runs_of(int64_t items, int threads) {
     phase1_runs r = {.items = items, .run = run_length(items, threads, RUNS_PER_THREAD)};
-    const int64_t tail = threads > 1 ? (int64_t)threads * r.run : 0;
+    const int64_t tail = threads > 1 ? (int64_t)threads * r.run : 0, short_run = r.run / TAIL_SPLIT;
     r.bulk_runs = items > tail ? (items - tail) / r.run : 0;
-    r.tail_run = threads > 1 && r.run / TAIL_SPLIT > 1 ? r.run / TAIL_SPLIT : threads > 1 ? 1 : r.run;
+    /* one thread has nobody to keep waiting: its last items stay one run */
+    r.tail_run = threads == 1 ? r.run : short_run > 1 ? short_run : 1;
     r.count = r.bulk_runs + (items - r.bulk_runs * r.run + r.tail_run - 1) / r.tail_run;
     return r;
 }
 
-/* First item of run i (i = count gives items or more). */
+/* First item of run i. */
 static int64_t run_start(const phase1_runs *r, int64_t i) {
     return i <= r->bulk_runs ? i * r->run : r->bulk_runs * r->run + (i - r->bulk_runs) * r->tail_run;
+}
+
+/* One past the last item of run i (the last run ends at the last item). */
+static int64_t run_end(const phase1_runs *r, int64_t i) {
+    const int64_t next = run_start(r, i + 1);
+    return next < r->items ? next : r->items;
 }
 
 /* Bytes of y accumulator a phase-2 group may take: half the L2, 256 KiB where CPUID does not say. */
@@ -389,7 +396,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
         const phase1_runs runs1 = phase1_runs_of(items1, threads);
 #pragma omp for schedule(dynamic, 1) reduction(max : h_amax)
         for (int64_t r = 0; r < runs1.count; r++) {
-            const int64_t end = run_start(&runs1, r + 1) < items1 ? run_start(&runs1, r + 1) : items1;
+            const int64_t end = run_end(&runs1, r);
             for (int64_t it = run_start(&runs1, r); ok && it < end; it++) {
                 const int64_t e = b.active[it / tiles1], tile = it % tiles1;
                 const int64_t p0 = b.offset[e], m = b.offset[e + 1] - p0;
