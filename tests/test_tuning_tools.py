@@ -134,3 +134,31 @@ def test_kernel_ab_times_avx2_builds_on_fp32_activations_and_refuses_wrong_sums(
     done = run(KERNEL_AB, "--isa", "avx2", unit, swapped_outputs_build(unit, tmp_path), "hot", 256, 7)
     assert done.returncode == 1
     assert "m = 7: the builds disagree" in done.stderr
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2 and FMA")
+def test_kernel_ab_times_block_wise_scales_and_refuses_a_build_that_ignores_them(tmp_path):
+    # --block-k hands the builds block-wise jobs: a build that reads them as per-channel (block 0's
+    # scales for the whole K) must disagree, which it could not if the option were dropped
+    unit = NATIVE / "moe_avx2.c"
+    done = run(KERNEL_AB, "--isa", "avx2", unit, unit, "--block-k", 128, "hot", 256, 1, 6)
+    assert done.returncode == 0, done.stderr
+    lines = re.findall(r"hot block-wise K=256 m=\s*(\d+): old\s+[\d.]+ us  new\s+[\d.]+ us", done.stdout)
+    assert lines == ["1", "6"], done.stdout
+
+    per_channel = tmp_path / "per_channel.c"
+    per_channel.write_text(f'#include "{unit}"\n'
+                           "static void as_per_channel(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {\n"
+                           "    ktfp8_tile_job a = *j0, b = *j1;\n"
+                           "    a.format = b.format = KTFP8_FMT_FP8_CHANNEL;\n"
+                           "    tile_matmul2(&a, &b);\n"
+                           "}\n"
+                           "#define tile_matmul2 as_per_channel\n")
+    done = run(KERNEL_AB, "--isa", "avx2", unit, per_channel, "--block-k", 128, "hot", 256, 1)
+    assert done.returncode == 1
+    assert "m = 1: the builds disagree" in done.stderr
+
+    for bad in (0, 7, -128):
+        done = run(KERNEL_AB, "--isa", "avx2", unit, unit, "--block-k", bad, "hot", 256, 1)
+        assert done.returncode == 2, (bad, done.stderr)
+        assert "usage" in done.stderr

@@ -2,9 +2,11 @@
 # Two versions of a micro-kernel (a moe_<level>.c) timed side by side in one process, without the MoE
 # driver: the A/B figures of docs/tuning-notes.md.
 #
-#   bash tools/kernel_ab/kernel_ab.sh [--isa LEVEL] OLD.c NEW.c hot|dram K m [m ...]
+#   bash tools/kernel_ab/kernel_ab.sh [--isa LEVEL] OLD.c NEW.c [--block-k N] hot|dram K m [m ...]
 #   e.g.  git show HEAD~1:ktfp8/_native/moe_avx512bf16.c > /tmp/old.c
 #         bash tools/kernel_ab/kernel_ab.sh /tmp/old.c ktfp8/_native/moe_avx512bf16.c dram 2048 1 4 8 16
+#   Block-wise scales, one per K block of N (DeepSeek's 128), instead of per-channel ones:
+#         bash tools/kernel_ab/kernel_ab.sh /tmp/old.c ktfp8/_native/moe_avx512bf16.c --block-k 128 dram 2048 1
 #   AMX tiles against the register kernel below the threshold (AMX_MIN_M in moe_amx.c):
 #         sed 's/^#define AMX_MIN_M .*/#define AMX_MIN_M 1/' ktfp8/_native/moe_amx.c > /tmp/amx_all.c
 #         bash tools/kernel_ab/kernel_ab.sh ktfp8/_native/moe_avx512bf16.c /tmp/amx_all.c dram 2048 1 2 4 8
@@ -31,7 +33,7 @@ if [ "${1:-}" = --isa ]; then
     shift 2 || true
 fi
 if [ $# -lt 5 ]; then
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 here="$(cd "$(dirname "$0")" && pwd)"

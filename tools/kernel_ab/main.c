@@ -3,7 +3,7 @@
  * one alternating; it prints each build's median time per tile pair and the median of the per-round
  * ratios new / old.  hot: one tile pair, calls after calls (codes in L1/L2: the loops' own speed);
  * dram: a walk over 256 MiB of tile pairs (in huge pages, as the package's experts), each call's
- * w_next the next pair, as the driver sets it.
+ * w_next the next pair, as the driver sets it.  Per-channel scales, or block-wise ones with --block-k.
  * Before timing each m it checks that the two builds agree on one call (exit status 1 if not): a
  * faster build with wrong sums is no A/B. */
 #include <math.h>
@@ -94,8 +94,20 @@ static void *alloc_stream(size_t bytes) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 4 || (strcmp(argv[1], "hot") && strcmp(argv[1], "dram")) || atoll(argv[2]) <= 0 || atoll(argv[2]) % 4) {
-        fprintf(stderr, "usage: %s hot|dram K m [m ...]   (K a positive multiple of 4, 1 <= m <= %d)\n", argv[0], MAX_M);
+    /* --block-k N: block-wise scales, a K block of N per scale (per-channel otherwise) */
+    const char *program = argv[0];
+    int64_t block_k = 0;
+    int block_k_ok = 1;
+    if (argc > 2 && !strcmp(argv[1], "--block-k")) {
+        block_k = atoll(argv[2]);
+        block_k_ok = block_k > 0 && block_k % 2 == 0;
+        argv += 2;
+        argc -= 2;
+    }
+    if (argc < 4 || (strcmp(argv[1], "hot") && strcmp(argv[1], "dram")) || atoll(argv[2]) <= 0 || atoll(argv[2]) % 4 ||
+        !block_k_ok) {
+        fprintf(stderr, "usage: %s [--block-k N] hot|dram K m [m ...]   (K a positive multiple of 4, N a positive "
+                        "even number, 1 <= m <= %d)\n", program, MAX_M);
         return 2;
     }
     /* Linux's per-process permission for AMX tile data; refused on a CPU or kernel without AMX,
@@ -106,9 +118,10 @@ int main(int argc, char **argv) {
     const size_t pairs = dram ? WALK_BYTES / (2 * tile) : 1;
     uint8_t *w = alloc_stream(pairs * 2 * tile);
     for (size_t i = 0; i < pairs * 2 * tile; i++) w[i] = (uint8_t)(rand() & 0x77); /* finite, both signs */
-    float *scale = alloc64(NB * sizeof(float)), *c0 = alloc64(MAX_M * NB * sizeof(float)),
+    const int64_t n_kblocks = block_k ? (k + block_k - 1) / block_k : 1;
+    float *scale = alloc64(n_kblocks * NB * sizeof(float)), *c0 = alloc64(MAX_M * NB * sizeof(float)),
           *c1 = alloc64(MAX_M * NB * sizeof(float));
-    for (int i = 0; i < NB; i++) scale[i] = 0.5f + (float)(rand() % 64) / 32; /* per channel: a lost scale shows */
+    for (int i = 0; i < n_kblocks * NB; i++) scale[i] = 0.5f + (float)(rand() % 64) / 32; /* a lost scale shows */
     /* the activations as the kernels read them: both builds must agree on what that is */
     const ktfp8_moe_kernel *table[2] = {kernel_old_table(), kernel_new_table()};
     if (table[0]->act_dtype != table[1]->act_dtype || table[0]->layout.act_exp != table[1]->layout.act_exp) {
@@ -149,8 +162,10 @@ int main(int argc, char **argv) {
         }
         ktfp8_tile_job j0;
         memset(&j0, 0, sizeof j0);
-        j0.format = KTFP8_FMT_FP8_CHANNEL;
+        j0.format = block_k ? KTFP8_FMT_FP8_BLOCK : KTFP8_FMT_FP8_CHANNEL;
         j0.k = k;
+        j0.block_k = block_k;
+        j0.n_kblocks = n_kblocks;
         j0.a = a;
         j0.a_stride = a_stride;
         j0.act_dtype = table[0]->act_dtype;
@@ -184,8 +199,8 @@ int main(int argc, char **argv) {
             ratio[r] = seconds[1][r] / seconds[0][r];
         }
         const double old_s = median(seconds[0], ROUNDS), new_s = median(seconds[1], ROUNDS), flop = 4.0 * m * tile;
-        printf("%s K=%ld m=%2d: old %7.3f us  new %7.3f us per tile pair (%5.0f / %5.0f GFLOP/s)  new/old %.3f\n",
-               argv[1], (long)k, m, old_s * 1e6, new_s * 1e6, flop / old_s / 1e9, flop / new_s / 1e9,
+        printf("%s%s K=%ld m=%2d: old %7.3f us  new %7.3f us per tile pair (%5.0f / %5.0f GFLOP/s)  new/old %.3f\n",
+               argv[1], block_k ? " block-wise" : "", (long)k, m, old_s * 1e6, new_s * 1e6, flop / old_s / 1e9, flop / new_s / 1e9,
                median(ratio, ROUNDS));
     }
     return 0;
