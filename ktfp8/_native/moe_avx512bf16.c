@@ -291,6 +291,57 @@ INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, c
  * Two accumulators per stream; a tile adds its halves' four in one order whatever NW, so tile_matmul
  * and tile_matmul2 give the same sums bit for bit. */
 _Static_assert(KTFP8_K_ALIGN % 16 == 0, "k / 4 pairs per half: whole 4-pair steps (k_pad, moe_pack.c)");
+
+/* Nothing is moved across it by the compiler: the decode step's order below. */
+#define STEP_ORDER() __asm__ volatile("" ::: "memory")
+
+/* The two lines of step p (4 pairs) of every stream, `base` being a tile's prefetch base (its first
+ * half's; the second half's is `second` bytes on). */
+INLINE void prefetch_step(const uintptr_t *base, const int NW, uintptr_t second, int64_t p, const int hint) {
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++)
+        for (int h = 0; h < 2; h++) {
+            const uintptr_t line = base[t] + h * second + (uintptr_t)(32 * p);
+            _mm_prefetch((const char *)line, hint);
+            _mm_prefetch((const char *)(line + 64), hint);
+        }
+}
+
+/* Pairs p and p + 1 (one 64-code group) of every stream into its two accumulators. */
+INLINE void group_step(const uint8_t *const *codes, const int NW, const uint16_t *a, int64_t half, uintptr_t second,
+                       int64_t p, const ktfp8_e4m3_bf16_lut *lut, __m512 acc[2][2][2]) {
+    for (int h = 0; h < 2; h++) {
+        const __m512i x0 = bcast_pair(a, h * half + p), x1 = bcast_pair(a, h * half + p + 1);
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) {
+            __m512i w0, w1;
+            ktfp8_e4m3x64_to_bf16(lut, codes[t] + h * second + 32 * p, &w0, &w1);
+            acc[h][t][0] = DPBF16(acc[h][t][0], w0, x0);
+            acc[h][t][1] = DPBF16(acc[h][t][1], w1, x1);
+        }
+    }
+}
+
+/* One step of 4 pairs: its L1 prefetches, its first group, its L2 prefetches, its second group, in
+ * that order.  Why pinned: from DRAM this loop's speed followed the order GCC happened to give these
+ * instructions, and any change elsewhere in tile_matmul2 reshuffled it.  Zen 4 VM (tools/kernel_ab,
+ * one thread, m = 1, codes from DRAM, against GCC's order in HEAD at the time): all 16 prefetches
+ * first, L1 ones first 1.08x-1.10x at K = 2048 and 1.23x at K = 768; L2 ones first 1.01x-1.03x and
+ * 1.06x-1.09x; after the first group 1.02x-1.07x and 1.00x-1.02x; split around the first group, L2
+ * ones first 0.99x-1.01x and 0.98x-1.01x, L1 ones first (kept) 0.99x-1.01x and 0.97x-0.99x (five
+ * runs).  Hot in L2 the kept order takes 1.045x. */
+INLINE void decode_step(const uint8_t *const *codes, const int NW, const uint16_t *a, int64_t half,
+                        uintptr_t second, const uintptr_t *far_base, const uintptr_t *near_base, int64_t p,
+                        const ktfp8_e4m3_bf16_lut *lut, __m512 acc[2][2][2]) {
+    prefetch_step(near_base, NW, second, p, _MM_HINT_T0);
+    STEP_ORDER();
+    group_step(codes, NW, a, half, second, p, lut, acc);
+    STEP_ORDER();
+    prefetch_step(far_base, NW, second, p, _MM_HINT_T1);
+    STEP_ORDER();
+    group_step(codes, NW, a, half, second, p + 2, lut, acc);
+}
+
 INLINE void decode_halves(const ktfp8_tile_job *const *jobs, const int NW, const ktfp8_e4m3_bf16_lut *lut) {
     const int64_t half = jobs[0]->k / 4;  /* pairs per half: [0, half) and [half, 2 half) */
     const uintptr_t second = 32 * half;   /* bytes from a tile's first half to its second */
@@ -313,30 +364,7 @@ INLINE void decode_halves(const ktfp8_tile_job *const *jobs, const int NW, const
 #pragma GCC unroll 2
         for (int t = 0; t < NW; t++) ktfp8_prefetch_two_run(&ahead[t], 32 * p, &far_base[t], &near_base[t], &until);
         const int64_t stop = ktfp8_prefetch_bound(until, 32, 4, half);
-        for (; p + 4 <= stop; p += 4) {
-#pragma GCC unroll 2
-            for (int t = 0; t < NW; t++)
-                for (int h = 0; h < 2; h++) {
-                    const uintptr_t far = far_base[t] + h * second + (uintptr_t)(32 * p);
-                    const uintptr_t near = near_base[t] + h * second + (uintptr_t)(32 * p);
-                    _mm_prefetch((const char *)far, _MM_HINT_T1);
-                    _mm_prefetch((const char *)(far + 64), _MM_HINT_T1);
-                    _mm_prefetch((const char *)near, _MM_HINT_T0);
-                    _mm_prefetch((const char *)(near + 64), _MM_HINT_T0);
-                }
-#pragma GCC unroll 2
-            for (int g = 0; g < 4; g += 2)
-                for (int h = 0; h < 2; h++) {
-                    const __m512i x0 = bcast_pair(a, h * half + p + g), x1 = bcast_pair(a, h * half + p + g + 1);
-#pragma GCC unroll 2
-                    for (int t = 0; t < NW; t++) {
-                        __m512i w0, w1;
-                        ktfp8_e4m3x64_to_bf16(lut, codes[t] + h * second + 32 * (p + g), &w0, &w1);
-                        acc[h][t][0] = DPBF16(acc[h][t][0], w0, x0);
-                        acc[h][t][1] = DPBF16(acc[h][t][1], w1, x1);
-                    }
-                }
-        }
+        for (; p + 4 <= stop; p += 4) decode_step(codes, NW, a, half, second, far_base, near_base, p, lut, acc);
     }
 #pragma GCC unroll 2
     for (int t = 0; t < NW; t++) {
@@ -344,6 +372,17 @@ INLINE void decode_halves(const ktfp8_tile_job *const *jobs, const int NW, const
                                          _mm512_add_ps(acc[1][t][0], acc[1][t][1]));
         _mm512_storeu_ps(jobs[t]->c, _mm512_mul_ps(sum, _mm512_loadu_ps(jobs[t]->scale)));
     }
+}
+
+/* Out of line, one per NW, so that their code does not depend on the rest of tile_matmul2: inlined
+ * there, a change to the passes of several tokens changed this loop's registers and order and cost
+ * decode 1.02x-1.09x from DRAM (tools/kernel_ab, Zen 4 VM), the change itself untouched. */
+static __attribute__((noinline)) void decode_halves1(const ktfp8_tile_job *const *jobs, const ktfp8_e4m3_bf16_lut *lut) {
+    decode_halves(jobs, 1, lut);
+}
+
+static __attribute__((noinline)) void decode_halves2(const ktfp8_tile_job *const *jobs, const ktfp8_e4m3_bf16_lut *lut) {
+    decode_halves(jobs, 2, lut);
 }
 
 /* NW jobs (1, or the 2 of tile_matmul2) over the same activations, m tokens in the fewest passes of
@@ -360,7 +399,7 @@ INLINE void run_jobs(const ktfp8_tile_job *const *jobs, const int NW) {
     const void *w[2] = {jobs[0]->w, jobs[NW - 1]->w};
     const int fp8_stream = j->format != KTFP8_FMT_BF16;
     if (j->m == 1 && j->format == KTFP8_FMT_FP8_CHANNEL) {
-        decode_halves(jobs, NW, &lut);
+        (NW == 1 ? decode_halves1 : decode_halves2)(jobs, &lut);
         return;
     }
     const int64_t passes = (j->m + MR - 1) / MR;
