@@ -46,6 +46,15 @@ def test_odd_shapes(variant, fmt, shape):
     check(variant, Case(fmt=fmt, hidden=hidden, inter=inter, m=token_counts(variant), seed=3))
 
 
+@pytest.mark.parametrize("fmt", ["block128", "block64"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_block_wise_decode_in_whole_blocks(variant, fmt):
+    """K a multiple of 2 blocks (hidden 512, intermediate 256): avx512_bf16 reads one token's tiles
+    as two streams of whole scale blocks each (decode_blocks), every half's blocks scaled by their
+    own scales; one- and few-token experts beside it."""
+    check(variant, Case(fmt=fmt, hidden=512, inter=256, m=(1, 1, 2, 5), seed=13))
+
+
 @pytest.mark.parametrize("fmt", ["per_channel", "block64", "bf16"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bfloat16_input(variant, fmt):

@@ -11,7 +11,7 @@
  * converts the codes in registers as they stream: the first pass reads them from DRAM, the later
  * ones (m > MR) from L2, where the first left them (64 KiB per tile pair at k = 2048); BF16 weights
  * are read as they are.  Accumulators per token by the height of the pass (CHAINS).  One token against
- * per-channel FP8 (decode) reads each tile as two streams instead, its K halves (decode_halves).
+ * FP8 (decode) reads each tile as two streams instead, its K halves (decode_halves, decode_blocks).
  * Why no converted copy of the tile for the later passes (what this kernel kept in scratch until
  * it was measured): the bf16 copy has twice the bytes of the codes, so a later pass over it moved
  * twice as much from L2, and the first pass stored every converted vector, while on the Zen 5 VM
@@ -94,8 +94,9 @@ INLINE __m512 dpbf16(__m512 acc, __m512i w, __m512i a) {
  * weight vectors fit).  The count depends on the height of a pass only, and tile_matmul and
  * tile_matmul2 cut a job into the same passes, so a tile's sums do not depend on NW.
  * The kernel harness's token counts (tests/kernel_tester.py) do not straddle DECODE_WIDE_M: m = 1
- * (block-wise and BF16 weights; per-channel FP8 takes decode_halves) and m = DECODE_M run the 4- and
- * the 2-accumulator loops against the oracle; m = 2, 3 differ from them only in the token count. */
+ * (BF16 weights, and block-wise ones whose K halves are not whole blocks, as at the harness's usual
+ * shape; other FP8 takes decode_halves / decode_blocks) and m = DECODE_M run the 4- and the
+ * 2-accumulator loops against the oracle; m = 2, 3 differ from them only in the token count. */
 #define DECODE_WIDE_M 2
 #define CHAINS(M) ((M) <= DECODE_WIDE_M ? 4 : (M) <= DECODE_M ? 2 : 1)
 
@@ -280,17 +281,17 @@ INLINE void tile_rows(const ktfp8_tile_job *const *jobs, const void *const *w, c
         for (int i = 0; i < M; i++) _mm512_storeu_ps(jobs[t]->c + (i0 + i) * jobs[t]->c_stride, res[t][i]);
 }
 
-/* One token against per-channel FP8 tiles (decode), each tile read as two code streams: its K halves
- * side by side, so that a tile pair streams four.  Why: one core's stream from DRAM, not its
+/* One token against FP8 tiles (decode), each tile read as two code streams: its K halves side by side,
+ * so that a tile pair streams four.  Why: one core's stream from DRAM, not its
  * conversion, bounds decode on the Zen 4 VM (the two-stream loop converts a tile pair in 1.5 us hot,
  * 2.2-2.6 us from DRAM), and more streams in flight read more of the bus.  Measured there
  * (tools/kernel_ab, one thread, codes from DRAM, against the two-stream loop): K = 2048 0.89x-0.92x,
  * K = 768 0.89x-0.93x; hot in L2 1.03x (with a prefetch base and a code pointer per stream instead
  * of per tile, GCC kept a vector and pointers on the stack: 1.22x).  The benchmark layer
  * (tools/ab_builds.py): T = 1 0.904x on 1 thread, 0.930x, 0.956x and 1.018x on 2 (three runs, the
- * bus near its limit there), T = 4 0.958x / 0.933x.  Block-wise scales keep the loop above: a
- * version that also took them, block b of both halves at a time, made this per-channel loop 1.03x-
- * 1.07x slower from DRAM (docs/tuning-notes.md).  BF16 weights too (no conversion to hide).
+ * bus near its limit there), T = 4 0.958x / 0.933x.  Block-wise scales through the same steps
+ * (decode_blocks, where each half is whole scale blocks): 0.87x-0.91x from DRAM at K = 768, 2048 and
+ * 7168, T = 1 0.931x on 1 thread.  BF16 weights keep tile_rows (no conversion to hide).
  * Two accumulators per stream; a tile adds its halves' four in one order whatever NW, so tile_matmul
  * and tile_matmul2 give the same sums bit for bit. */
 _Static_assert(KTFP8_K_ALIGN % 16 == 0, "k / 4 pairs per half: whole 4-pair steps (k_pad, moe_pack.c)");
@@ -345,14 +346,29 @@ INLINE void decode_step(const uint8_t *const *codes, const int NW, const uint16_
     group_step(codes, NW, a, half, second, p + 2, lut, acc);
 }
 
+/* Steps [p, p1) of both halves of every tile into acc, in runs of fixed prefetch bases
+ * (prefetch_ahead.h). */
+INLINE void halves_run(const uint8_t *const *codes, const int NW, const uint16_t *a, int64_t half,
+                       const ktfp8_prefetch_two *ahead, int64_t p, int64_t p1, const ktfp8_e4m3_bf16_lut *lut,
+                       __m512 acc[2][2][2]) {
+    const uintptr_t second = 32 * half; /* bytes from a tile's first half to its second */
+    while (p < p1) {
+        int64_t until;
+        uintptr_t far_base[2], near_base[2];
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++) ktfp8_prefetch_two_run(&ahead[t], 32 * p, &far_base[t], &near_base[t], &until);
+        const int64_t stop = ktfp8_prefetch_bound(until, 32, 4, p1);
+        for (; p + 4 <= stop; p += 4) decode_step(codes, NW, a, half, second, far_base, near_base, p, lut, acc);
+    }
+}
+
 INLINE void decode_halves(const ktfp8_tile_job *const *jobs, const int NW, const ktfp8_e4m3_bf16_lut *lut) {
-    const int64_t half = jobs[0]->k / 4;  /* pairs per half: [0, half) and [half, 2 half) */
-    const uintptr_t second = 32 * half;   /* bytes from a tile's first half to its second */
+    const int64_t half = jobs[0]->k / 4; /* pairs per half: [0, half) and [half, 2 half) */
     const uint16_t *a = (const uint16_t *)jobs[0]->a;
     const uint8_t *codes[2];
     /* Each half's stream runs on into the same half of the next tile (its tiles have this k), so the
-     * second half's prefetch bases are always the first half's plus `second`: one base per tile and
-     * kind, and fewer registers live in the loop. */
+     * second half's prefetch bases are always the first half's plus 32 * half bytes: one base per tile
+     * and kind, and fewer registers live in the loop. */
     ktfp8_prefetch_two ahead[2];
     __m512 acc[2][2][2]; /* [half][tile][chain] */
 #pragma GCC unroll 2
@@ -361,14 +377,7 @@ INLINE void decode_halves(const ktfp8_tile_job *const *jobs, const int NW, const
         ahead[t] = ktfp8_prefetch_two_of(codes[t], jobs[t]->w_next, 32 * half, PREFETCH_BYTES, PREFETCH_L1_BYTES);
         for (int h = 0; h < 2; h++) acc[h][t][0] = acc[h][t][1] = _mm512_setzero_ps();
     }
-    for (int64_t p = 0; p < half;) { /* in runs of fixed prefetch bases (prefetch_ahead.h) */
-        int64_t until;
-        uintptr_t far_base[2], near_base[2];
-#pragma GCC unroll 2
-        for (int t = 0; t < NW; t++) ktfp8_prefetch_two_run(&ahead[t], 32 * p, &far_base[t], &near_base[t], &until);
-        const int64_t stop = ktfp8_prefetch_bound(until, 32, 4, half);
-        for (; p + 4 <= stop; p += 4) decode_step(codes, NW, a, half, second, far_base, near_base, p, lut, acc);
-    }
+    halves_run(codes, NW, a, half, ahead, 0, half, lut, acc);
 #pragma GCC unroll 2
     for (int t = 0; t < NW; t++) {
         const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0][t][0], acc[0][t][1]),
@@ -377,15 +386,64 @@ INLINE void decode_halves(const ktfp8_tile_job *const *jobs, const int NW, const
     }
 }
 
+/* Whether decode_blocks takes job j: one token against block-wise FP8 whose K halves are whole scale
+ * blocks of whole 4-pair steps (block_k 128 and k a multiple of 256, as DeepSeek's checkpoints
+ * have it); other block shapes take tile_rows' two streams. */
+static inline int blocks_fit_halves(const ktfp8_tile_job *j) {
+    const int64_t span = j->block_k / 2, half = j->k / 4;
+    return j->m == 1 && j->format == KTFP8_FMT_FP8_BLOCK && span % 4 == 0 && half % span == 0 &&
+           j->n_kblocks == 2 * (half / span);
+}
+
+/* decode_halves with block-wise scales: block b of both halves in one run, each half's block scaled as
+ * it ends (the first half's before the second's). */
+INLINE void decode_blocks(const ktfp8_tile_job *const *jobs, const int NW, const ktfp8_e4m3_bf16_lut *lut) {
+    const int64_t half = jobs[0]->k / 4, span = jobs[0]->block_k / 2, blocks = half / span; /* per half */
+    const uint16_t *a = (const uint16_t *)jobs[0]->a;
+    const uint8_t *codes[2];
+    ktfp8_prefetch_two ahead[2];
+    __m512 res[2];
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++) {
+        codes[t] = (const uint8_t *)jobs[t]->w;
+        ahead[t] = ktfp8_prefetch_two_of(codes[t], jobs[t]->w_next, 32 * half, PREFETCH_BYTES, PREFETCH_L1_BYTES);
+        res[t] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512 acc[2][2][2]; /* [half][tile][chain] */
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++)
+            for (int h = 0; h < 2; h++) acc[h][t][0] = acc[h][t][1] = _mm512_setzero_ps();
+        halves_run(codes, NW, a, half, ahead, b * span, (b + 1) * span, lut, acc);
+#pragma GCC unroll 2
+        for (int t = 0; t < NW; t++)
+            for (int h = 0; h < 2; h++)
+                res[t] = _mm512_fmadd_ps(_mm512_add_ps(acc[h][t][0], acc[h][t][1]),
+                                         _mm512_loadu_ps(jobs[t]->scale + (h * blocks + b) * NB), res[t]);
+    }
+#pragma GCC unroll 2
+    for (int t = 0; t < NW; t++) _mm512_storeu_ps(jobs[t]->c, res[t]);
+}
+
 /* Out of line, one per NW, so that their code does not depend on the rest of tile_matmul2: inlined
  * there, a change to the passes of several tokens changed this loop's registers and order and cost
- * decode 1.02x-1.09x from DRAM (tools/kernel_ab, Zen 4 VM), the change itself untouched. */
+ * decode 1.02x-1.09x from DRAM (tools/kernel_ab, Zen 4 VM), the change itself untouched.  (Before the
+ * step order was pinned and the loop taken out of line, block-wise decode through these steps made
+ * per-channel decode 1.06x-1.14x slower from DRAM and itself gained only 0.94x-1.02x.) */
 static __attribute__((noinline)) void decode_halves1(const ktfp8_tile_job *const *jobs, const ktfp8_e4m3_bf16_lut *lut) {
     decode_halves(jobs, 1, lut);
 }
 
 static __attribute__((noinline)) void decode_halves2(const ktfp8_tile_job *const *jobs, const ktfp8_e4m3_bf16_lut *lut) {
     decode_halves(jobs, 2, lut);
+}
+
+static __attribute__((noinline)) void decode_blocks1(const ktfp8_tile_job *const *jobs, const ktfp8_e4m3_bf16_lut *lut) {
+    decode_blocks(jobs, 1, lut);
+}
+
+static __attribute__((noinline)) void decode_blocks2(const ktfp8_tile_job *const *jobs, const ktfp8_e4m3_bf16_lut *lut) {
+    decode_blocks(jobs, 2, lut);
 }
 
 /* NW jobs (1, or the 2 of tile_matmul2) over the same activations, m tokens in the fewest passes of
@@ -403,6 +461,10 @@ INLINE void run_jobs(const ktfp8_tile_job *const *jobs, const int NW) {
     const int fp8_stream = j->format != KTFP8_FMT_BF16;
     if (j->m == 1 && j->format == KTFP8_FMT_FP8_CHANNEL) {
         (NW == 1 ? decode_halves1 : decode_halves2)(jobs, &lut);
+        return;
+    }
+    if (blocks_fit_halves(j)) {
+        (NW == 1 ? decode_blocks1 : decode_blocks2)(jobs, &lut);
         return;
     }
     const int64_t passes = (j->m + MR - 1) / MR;
