@@ -299,15 +299,21 @@ _Static_assert(KTFP8_K_ALIGN % 16 == 0, "k / 4 pairs per half: whole 4-pair step
 /* Nothing is moved across it by the compiler: the decode step's order below. */
 #define STEP_ORDER() __asm__ volatile("" ::: "memory")
 
-/* The two lines of step p (4 pairs) of every stream, `base` being a tile's prefetch base (its first
- * half's; the second half's is `second` bytes on). */
-INLINE void prefetch_step(const uintptr_t *base, const int NW, uintptr_t second, int64_t p, const int hint) {
+/* The two lines of step p (4 pairs) of every stream into L1 (to_l1) or L2, `base` being a tile's
+ * prefetch base (its first half's; the second half's is `second` bytes on).  (The hint is spelled
+ * out at each call: _mm_prefetch needs a constant, which some compilers check before inlining.) */
+INLINE void prefetch_step(const uintptr_t *base, const int NW, uintptr_t second, int64_t p, const int to_l1) {
 #pragma GCC unroll 2
     for (int t = 0; t < NW; t++)
         for (int h = 0; h < 2; h++) {
             const uintptr_t line = base[t] + h * second + (uintptr_t)(32 * p);
-            _mm_prefetch((const char *)line, hint);
-            _mm_prefetch((const char *)(line + 64), hint);
+            if (to_l1) {
+                _mm_prefetch((const char *)line, _MM_HINT_T0);
+                _mm_prefetch((const char *)(line + 64), _MM_HINT_T0);
+            } else {
+                _mm_prefetch((const char *)line, _MM_HINT_T1);
+                _mm_prefetch((const char *)(line + 64), _MM_HINT_T1);
+            }
         }
 }
 
@@ -337,11 +343,11 @@ INLINE void group_step(const uint8_t *const *codes, const int NW, const uint16_t
 INLINE void decode_step(const uint8_t *const *codes, const int NW, const uint16_t *a, int64_t half,
                         uintptr_t second, const uintptr_t *far_base, const uintptr_t *near_base, int64_t p,
                         const ktfp8_e4m3_bf16_lut *lut, __m512 acc[2][2][2]) {
-    prefetch_step(near_base, NW, second, p, _MM_HINT_T0);
+    prefetch_step(near_base, NW, second, p, 1);
     STEP_ORDER();
     group_step(codes, NW, a, half, second, p, lut, acc);
     STEP_ORDER();
-    prefetch_step(far_base, NW, second, p, _MM_HINT_T1);
+    prefetch_step(far_base, NW, second, p, 0);
     STEP_ORDER();
     group_step(codes, NW, a, half, second, p + 2, lut, acc);
 }
