@@ -368,19 +368,25 @@ INLINE void halves_run(const uint8_t *const *codes, const int NW, const uint16_t
     }
 }
 
+/* Job j's codes, and their software prefetch as a tile of one half (32 * half bytes).  Each half's
+ * stream runs on into the same half of the next tile (its tiles have this k), so the second half's
+ * prefetch bases are always the first half's plus 32 * half bytes: one base per tile and kind, and
+ * fewer registers live in the loop. */
+INLINE const uint8_t *half_stream(const ktfp8_tile_job *j, int64_t half, ktfp8_prefetch_two *ahead) {
+    const uint8_t *codes = (const uint8_t *)j->w;
+    *ahead = ktfp8_prefetch_two_of(codes, j->w_next, 32 * half, PREFETCH_BYTES, PREFETCH_L1_BYTES);
+    return codes;
+}
+
 INLINE void decode_halves(const ktfp8_tile_job *const *jobs, const int NW, const ktfp8_e4m3_bf16_lut *lut) {
     const int64_t half = jobs[0]->k / 4; /* pairs per half: [0, half) and [half, 2 half) */
     const uint16_t *a = (const uint16_t *)jobs[0]->a;
     const uint8_t *codes[2];
-    /* Each half's stream runs on into the same half of the next tile (its tiles have this k), so the
-     * second half's prefetch bases are always the first half's plus 32 * half bytes: one base per tile
-     * and kind, and fewer registers live in the loop. */
     ktfp8_prefetch_two ahead[2];
     __m512 acc[2][2][2]; /* [half][tile][chain] */
 #pragma GCC unroll 2
     for (int t = 0; t < NW; t++) {
-        codes[t] = (const uint8_t *)jobs[t]->w;
-        ahead[t] = ktfp8_prefetch_two_of(codes[t], jobs[t]->w_next, 32 * half, PREFETCH_BYTES, PREFETCH_L1_BYTES);
+        codes[t] = half_stream(jobs[t], half, &ahead[t]);
         for (int h = 0; h < 2; h++) acc[h][t][0] = acc[h][t][1] = _mm512_setzero_ps();
     }
     halves_run(codes, NW, a, half, ahead, 0, half, lut, acc);
@@ -411,8 +417,7 @@ INLINE void decode_blocks(const ktfp8_tile_job *const *jobs, const int NW, const
     __m512 res[2];
 #pragma GCC unroll 2
     for (int t = 0; t < NW; t++) {
-        codes[t] = (const uint8_t *)jobs[t]->w;
-        ahead[t] = ktfp8_prefetch_two_of(codes[t], jobs[t]->w_next, 32 * half, PREFETCH_BYTES, PREFETCH_L1_BYTES);
+        codes[t] = half_stream(jobs[t], half, &ahead[t]);
         res[t] = _mm512_setzero_ps();
     }
     for (int64_t b = 0; b < blocks; b++) {
