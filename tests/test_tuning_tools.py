@@ -83,19 +83,24 @@ def test_kernel_ab_refuses_an_unknown_level():
     assert "no level 'avx1024'" in done.stderr
 
 
+def altered_jobs_build(unit, tmp_path, name, change):
+    """A build of `unit` whose tile_matmul2 runs on copies a, b of its two jobs after the C statements
+    `change` (lines) altered them."""
+    bad = tmp_path / f"{name}.c"
+    bad.write_text(f'#include "{unit}"\n'
+                   f"static void {name}(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {{\n"
+                   "    ktfp8_tile_job a = *j0, b = *j1;\n" +
+                   "".join(f"    {line}\n" for line in change) +
+                   "    tile_matmul2(&a, &b);\n"
+                   "}\n"
+                   f"#define tile_matmul2 {name}\n")
+    return bad
+
+
 def swapped_outputs_build(unit, tmp_path):
     """A build of `unit` whose tile_matmul2 writes the first job's sums into the second job's output
     and the reverse: fast as the original, wrong for every m."""
-    bad = tmp_path / "swapped.c"
-    bad.write_text(f'#include "{unit}"\n'
-                   "static void swapped(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {\n"
-                   "    ktfp8_tile_job a = *j0, b = *j1;\n"
-                   "    a.c = j1->c;\n"
-                   "    b.c = j0->c;\n"
-                   "    tile_matmul2(&a, &b);\n"
-                   "}\n"
-                   "#define tile_matmul2 swapped\n")
-    return bad
+    return altered_jobs_build(unit, tmp_path, "swapped", ["a.c = j1->c;", "b.c = j0->c;"])
 
 
 @pytest.mark.skipif(not HAS_BF16, reason="needs AVX-512 BF16 and VBMI")
@@ -146,14 +151,7 @@ def test_kernel_ab_times_block_wise_scales_and_refuses_a_build_that_ignores_them
     lines = re.findall(r"hot block-wise K=256 m=\s*(\d+): old\s+[\d.]+ us  new\s+[\d.]+ us", done.stdout)
     assert lines == ["1", "6"], done.stdout
 
-    per_channel = tmp_path / "per_channel.c"
-    per_channel.write_text(f'#include "{unit}"\n'
-                           "static void as_per_channel(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {\n"
-                           "    ktfp8_tile_job a = *j0, b = *j1;\n"
-                           "    a.format = b.format = KTFP8_FMT_FP8_CHANNEL;\n"
-                           "    tile_matmul2(&a, &b);\n"
-                           "}\n"
-                           "#define tile_matmul2 as_per_channel\n")
+    per_channel = altered_jobs_build(unit, tmp_path, "as_per_channel", ["a.format = b.format = KTFP8_FMT_FP8_CHANNEL;"])
     done = run(KERNEL_AB, "--isa", "avx2", unit, per_channel, "--block-k", 128, "hot", 256, 1)
     assert done.returncode == 1
     assert "m = 1: the builds disagree" in done.stderr
