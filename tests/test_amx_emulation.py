@@ -1,12 +1,11 @@
 """The AMX tile emulation (include/ktfp8/amx_emulation.h) against the Intel SDM's TDPBF16PS.
 
-The oracle is a plain loop over exact rationals that follows the SDM's Operation section: per
+The oracle is a plain loop over exact rationals (tests/sdm_bf16.py) that follows the SDM's Operation section: per
 destination row, the even and the odd BF16 products are accumulated into two separate FP32 sums
 (each step one FMA rounding, round-to-nearest-even), those two are added, and the result is added
 to the destination; BF16 denormal inputs and FP32 denormal destination values read as zero; every
 result that is below 2^-126 after rounding to 24 bits (x86 tininess after rounding) becomes zero.
 """
-import math
 import subprocess
 import sys
 from fractions import Fraction
@@ -14,9 +13,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-_testing = pytest.importorskip("ktfp8._native._testing", reason="the test module is not built (KTFP8_ENABLE_EMULATED=OFF)")
+from sdm_bf16 import bf16_value, f32_value, random_bf16, round_f32_ftz
 
-TWO_M126 = Fraction(1, 2**126)
+_testing = pytest.importorskip("ktfp8._native._testing", reason="the test module is not built (KTFP8_ENABLE_EMULATED=OFF)")
 
 
 def tilecfg(shapes):
@@ -30,38 +29,6 @@ def tilecfg(shapes):
     cfg[16:48] = colsb.view(np.uint8)
     cfg[48:64] = rows
     return cfg
-
-
-def bf16_value(bits):
-    """make_fp32 with DAZ: exact value of a bf16 bit pattern, denormals as zero."""
-    bits = int(bits)
-    if bits & 0x7F80 == 0:
-        return Fraction(0)
-    return Fraction(float(np.array([bits << 16], np.uint32).view(np.float32)[0]))
-
-
-def f32_value(x):
-    """An FP32 operand read from a tile, DAZ."""
-    x = float(x)
-    return Fraction(0) if abs(x) < 2.0**-126 else Fraction(x)
-
-
-def round_f32_ftz(x):
-    """x rounded to FP32: 24-bit significand, nearest-even, unbounded exponent; then flushed to
-    zero when below 2^-126 and overflowing to infinity at 2^128."""
-    if x == 0:
-        return Fraction(0)
-    mag = abs(x)
-    e = mag.numerator.bit_length() - mag.denominator.bit_length()
-    if Fraction(2) ** e > mag:
-        e -= 1
-    unit = Fraction(2) ** (e - 23)
-    r = round(mag / unit) * unit  # Fraction.__round__ rounds half to even
-    if r < TWO_M126:
-        return Fraction(0)
-    if r >= Fraction(2) ** 128:
-        return math.copysign(math.inf, x)
-    return r if x > 0 else -r
 
 
 def sdm_dpbf16ps(c, a, b, rows, pairs, cols):
@@ -92,14 +59,6 @@ def run_emulated(c, a, b, rows, pairs, cols, tiles=(1, 4, 6), strides=None):
                                     b.view(np.uint8).reshape(-1), b.strides[0], out.view(np.uint8).reshape(-1))
     assert ok
     return out
-
-
-def random_bf16(rng, shape, exp_lo=-20, exp_hi=20):
-    """bf16 bit patterns of normal numbers with exponents in [exp_lo, exp_hi] and random signs."""
-    exp = rng.integers(exp_lo, exp_hi + 1, shape) + 127
-    mant = rng.integers(0, 128, shape)
-    sign = rng.integers(0, 2, shape)
-    return ((sign << 15) | (exp << 7) | mant).astype(np.uint16)
 
 
 def test_full_tile_is_bit_exact_with_the_sdm_loop():

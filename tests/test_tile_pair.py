@@ -108,3 +108,34 @@ def test_tile_pair_refuses_jobs_its_buffers_do_not_fit():
     for variant in PAIRED:
         with pytest.raises(ValueError, match="do not fit"):  # m = 2 rows of output, c holds one
             _testing.tile_pair(backends.variant(variant), True, per_channel, K, 0, 1, w, w, s, s, a, K, 2, c, c)
+
+
+# emulated twins whose native variant this CPU runs: the same source, compiled for SIMDe and the
+# software tiles, must give the native instructions' bits (vdpbf16ps: odd products first, DAZ, FTZ)
+TWINS = [v for v in ("avx512_emulated", "avx512_bf16_emulated", "amx_emulated")
+         if v in backends.usable_variants() and v.removesuffix("_emulated") in backends.usable_variants()]
+
+
+@pytest.mark.skipif(not TWINS, reason="this CPU runs no native variant that has an emulated twin")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("twin", TWINS)
+def test_emulated_twin_gives_the_native_bits(twin, fmt):
+    K = KS[0]
+    name, block_k = FORMATS[fmt]
+    code = _FORMAT_CODES[name]
+    n_kblocks = -(-K // block_k) if block_k else 1
+    rng = np.random.default_rng(7 * code + block_k)
+    w = [random_tile(rng, code, K) for _ in range(2)]
+    s = [rng.uniform(0.5, 2.0, NB * n_kblocks).astype(np.float32) for _ in range(2)]
+    for m in pair_token_counts(twin):
+        padded = -(-m // ROW_TILE) * ROW_TILE
+        a = random_activations(rng, twin, padded * K)
+        out = {}
+        for v in (twin, twin.removesuffix("_emulated")):
+            c = [np.full(m * NB, np.nan, np.float32) for _ in range(2)]
+            _testing.tile_pair(backends.variant(v), True, code, K, block_k, n_kblocks, w[0], w[1], s[0], s[1],
+                               a, K, m, c[0], c[1])
+            out[v] = [ci.view(np.uint32) for ci in c]
+        for t in range(2):
+            np.testing.assert_array_equal(out[twin][t], out[twin.removesuffix("_emulated")][t],
+                                          err_msg=f"{twin} {fmt} m={m} tile {t}")

@@ -16,7 +16,6 @@
 #ifndef KTFP8_AMX_EMULATION_H
 #define KTFP8_AMX_EMULATION_H
 
-#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +27,7 @@
 #endif
 
 #include "ktfp8/amx_tilecfg.h"
+#include "ktfp8/bf16_dot_emulation.h"
 
 typedef struct ktfp8_amx_state {
     uint8_t tile[KTFP8_AMX_TILES][KTFP8_AMX_MAX_ROWS][KTFP8_AMX_MAX_COLSB];
@@ -102,30 +102,6 @@ static inline void ktfp8_amx_emu_zero(int t) {
 
 /* ---------------------------------------------------------------- TDPBF16PS arithmetic */
 
-/* make_fp32 with DAZ: a BF16 denormal (exponent bits 0) reads as a zero of its sign. */
-static inline float ktfp8_amx_emu_bf16(uint16_t h) {
-    uint32_t bits = (h & 0x7F80u) ? (uint32_t)h << 16 : (uint32_t)(h & 0x8000u) << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* DAZ for an FP32 operand read from a tile (the destination accumulator). */
-static inline float ktfp8_amx_emu_daz(float f) { return fpclassify(f) == FP_SUBNORMAL ? copysignf(0.0f, f) : f; }
-
-/* round(a * b + c) with one rounding, RNE, and FTZ as x86 defines it: the result is flushed to a
- * signed zero when, rounded to 24 bits with an unbounded exponent, it is below 2^-126 (tininess
- * after rounding).  fmaf rounds tiny results to denormal precision instead, which can round up to
- * exactly 2^-126 where x86 flushes; so any result of magnitude <= 2^-126 is recomputed scaled by
- * 2^64, where it is normal.  Inputs are normal or zero (DAZ): a tiny non-zero a*b + c then needs
- * |a*b|, |c| < 2^-99 and |a| < 2^27, so the scaling cannot overflow. */
-static inline float ktfp8_amx_emu_fma_ftz(float a, float b, float c) {
-    float r = fmaf(a, b, c);
-    if (!(fabsf(r) <= 0x1p-126f) || r == 0.0f) return r; /* normal, Inf, NaN or an exact zero */
-    float big = fmaf(a * 0x1p64f, b, c * 0x1p64f);
-    return fabsf(big) < 0x1p-62f ? copysignf(0.0f, big) : big * 0x1p-64f;
-}
-
 /* TDPBF16PS tsrcdest, tsrc1, tsrc2 as the SDM's Operation section gives it: per destination row m,
  * the even and the odd BF16 products are accumulated in two separate FP32 sums over all K pairs
  * of the tile (FMA, DAZ, FTZ, RNE), then added to each other, and that sum is added to the
@@ -149,17 +125,17 @@ static inline void ktfp8_amx_emu_dpbf16ps(int d, int a, int b) {
         float temp[2 * KTFP8_AMX_MAX_COLSB / 4] = {0}; /* [n][even, odd] */
         const uint16_t *arow = (const uint16_t *)s->tile[a][m];
         for (int k = 0; k < pairs; k++) {
-            const float a0 = ktfp8_amx_emu_bf16(arow[2 * k]), a1 = ktfp8_amx_emu_bf16(arow[2 * k + 1]);
+            const float a0 = ktfp8_emu_bf16(arow[2 * k]), a1 = ktfp8_emu_bf16(arow[2 * k + 1]);
             const uint16_t *brow = (const uint16_t *)s->tile[b][k];
             for (int n = 0; n < cols; n++) {
-                temp[2 * n] = ktfp8_amx_emu_fma_ftz(a0, ktfp8_amx_emu_bf16(brow[2 * n]), temp[2 * n]);
-                temp[2 * n + 1] = ktfp8_amx_emu_fma_ftz(a1, ktfp8_amx_emu_bf16(brow[2 * n + 1]), temp[2 * n + 1]);
+                temp[2 * n] = ktfp8_emu_fma_ftz(a0, ktfp8_emu_bf16(brow[2 * n]), temp[2 * n]);
+                temp[2 * n + 1] = ktfp8_emu_fma_ftz(a1, ktfp8_emu_bf16(brow[2 * n + 1]), temp[2 * n + 1]);
             }
         }
         float *crow = (float *)s->tile[d][m];
         for (int n = 0; n < cols; n++) {
-            const float pair_sum = ktfp8_amx_emu_fma_ftz(temp[2 * n], 1.0f, temp[2 * n + 1]);
-            crow[n] = ktfp8_amx_emu_fma_ftz(ktfp8_amx_emu_daz(crow[n]), 1.0f, pair_sum);
+            const float pair_sum = ktfp8_emu_fma_ftz(temp[2 * n], 1.0f, temp[2 * n + 1]);
+            crow[n] = ktfp8_emu_fma_ftz(ktfp8_emu_daz(crow[n]), 1.0f, pair_sum);
         }
         memset((uint8_t *)crow + s->colsb[d], 0, KTFP8_AMX_MAX_COLSB - s->colsb[d]);
     }

@@ -1,10 +1,11 @@
 # cython: language_level=3
 """Test-only native code, kept out of the package's import (as NumPy keeps _umath_tests): the
-*_emulated variants, a hook into the AMX tile emulation and one into a variant's micro-kernel.
+*_emulated variants, hooks into the AMX tile emulation and the emulated VDPBF16PS, and one into a
+variant's micro-kernel.
 Built with the test suite's build (KTFP8_ENABLE_EMULATED not OFF); ktfp8.backends loads it only
 when an emulated variant is named or listed."""
 
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_New
 
 cdef extern from "ktfp8/dispatch.h":
@@ -12,6 +13,9 @@ cdef extern from "ktfp8/dispatch.h":
         pass
     ctypedef struct ktfp8_variant:
         pass
+
+cdef extern from "ktfp8/bf16_dot_emulation.h":
+    void ktfp8_emu_vdpbf16ps(float *acc, const uint16_t *src1, const uint16_t *src2) nogil
 
 cdef extern from *:
     """
@@ -60,6 +64,16 @@ def amx_emulated_dpbf16ps(const uint8_t[::1] cfg, int d, int a, int b, const uin
         rc = ktfp8_amx_emulated_dpbf16ps(&cfg[0], d, a, b, &c[0], c_stride, c.shape[0], &av[0], a_stride,
                                          av.shape[0], &bv[0], b_stride, bv.shape[0], &out[0], out.shape[0])
     return rc == 0
+
+
+def emulated_vdpbf16ps(float[::1] acc, const uint16_t[::1] src1, const uint16_t[::1] src2):
+    """VDPBF16PS acc, src1, src2 on one zmm as the *_emulated kernels run it
+    (include/ktfp8/bf16_dot_emulation.h): acc, 16 FP32 lanes, is updated in place; src1 and src2
+    hold 32 BF16 bit patterns each."""
+    if acc.shape[0] != 16 or src1.shape[0] != 32 or src2.shape[0] != 32:
+        raise ValueError("emulated_vdpbf16ps takes 16 FP32 accumulators and two vectors of 32 BF16")
+    with nogil:
+        ktfp8_emu_vdpbf16ps(&acc[0], &src1[0], &src2[0])
 
 
 def tile_pair(variant, bint paired, int fmt, int64_t k, int64_t block_k, int64_t n_kblocks,

@@ -54,6 +54,9 @@
 #include "ktfp8/simd.h"
 #include "ktfp8/token_count.h"
 #include "ktfp8/variant.h"
+#ifdef KTFP8_EMULATE_SIMD
+#include "ktfp8/bf16_dot_emulation.h"
+#endif
 
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
 #define DECODE_M 4  /* tokens per pass up to which each token has more than one accumulator (CHAINS) */
@@ -73,10 +76,18 @@ INLINE __m512i bcast_pair(const uint16_t *row, int64_t p) {
 }
 
 #ifdef KTFP8_EMULATE_SIMD
-/* SIMDe's vdpbf16ps is a 32-step scalar loop; kept out of line so the emulated build compiles in
- * seconds rather than minutes.  Same operation. */
+/* vdpbf16ps as the SDM defines it (bf16_dot_emulation.h), not SIMDe's: that one adds the even
+ * product first and keeps denormals, so the emulated twin lost the native bits, and clang lowers
+ * its __m512bh operands through __truncsfbf2, which libgcc before GCC 13 lacks.  Out of line so
+ * that the emulated build compiles in seconds rather than minutes. */
 static __attribute__((noinline)) void dpbf16_emulated(__m512 *acc, const __m512i *w, const __m512i *a) {
-    *acc = _mm512_dpbf16_ps(*acc, (__m512bh)*w, (__m512bh)*a);
+    float sum[16];
+    uint16_t w_bf16[32], a_bf16[32];
+    memcpy(sum, acc, sizeof(sum));
+    memcpy(w_bf16, w, sizeof(w_bf16));
+    memcpy(a_bf16, a, sizeof(a_bf16));
+    ktfp8_emu_vdpbf16ps(sum, w_bf16, a_bf16);
+    memcpy(acc, sum, sizeof(sum));
 }
 INLINE __m512 dpbf16(__m512 acc, __m512i w, __m512i a) {
     dpbf16_emulated(&acc, &w, &a);
