@@ -55,3 +55,33 @@ def test_bad_option_value_is_refused(source):
     proc = build(source, KTFP8_ENABLE_AVX2="sometimes")
     assert proc.returncode != 0
     assert "KTFP8_ENABLE_AVX2='SOMETIMES'; expected ON, OFF or AUTO" in proc.stdout + proc.stderr
+
+
+def clang_with_openmp(tmp_path):
+    """A clang on PATH that builds and links an OpenMP program, or None."""
+    probe = tmp_path / "omp.c"
+    probe.write_text("#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n")
+    for name in ["clang"] + [f"clang-{v}" for v in range(21, 13, -1)]:
+        cc = shutil.which(name)
+        if cc and subprocess.run([cc, "-fopenmp", str(probe), "-o", str(tmp_path / "omp")],
+                                 capture_output=True, timeout=120).returncode == 0:
+            return cc
+    return None
+
+
+def test_a_clang_build_passes_the_tests_that_differ_by_compiler(source, tmp_path_factory):
+    """A clang build links LLVM's libomp and lowers SIMDe's bf16 vectors its own way: its test module
+    imports (clang once called __truncsfbf2, which libgcc before GCC 13 lacks), its emulated
+    vdpbf16ps keeps the SDM's bits, and its OpenMP threads keep the CPUs numa.pin gives them."""
+    cc = clang_with_openmp(tmp_path_factory.mktemp("probe"))
+    if cc is None:
+        pytest.skip("no clang with OpenMP (libomp) on this machine")
+    proc = build(source, CC=cc, LDSHARED=f"{cc} -shared")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tests = [str(ROOT / "tests" / name) for name in ("test_vdpbf16ps_emulation.py", "test_tile_pair.py", "test_numa.py")]
+    env = {k: v for k, v in os.environ.items() if k not in ("KMP_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=source,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert str(source) in subprocess.run([sys.executable, "-c", "import ktfp8; print(ktfp8.__file__)"], cwd=source,
+                                         capture_output=True, text=True, timeout=120).stdout

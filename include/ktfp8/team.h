@@ -1,4 +1,4 @@
-/* OpenMP team sizes that survive fork().
+/* OpenMP team sizes that survive fork(), and thread affinity left to the caller.
  *
  * libgomp keeps its pool threads across parallel regions, and fork() copies only the calling
  * thread: a child forked after the parent ran a team of two or more threads waits forever for the
@@ -14,5 +14,15 @@ int ktfp8_team_size(int requested);
 
 /* 1 when ktfp8_team_size caps teams at one thread in this process, else 0. */
 int ktfp8_forked_after_teams(void);
+
+/* Called once, when the extension loads.  GCC's libgomp leaves each thread's CPU mask alone unless
+ * OMP_PROC_BIND / OMP_PLACES / GOMP_CPU_AFFINITY ask, so a thread pinned to one NUMA node's CPUs
+ * (ktfp8.numa.pin, NumaMoE's teams) runs its team there.  LLVM's libomp (a clang build; Intel's
+ * runtime shares its code) instead binds a thread that starts its first team to the whole mask the
+ * process had when the runtime started, undoing the pinning (tests/test_numa.py failed so in a
+ * clang-19 build).  With none of KMP_AFFINITY, OMP_PROC_BIND, OMP_PLACES set, this makes its
+ * default "disabled" (threads keep the mask they have), as libgomp behaves; a user's setting wins.
+ * No effect with libgomp. */
+void ktfp8_openmp_defaults(void);
 
 #endif

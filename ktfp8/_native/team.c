@@ -1,7 +1,9 @@
-/* Team sizes that survive fork() (see include/ktfp8/team.h). */
+/* Team sizes that survive fork(), and the OpenMP runtime's thread affinity (see include/ktfp8/team.h). */
 #include "ktfp8/team.h"
 
+#include <omp.h>
 #include <pthread.h>
+#include <stdlib.h>
 
 static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
 static volatile int forked_after_teams; /* set in a child only, before it runs anything else */
@@ -19,3 +21,10 @@ int ktfp8_team_size(int requested) {
 }
 
 int ktfp8_forked_after_teams(void) { return forked_after_teams; }
+
+void ktfp8_openmp_defaults(void) {
+#ifdef KMP_VERSION_MAJOR /* LLVM's or Intel's runtime (GCC's omp.h does not define it) */
+    if (!getenv("KMP_AFFINITY") && !getenv("OMP_PROC_BIND") && !getenv("OMP_PLACES"))
+        kmp_set_defaults("KMP_AFFINITY=disabled");
+#endif
+}
