@@ -358,9 +358,25 @@ def big_input(tmp_path_factory):
     return folder
 
 
-def _start(src, dst, **kwargs):
-    cmd = [sys.executable, "-m", "ktfp8.convert", "--input-type", "bf16", "--input-path", str(src),
-           "--output-path", str(dst), "--threads", "1"]
+# python -m ktfp8.convert with a pause after each write to the output: in a fresh venv (NumPy 2.0 and
+# 2.5) the whole big input converted in 0.1-0.2 s, so a signal sent once a partial shard had appeared
+# came after the run had finished.  The pauses keep the run going for seconds, mid-write.
+SLOW_CONVERT = """
+import sys, time
+import ktfp8.convert_work as work
+write = work.ShardSet.write
+def write_then_pause(self, *args, **kwargs):
+    write(self, *args, **kwargs)
+    time.sleep(0.05)
+work.ShardSet.write = write_then_pause
+from ktfp8.convert import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _start(src, dst, slow=False, **kwargs):
+    cmd = [sys.executable, *(["-c", SLOW_CONVERT] if slow else ["-m", "ktfp8.convert"]), "--input-type", "bf16",
+           "--input-path", str(src), "--output-path", str(dst), "--threads", "1"]
     return subprocess.Popen(cmd, cwd=REPO, **kwargs)
 
 
@@ -377,7 +393,7 @@ def _wait_for_partial_shard(proc, parent, name):
 
 def test_killed_conversion_leaves_nothing_that_looks_finished(big_input, tmp_path):
     dst = tmp_path / "out"
-    proc = _start(big_input, dst, stderr=subprocess.DEVNULL)
+    proc = _start(big_input, dst, slow=True, stderr=subprocess.DEVNULL)
     _wait_for_partial_shard(proc, tmp_path, "out")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -421,7 +437,7 @@ def test_next_run_removes_a_dead_runs_partial_folder(qwen, tmp_path, marker):
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
 def test_interrupted_conversion_cleans_up(big_input, tmp_path, sig, code):
     dst = tmp_path / "out"
-    proc = _start(big_input, dst, stderr=subprocess.PIPE, text=True)
+    proc = _start(big_input, dst, slow=True, stderr=subprocess.PIPE, text=True)
     _wait_for_partial_shard(proc, tmp_path, "out")
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
