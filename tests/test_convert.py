@@ -358,26 +358,18 @@ def big_input(tmp_path_factory):
     return folder
 
 
-# python -m ktfp8.convert with a pause after each write to the output: in a fresh venv (NumPy 2.0 and
-# 2.5) the whole big input converted in 0.1-0.2 s, so a signal sent once a partial shard had appeared
-# came after the run had finished.  The pauses keep the run going for seconds, mid-write.
-SLOW_CONVERT = """
-import sys, time
-import ktfp8.convert_work as work
-write = work.ShardSet.write
-def write_then_pause(self, *args, **kwargs):
-    write(self, *args, **kwargs)
-    time.sleep(0.05)
-work.ShardSet.write = write_then_pause
-from ktfp8.convert import main
-sys.exit(main(sys.argv[1:]))
-"""
+def _start(src, dst, preexec=None, **kwargs):
+    cmd = [sys.executable, "-m", "ktfp8.convert", "--input-type", "bf16", "--input-path", str(src),
+           "--output-path", str(dst), "--threads", "1"]
 
+    def child_setup():
+        # SIGINT as a terminal delivers it: a test run started as a shell's background job (bash
+        # starts those with SIGINT ignored) passed SIG_IGN on, and the converter ran to the end
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if preexec:
+            preexec()
 
-def _start(src, dst, slow=False, **kwargs):
-    cmd = [sys.executable, *(["-c", SLOW_CONVERT] if slow else ["-m", "ktfp8.convert"]), "--input-type", "bf16",
-           "--input-path", str(src), "--output-path", str(dst), "--threads", "1"]
-    return subprocess.Popen(cmd, cwd=REPO, **kwargs)
+    return subprocess.Popen(cmd, cwd=REPO, preexec_fn=child_setup, **kwargs)
 
 
 def _wait_for_partial_shard(proc, parent, name):
@@ -393,7 +385,7 @@ def _wait_for_partial_shard(proc, parent, name):
 
 def test_killed_conversion_leaves_nothing_that_looks_finished(big_input, tmp_path):
     dst = tmp_path / "out"
-    proc = _start(big_input, dst, slow=True, stderr=subprocess.DEVNULL)
+    proc = _start(big_input, dst, stderr=subprocess.DEVNULL)
     _wait_for_partial_shard(proc, tmp_path, "out")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -437,7 +429,7 @@ def test_next_run_removes_a_dead_runs_partial_folder(qwen, tmp_path, marker):
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
 def test_interrupted_conversion_cleans_up(big_input, tmp_path, sig, code):
     dst = tmp_path / "out"
-    proc = _start(big_input, dst, slow=True, stderr=subprocess.PIPE, text=True)
+    proc = _start(big_input, dst, stderr=subprocess.PIPE, text=True)
     _wait_for_partial_shard(proc, tmp_path, "out")
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
@@ -506,7 +498,7 @@ def test_write_failure_leaves_nothing(big_input, tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (20_000_000, 20_000_000))
 
     dst = tmp_path / "out"
-    proc = _start(big_input, dst, stderr=subprocess.PIPE, text=True, preexec_fn=limit_file_size)
+    proc = _start(big_input, dst, preexec=limit_file_size, stderr=subprocess.PIPE, text=True)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "error: [Errno 27] File too large" in err
