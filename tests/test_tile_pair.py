@@ -110,9 +110,10 @@ def test_tile_pair_refuses_jobs_its_buffers_do_not_fit():
             _testing.tile_pair(backends.variant(variant), True, per_channel, K, 0, 1, w, w, s, s, a, K, 2, c, c)
 
 
-# emulated twins whose native variant this CPU runs: the same source, compiled for SIMDe and the
-# software tiles, must give the native instructions' bits (vdpbf16ps: odd products first, DAZ, FTZ)
-TWINS = [v for v in ("avx512_emulated", "avx512_bf16_emulated", "amx_emulated")
+# emulated twins whose native variant this CPU runs: the same source, compiled for SIMDe, must give
+# the native instructions' bits (vdpbf16ps: odd products first, DAZ, FTZ; checked on the Zen 4 VM).
+# Not amx_emulated yet: its tiles follow the SDM's TDPBF16PS, which no AMX core has been compared with.
+TWINS = [v for v in ("avx512_emulated", "avx512_bf16_emulated")
          if v in backends.usable_variants() and v.removesuffix("_emulated") in backends.usable_variants()]
 
 
