@@ -39,10 +39,11 @@ head -n 20 "$OUT/machine.txt"
 step build 300 "$PY" setup.py -q build_ext --inplace || exit 1
 "$PY" -m ktfp8.cpu | tee -a "$OUT/machine.txt"
 step bench 330 "$PY" -m ktfp8.bench --quick --out "$OUT"
-# every native kernel this CPU runs against the float64 oracle and `reference`, paired tiles bit for
-# bit, the AMX paths (skipped where the CPU lacks them)
-step tests 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_tile_pair.py \
-    tests/test_moe_amx.py tests/test_moe.py
+# every native kernel this CPU runs against the float64 oracle and `reference`, the AMX paths
+# (skipped where the CPU lacks them), then paired tiles bit for bit and each emulated twin against
+# its native variant, amx's included (the SDM's TDPBF16PS against an AMX core)
+step tests 150 env KTFP8_COMPARE_AMX_TWIN=1 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
+    tests/test_moe_amx.py tests/test_moe.py tests/test_tile_pair.py
 # each backend's speed against the tokens per expert, on all cores: where the kernels' thresholds
 # (DECODE_M, KEEP_M, MR, AMX_MIN_M) and the default backend stand on this CPU
 step tokens 120 "$PY" -m ktfp8.bench.tokens_per_expert --threads "$(nproc)" --rounds 2 \
