@@ -20,8 +20,9 @@ int ktfp8_forked_after_teams(void);
  * (ktfp8.numa.pin, NumaMoE's teams) runs its team there.  LLVM's libomp (a clang build; Intel's
  * runtime shares its code) instead binds a thread that starts its first team to the whole mask the
  * process had when the runtime started, undoing the pinning (tests/test_numa.py failed so in a
- * clang-19 build).  With none of KMP_AFFINITY, OMP_PROC_BIND, OMP_PLACES set, this makes its
- * default "disabled" (threads keep the mask they have), as libgomp behaves; a user's setting wins.
+ * clang-19 build).  With none of KMP_AFFINITY, OMP_PROC_BIND, OMP_PLACES set, this sets
+ * KMP_AFFINITY=disabled in the environment (threads keep the mask they have), as libgomp behaves; a
+ * user's setting wins, and a runtime another library started before ktfp8 loaded keeps its own.
  * No effect with libgomp. */
 void ktfp8_openmp_defaults(void);
 

@@ -1,7 +1,7 @@
 /* Team sizes that survive fork(), and the OpenMP runtime's thread affinity (see include/ktfp8/team.h). */
 #include "ktfp8/team.h"
 
-#include <omp.h>
+#include <omp.h> /* KMP_VERSION_MAJOR */
 #include <pthread.h>
 #include <stdlib.h>
 
@@ -24,7 +24,10 @@ int ktfp8_forked_after_teams(void) { return forked_after_teams; }
 
 void ktfp8_openmp_defaults(void) {
 #ifdef KMP_VERSION_MAJOR /* LLVM's or Intel's runtime (GCC's omp.h does not define it) */
+    /* The environment, not kmp_set_defaults: that one, called after the runtime has started (another
+     * library ran a team first), prints "OMP: Warning #225: KMP_AFFINITY must be set prior to first
+     * parallel region"; the runtime reads the environment once, when it starts. */
     if (!getenv("KMP_AFFINITY") && !getenv("OMP_PROC_BIND") && !getenv("OMP_PLACES"))
-        kmp_set_defaults("KMP_AFFINITY=disabled");
+        setenv("KMP_AFFINITY", "disabled", 0);
 #endif
 }
