@@ -72,14 +72,15 @@ def clang_with_openmp(tmp_path):
 def test_a_clang_build_passes_the_tests_that_differ_by_compiler(source, tmp_path_factory):
     """A clang build links LLVM's libomp and lowers SIMDe's bf16 vectors its own way: its test module
     imports (clang once called __truncsfbf2, which libgcc before GCC 13 lacks), its emulated
-    vdpbf16ps keeps the SDM's bits, and its OpenMP threads keep the CPUs numa.pin gives them, without a
-    word from a runtime that started before ktfp8 loaded."""
+    vdpbf16ps keeps the SDM's bits, its OpenMP threads keep the CPUs numa.pin gives them (without a
+    word from a runtime that started before ktfp8 loaded), and a worker forked after a team runs."""
     cc = clang_with_openmp(tmp_path_factory.mktemp("probe"))
     if cc is None:
         pytest.skip("no clang with OpenMP (libomp) on this machine")
     proc = build(source, CC=cc, LDSHARED=f"{cc} -shared")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    tests = [str(ROOT / "tests" / name) for name in ("test_vdpbf16ps_emulation.py", "test_tile_pair.py", "test_numa.py")]
+    tests = [str(ROOT / "tests" / name)
+             for name in ("test_vdpbf16ps_emulation.py", "test_tile_pair.py", "test_numa.py", "test_concurrency.py")]
     env = {k: v for k, v in os.environ.items() if k not in ("KMP_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=source,
                          env=env, capture_output=True, text=True, timeout=600)
