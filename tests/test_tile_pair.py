@@ -67,17 +67,31 @@ def random_tile(rng, fmt, K):
     return codes
 
 
+def job_pair(fmt, K):
+    """Two weight tiles of K in format `fmt` (a FORMATS key) and their scales, and the random stream
+    that made them (seeded by the format), for the activations."""
+    name, block_k = FORMATS[fmt]
+    code = _FORMAT_CODES[name]
+    n_kblocks = -(-K // block_k) if block_k else 1
+    rng = np.random.default_rng(code * 100 + block_k)
+    w = [random_tile(rng, code, K) for _ in range(2)]
+    s = [rng.uniform(0.5, 2.0, NB * n_kblocks).astype(np.float32) for _ in range(2)]
+    return rng, (code, K, block_k, n_kblocks, w[0], w[1], s[0], s[1])
+
+
+def run_pair(variant, paired, jobs, rows, a_stride, m):
+    """The two jobs' outputs (float32, m x 16 each, NaN before the call) after one tile_pair call of
+    `variant` (a name) on activation rows `rows`."""
+    c = [np.full(m * NB, np.nan, np.float32) for _ in range(2)]
+    _testing.tile_pair(backends.variant(variant), paired, *jobs, rows, a_stride, m, c[0], c[1])
+    return c
+
+
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("variant", PAIRED)
 def test_paired_tiles_give_the_bits_of_single_tiles(variant, fmt, K):
-    name, block_k = FORMATS[fmt]
-    code = _FORMAT_CODES[name]
-    n_kblocks = -(-K // block_k) if block_k else 1
-    v = backends.variant(variant)
-    rng = np.random.default_rng(code * 100 + block_k)
-    w = [random_tile(rng, code, K) for _ in range(2)]
-    s = [rng.uniform(0.5, 2.0, NB * n_kblocks).astype(np.float32) for _ in range(2)]
+    rng, jobs = job_pair(fmt, K)
     a_stride = K + 32  # rows not back to back, as the driver's gathered rows
     for m in pair_token_counts(variant):
         # the rows up to a whole 16-row tile, which the amx kernel reads (layout.row_pad), hold other
@@ -88,9 +102,7 @@ def test_paired_tiles_give_the_bits_of_single_tiles(variant, fmt, K):
         other_pad[m * (len(a) // padded):] = random_activations(rng, variant, (padded - m) * a_stride)
         out = {}
         for case, paired, rows in (("paired", True, a), ("single", False, a), ("other pad rows", True, other_pad)):
-            c = [np.full(m * NB, np.nan, np.float32) for _ in range(2)]
-            _testing.tile_pair(v, paired, code, K, block_k, n_kblocks, w[0], w[1], s[0], s[1],
-                               rows, a_stride, m, c[0], c[1])
+            c = run_pair(variant, paired, jobs, rows, a_stride, m)
             assert all(np.isfinite(ci).all() for ci in c), (m, case)
             out[case] = [ci.view(np.uint32) for ci in c]
         assert not np.array_equal(out["paired"][0], out["paired"][1]), m
@@ -128,21 +140,12 @@ TWINS = [v for v in TWIN_NAMES
 @pytest.mark.parametrize("twin", TWINS)
 def test_emulated_twin_gives_the_native_bits(twin, fmt):
     K = KS[0]
-    name, block_k = FORMATS[fmt]
-    code = _FORMAT_CODES[name]
-    n_kblocks = -(-K // block_k) if block_k else 1
-    rng = np.random.default_rng(7 * code + block_k)
-    w = [random_tile(rng, code, K) for _ in range(2)]
-    s = [rng.uniform(0.5, 2.0, NB * n_kblocks).astype(np.float32) for _ in range(2)]
+    rng, jobs = job_pair(fmt, K)
     for m in pair_token_counts(twin):
         padded = -(-m // ROW_TILE) * ROW_TILE
         a = random_activations(rng, twin, padded * K)
-        out = {}
-        for v in (twin, twin.removesuffix("_emulated")):
-            c = [np.full(m * NB, np.nan, np.float32) for _ in range(2)]
-            _testing.tile_pair(backends.variant(v), True, code, K, block_k, n_kblocks, w[0], w[1], s[0], s[1],
-                               a, K, m, c[0], c[1])
-            out[v] = [ci.view(np.uint32) for ci in c]
+        out = {v: [ci.view(np.uint32) for ci in run_pair(v, True, jobs, a, K, m)]
+               for v in (twin, twin.removesuffix("_emulated"))}
         for t in range(2):
             np.testing.assert_array_equal(out[twin][t], out[twin.removesuffix("_emulated")][t],
                                           err_msg=f"{twin} {fmt} m={m} tile {t}")
