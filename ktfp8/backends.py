@@ -14,6 +14,7 @@ import os
 import warnings
 
 from ._native import _ext
+from .config import check_threads
 
 ENV_BACKEND = "KTFP8_BACKEND"
 ENV_THREADS = "KTFP8_NUM_THREADS"
@@ -153,7 +154,7 @@ def _requested_threads(threads):
         return usable_cores()
     if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads <= 0:
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
-    return int(threads)
+    return check_threads("threads", int(threads))
 
 
 def _positive_env(var, text):
@@ -163,4 +164,4 @@ def _positive_env(var, text):
         raise ValueError(f"{var}={os.environ[var]!r} is not an integer") from None
     if value <= 0:
         raise ValueError(f"{var}={os.environ[var]!r} must be a positive integer")
-    return value
+    return check_threads(var, value)

@@ -24,6 +24,21 @@ GROUP_SCORES = ("best", "top2_sum")
 HIDDEN_ACTS = ("silu",)          # the kernels compute silu(gate) * up and nothing else
 
 
+def max_threads():
+    """The most threads a call may ask for: 16 per CPU the OS reports.  More only slow the kernels, and
+    OpenMP ends the process (libgomp: "Thread creation failed", exit 1) when it cannot start a team,
+    so a count such as threads=100000 is refused before any team starts."""
+    return 16 * (os.cpu_count() or 1)
+
+
+def check_threads(source, value):
+    """`value` (an int >= 1) if it is at most max_threads(), else ValueError naming `source`."""
+    if value > max_threads():
+        raise ValueError(f"{source} must be at most {max_threads()} (16 per CPU of this machine's "
+                         f"{os.cpu_count() or 1}), got {value}")
+    return value
+
+
 def _as_int(owner, name, value, minimum):
     # bool is an int subclass: `expert_num=True` is a mistake, not 1.
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
@@ -148,6 +163,9 @@ def _check_scale_mode(per_channel, group_size):
     if not per_channel and group_size <= 0:
         raise ValueError(f"QuantConfig.group_size must be > 0 (the block edge, e.g. {DEFAULT_BLOCK}) with "
                          f"per_channel=False, got {group_size}; use per_channel=True for per-channel scales")
+    if group_size > MAX_BLOCK_EDGE:
+        raise ValueError(f"QuantConfig.group_size must be at most {MAX_BLOCK_EDGE} (the kernels' block edges are "
+                         f"32-bit), got {group_size}")
     if not per_channel and group_size % 2:
         raise ValueError(f"QuantConfig.group_size must be even, got {group_size}: {ODD_BLOCK_EDGE}")
 
@@ -267,11 +285,15 @@ def _check_moe_field(name, value):
     if name == "routed_scaling_factor":
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
             raise TypeError(f"MoeConfig.routed_scaling_factor must be a number, got {type(value).__name__} {value!r}")
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"MoeConfig.routed_scaling_factor must be finite and > 0, got {value!r}")
+        # route() multiplies in float32: a factor that is finite as a Python float but not as a
+        # float32 (1e40 -> inf, 1e-50 -> 0) would make every weight inf or 0
+        with np.errstate(over="ignore"):
+            as_float32 = np.float32(value)
+        if not (math.isfinite(value) and value > 0 and np.isfinite(as_float32) and as_float32 > 0):
+            raise ValueError(f"MoeConfig.routed_scaling_factor must be finite and > 0 in float32, got {value!r}")
         return float(value)
     if name == "threads":
-        return None if value is None else _as_int("MoeConfig", name, value, 1)
+        return None if value is None else check_threads("MoeConfig.threads", _as_int("MoeConfig", name, value, 1))
     if name == "quant_config":
         if isinstance(value, QuantConfig):
             return value

@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from .config import check_threads
 from .convert_plan import INPUT_DTYPES, build_plan, input_nbytes, parse_quant_config, parse_size
 from .convert_work import ShardSet, chunks, run_chunk, sqnr_db, verify_chunk
 from .loader import INDEX_NAME, Checkpoint
@@ -74,7 +75,10 @@ def _threads_arg(text):
         value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+    try:
+        return check_threads("the thread count", value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser():

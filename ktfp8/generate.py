@@ -48,6 +48,15 @@ def _positive(text):
     return value
 
 
+def _threads(text):
+    """A positive count that OpenMP and torch can start (torch.set_num_threads(100000) crashes)."""
+    from .config import check_threads
+    try:
+        return check_threads("the thread count", _positive(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m ktfp8.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model folder (BF16, or FP8 from ktfp8.convert)")
@@ -55,7 +64,7 @@ def parse_args(argv):
     prompt.add_argument("--prompt", help="prompt text (needs a tokenizer in the folder)")
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=_positive, default=32, help="tokens to generate (default 32)")
-    p.add_argument("--threads", type=_positive, default=None,
+    p.add_argument("--threads", type=_threads, default=None,
                    help="threads for torch and the ktfp8 kernels (default: torch's own count, and for ktfp8 "
                         "$KTFP8_NUM_THREADS, else $OMP_NUM_THREADS, else all cores this process may use)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of text")

@@ -197,6 +197,9 @@ class MoE:
             if len(topk_ids) != len(x):
                 raise ValueError(f"router_logits must have one row per token of x: got {len(topk_ids)} rows "
                                  f"for {len(x)} tokens")
+        elif correction_bias is not None:    # it would be dropped: the experts are already chosen
+            raise ValueError("correction_bias= applies to router_logits=: pass it with router_logits, or "
+                             "add it yourself before choosing topk_ids")
         elif topk_ids is None or topk_weights is None:
             raise ValueError("forward needs topk_ids and topk_weights, or router_logits=")
         return self(x, topk_ids, topk_weights, out=out, accumulate=accumulate)

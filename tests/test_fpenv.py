@@ -100,3 +100,20 @@ def test_moe_forward_ignores_the_callers_ftz_daz(backend, fast_math_mode):
     got = MoE(cfg, experts, backend=backend, threads=2)(x, ids, w)
     assert np.isfinite(expected).all() and np.abs(expected).max() > 1e-30
     np.testing.assert_array_equal(got, expected)
+
+
+def test_route_ignores_the_callers_ftz_daz(fast_math_mode):
+    """Softmax weights of experts far behind the best are float subnormals (exp(-95) ~ 5e-42); the
+    oracle is float64 softmax rounded to float32, computed in IEEE mode."""
+    import ktfp8
+    cfg = ktfp8.MoeConfig(expert_num=4, num_experts_per_tok=3, hidden_size=8, intermediate_size=8)
+    logits = np.array([[0.0, -95.0, -96.0, -200.0], [-93.0, 0.0, -97.0, -99.5]], np.float32)
+    _ext.set_mxcsr(fast_math_mode & ~DAZ_FTZ)
+    e = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+    expected = np.sort(e / e.sum(axis=1, keepdims=True), axis=1)[:, ::-1][:, :3].astype(np.float32)
+    assert ((expected > 0) & (expected < np.finfo(np.float32).tiny)).any(), "no subnormal weight: no point"
+    _ext.set_mxcsr(fast_math_mode)
+    ids, weights = ktfp8.route(logits, cfg)
+    assert _ext.mxcsr() & DAZ_FTZ == DAZ_FTZ, "the caller's mode must be handed back"
+    np.testing.assert_allclose(weights, expected, rtol=1e-5, atol=0)
+    np.testing.assert_array_equal(ids, [[0, 1, 2], [1, 0, 2]])

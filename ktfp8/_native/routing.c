@@ -3,6 +3,8 @@
  * gets NaN weights (its ids stay valid, distinct experts). */
 #include "ktfp8/routing.h"
 
+#include "ktfp8/fpenv.h"
+
 #include <math.h>
 #include <stdlib.h>
 
@@ -78,6 +80,7 @@ int ktfp8_route(const ktfp8_route_cfg *cfg, const float *logits, int64_t tokens,
         return -1;
     }
     float *choice = score + E, *group_score = choice + E;
+    const unsigned csr = ktfp8_fpenv_ieee(); /* subnormal weights stay (a far-behind softmax logit) */
     for (int64_t t = 0; t < tokens; t++) {
         const int nan = score_row(cfg, logits + t * E, score);
         for (int64_t e = 0; e < E; e++) choice[e] = bias ? score[e] + bias[e] : score[e];
@@ -94,6 +97,7 @@ int ktfp8_route(const ktfp8_route_cfg *cfg, const float *logits, int64_t tokens,
             w[j] = nan ? NAN : w[j] * cfg->routed_scaling_factor;
         }
     }
+    ktfp8_fpenv_restore(csr);
     free(score);
     free(best);
     return 0;
