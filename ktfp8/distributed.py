@@ -11,6 +11,7 @@ torch is imported when this module's functions are called, never by `import ktfp
 import datetime
 import os
 import time
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -19,6 +20,7 @@ from .experts import FORMATS, split_experts
 from .moe import MoE, check_layer_types
 
 ENV_TIMEOUT = "KTFP8_DIST_TIMEOUT_S"
+ENV_EXPERT_PARALLEL = "KTFP8_EXPERT_PARALLEL"   # "0": ktfp8.hf keeps every expert on every rank
 DEFAULT_TIMEOUT_S = 300.0
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -106,9 +108,14 @@ def rank_experts(expert_num, group=None):
 
 def _bounded(op, what, group, timeout_s):
     """Runs collective `op(async_op=True)` and waits at most the timeout; failures -> ExpertParallelError."""
+    _wait(op(), what, group, timeout_s)
+
+
+def _wait(work, what, group, timeout_s):
+    """Waits at most the timeout for a started collective; failures -> ExpertParallelError."""
     seconds = timeout_seconds(timeout_s)
     try:
-        op().wait(timeout=datetime.timedelta(seconds=seconds))
+        work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as err:
         rank, size = rank_and_size(group)
         raise ExpertParallelError(f"{what} failed on rank {rank} of {size}: a rank died, or did not reach this "
@@ -177,7 +184,12 @@ class ExpertParallelMoE:
         import torch
         x32 = _float32(x)
         start = time.perf_counter()
+        # Started before the compute, checked before the all-reduce: ranks fed different tokens (data
+        # parallel, each rank its own batch) would otherwise sum shares of different tokens, or abort
+        # in gloo on a size mismatch.
+        inputs = _InputCheck(x32, topk_ids, topk_weights, self.group, self.timeout_s)
         partial = self.moe(x32, topk_ids, topk_weights)     # the core checks shapes, devices, dtypes
+        inputs.raise_if_ranks_differ()
         reduced = time.perf_counter()
         summed = partial if isinstance(partial, torch.Tensor) else torch.from_numpy(partial)
         all_reduce_sum(summed, self.group, self.timeout_s)  # in place: float32, so BF16 rounds once
@@ -190,6 +202,50 @@ class ExpertParallelMoE:
 
     def __repr__(self):
         return f"ExpertParallelMoE(rank={self.rank} of {self.world_size}, {self.moe!r})"
+
+
+class _InputCheck:
+    """One all-gather, started at construction, of this rank's token count and CRC-32s of its inputs;
+    raise_if_ranks_differ() waits for it and raises ExpertParallelError on every rank alike when any
+    rank's differs.  Expert parallel needs the same inputs on every rank (the ranks run the same
+    non-expert layers).  Other tokens route differently, so the routing's bytes tell them apart; of x
+    only every X_STRIDE-th column is hashed (all of it took 3.5-6 ms at T = 512, H = 7168: 2-4 GB/s)."""
+
+    FIELDS = ("tokens", "crc32(x[:, ::64])", "crc32(topk_ids)", "crc32(topk_weights)")
+    X_STRIDE = 64
+
+    def __init__(self, x32, topk_ids, topk_weights, group, timeout_s):
+        import torch
+        dist = _dist()
+        self.group, self.timeout_s = group, timeout_s
+        hashed = (x32[:, ::self.X_STRIDE] if x32.ndim == 2 else x32, topk_ids, topk_weights)
+        tokens = x32.shape[0] if x32.ndim else 0      # a wrong shape is the MoE call's to refuse
+        self.mine = torch.tensor([tokens] + [_crc32(a) for a in hashed], dtype=torch.int64)
+        self.gathered = [torch.empty_like(self.mine) for _ in range(rank_and_size(group)[1])]
+        self.work = dist.all_gather(self.gathered, self.mine, group=group, async_op=True)
+
+    def raise_if_ranks_differ(self):
+        _wait(self.work, "checking the inputs", self.group, self.timeout_s)
+        rows = [g.tolist() for g in self.gathered]
+        if any(r != rows[0] for r in rows):
+            fields = ", ".join(self.FIELDS)
+            raise ExpertParallelError(
+                "expert parallel needs the same x, topk_ids and topk_weights on every rank, and the ranks' "
+                f"differ ({fields}: " + "; ".join(f"rank {i}: {r}" for i, r in enumerate(rows)) + "). Under "
+                "torch.distributed, ktfp8.hf splits each layer's experts over the ranks; for data parallel "
+                f"(each rank its own tokens) set {ENV_EXPERT_PARALLEL}=0 so that every rank holds every expert")
+
+
+def _crc32(a):
+    """CRC-32 of the bytes of a NumPy array or CPU tensor (any dtype, made contiguous)."""
+    if not isinstance(a, np.ndarray):
+        import torch
+        if isinstance(a, torch.Tensor):
+            a = a.detach().contiguous()
+            a = a.view(torch.int16) if a.dtype == torch.bfloat16 else a   # NumPy has no bfloat16
+            a = a.numpy()
+        a = np.asarray(a)
+    return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) if a.size else 0
 
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -4,6 +4,7 @@ processes on loopback (dist_launch.py), rank and world in the environment as tor
 or .json for the test to check.
 
 Scenarios: equal (outputs and memory for every format, then the refusals that must not hang),
+differ (each rank its own inputs: refused on every rank, then a call with the same ones works),
 kill (the last rank SIGKILLs itself before the call), stall (the last rank never calls)."""
 import json
 import os
@@ -113,6 +114,26 @@ def fail(rank, size, out_dir, how):
     os._exit(0)         # the group is broken: skip torch's shutdown, which may wait on it
 
 
+def differ(rank, size, out_dir):
+    """Each rank its own tokens (data parallel): every rank refuses each such call, and the group still
+    works for the next call with the same inputs."""
+    from ktfp8.distributed import ExpertParallelError, ExpertParallelMoE
+    ep = ExpertParallelMoE(config("fp8_per_channel"), layer("fp8_per_channel"), threads=1, timeout_s=TIMEOUT_S)
+    x, ids, w = inputs()
+    x_own, ids_own, w_own = inputs(seed=rank)
+    cases = {"x": (x_own, ids, w), "topk_ids": (x, ids_own, w_own), "tokens": (x[: T - rank], ids[: T - rank],
+                                                                             w[: T - rank])}
+    report = {}
+    for name, args in cases.items():
+        try:
+            ep(*args)
+            report[name] = None
+        except ExpertParallelError as err:
+            report[name] = str(err)
+    np.save(os.path.join(out_dir, f"rank{rank}.npy"), ep(x, ids, w))
+    _write_json(out_dir, rank, report)
+
+
 def _write_json(out_dir, rank, obj):
     path = os.path.join(out_dir, f"rank{rank}.json")
     with open(path + ".partial", "w") as f:
@@ -125,6 +146,8 @@ def main(scenario, out_dir):
     rank, size = init_process_group(timeout_s=TIMEOUT_S)
     if scenario == "equal":
         equal(rank, size, out_dir)
+    elif scenario == "differ":
+        differ(rank, size, out_dir)
     else:
         fail(rank, size, out_dir, scenario)
 

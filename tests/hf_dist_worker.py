@@ -29,3 +29,34 @@ def run(bf16_folder, fp8_folder, out_dir):
                                              for i in layers])
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **result)
     destroy_process_group()
+
+
+def prompt_of(rank):
+    """Each rank's own prompt in run_data_parallel: the same length (so nothing but the check would
+    stop expert parallel from summing shares of different tokens), other tokens."""
+    from hf_oracle import PROMPT
+    return PROMPT.roll(rank, dims=1)
+
+
+def run_data_parallel(fp8_folder, out_dir):
+    """Each rank its own prompt: expert parallel (the default) refuses; with KTFP8_EXPERT_PARALLEL=0
+    every rank holds every expert and gets its prompt's logits.  Writes OUT_DIR/rank{r}.npz."""
+    import torch
+
+    import ktfp8.hf
+    from hf_oracle import logits
+    from ktfp8.distributed import ExpertParallelError, destroy_process_group, init_process_group
+
+    torch.set_num_threads(1)
+    rank, _ = init_process_group(timeout_s=60)
+    model = ktfp8.hf.from_pretrained(fp8_folder, dtype=torch.float32, threads=1)
+    try:
+        logits(model, prompt_of(rank))
+        refused = ""
+    except ExpertParallelError as err:
+        refused = str(err)
+    os.environ["KTFP8_EXPERT_PARALLEL"] = "0"
+    model = ktfp8.hf.from_pretrained(fp8_folder, dtype=torch.float32, threads=1)
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), refused=np.array(refused),
+             logits=logits(model, prompt_of(rank)))
+    destroy_process_group()

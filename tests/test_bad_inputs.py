@@ -274,13 +274,17 @@ def _bench_model(c, *args):
     return main(list(args))
 
 
-def _float16_model(c):
+def _tiny_qwen3_moe():
     import transformers
-    torch = pytest.importorskip("torch")
     config = transformers.Qwen3MoeConfig(vocab_size=16, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                          num_experts=4, num_experts_per_tok=2)
-    return _hf().prepare(transformers.Qwen3MoeForCausalLM(config).to(torch.float16))
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def _float16_model(c):
+    torch = pytest.importorskip("torch")
+    return _hf().prepare(_tiny_qwen3_moe().to(torch.float16))
 
 
 def _tiny_llama():
@@ -672,6 +676,9 @@ CASES = [
          "model must be a transformers PreTrainedModel"),
     Case("ktfp8.hf.prepare", "a model type without supported experts", lambda c: _hf().prepare(_tiny_llama()),
          ValueError, "model type 'llama' is not supported"),
+    Case("ktfp8.hf.prepare", "KTFP8_EXPERT_PARALLEL=yes in the environment",
+         _with_env("KTFP8_EXPERT_PARALLEL", "yes", lambda c: _hf().prepare(_tiny_qwen3_moe())), ValueError,
+         "KTFP8_EXPERT_PARALLEL='yes' must be 0 (every rank holds every expert) or 1"),
     Case("ktfp8.hf.prepare", "a float16 model", _float16_model, TypeError,
          "the model runs in torch.float16; ktfp8 takes float32 or bfloat16 activations"),
     # ---------------------------------------------------------------- python -m ktfp8.generate

@@ -69,6 +69,26 @@ def test_expert_parallel_equals_one_process(world, tmp_path):
         assert f"world size={world} would leave 1 of them without experts" in errors["too_few_experts"]
 
 
+def test_ranks_fed_different_inputs_all_refuse_and_the_group_goes_on(tmp_path):
+    """Data parallel misuse (each rank its own tokens) would sum shares of different tokens (same
+    count) or abort in gloo (different counts): every rank raises instead, naming what differs."""
+    world = 2
+    results = _launch("differ", world, tmp_path)
+    for rank, (rc, out) in enumerate(results):
+        assert rc == 0, f"rank {rank} failed:\n{out[-3000:]}"
+    x, ids, w = W.inputs()
+    whole = MoE(W.config("fp8_per_channel"), W.layer("fp8_per_channel"), threads=1)(x, ids, w)
+    for rank in range(world):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for case in ("x", "topk_ids", "tokens"):
+            assert report[case] is not None, f"rank {rank} summed different {case} without an error"
+            assert "needs the same x, topk_ids and topk_weights on every rank" in report[case]
+            assert "KTFP8_EXPERT_PARALLEL=0" in report[case]
+        assert f"rank 1: [{W.T - 1}, " in report["tokens"]
+        np.testing.assert_allclose(np.load(tmp_path / f"rank{rank}.npy"), whole, rtol=0,
+                                   atol=8 * np.finfo(np.float32).eps * np.abs(whole).max())
+
+
 @pytest.mark.parametrize("how", ["kill", "stall"])
 def test_a_lost_rank_is_an_error_within_the_timeout(how, tmp_path):
     world = 2

@@ -78,6 +78,28 @@ def test_logits_and_greedy_tokens_equal_one_process(folders, one_process, world,
             np.testing.assert_allclose(got[f"{path}_nbytes"], one_process[f"{path}_nbytes"] * share, rtol=0.02)
 
 
+def test_data_parallel_ranks_are_refused_unless_expert_parallel_is_off(folders, tmp_path):
+    """Ranks with their own prompts (data parallel): under the default expert parallel every rank
+    raises instead of summing shares of different tokens; with KTFP8_EXPERT_PARALLEL=0 each rank
+    holds every expert and gets what one process gets for its prompt."""
+    world = 2
+    results = run_ranks(hf_dist_worker.run_data_parallel, (str(folders["fp8"]), str(tmp_path)), world, LIMIT_S,
+                        tmp_path)
+    for rank, (rc, out) in enumerate(results):
+        assert rc == 0, f"rank {rank} failed:\n{out[-3000:]}"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = ktfp8.hf.from_pretrained(folders["fp8"], dtype=torch.float32, threads=1)
+        for rank in range(world):
+            got = np.load(tmp_path / f"rank{rank}.npz")
+            assert "needs the same x, topk_ids and topk_weights on every rank" in str(got["refused"])
+            want = logits(model, hf_dist_worker.prompt_of(rank))
+            np.testing.assert_allclose(got["logits"], want, rtol=0, atol=1e-5 * np.abs(want).max())
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_generate_under_torchrun_prints_the_tokens_of_one_process(folders, tmp_path, capfd):
     args = ["-m", "ktfp8.generate", "--model", str(folders["fp8"]), "--prompt-ids", "3,17,42,99,5",
             "--max-new-tokens", "12", "--json", "--threads", "1"]

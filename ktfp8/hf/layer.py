@@ -4,6 +4,8 @@ build_layer() is the one place where the callable run for a transformers experts
 Under torch.distributed with more than one rank (e.g. torchrun), each rank holds local_experts() of
 every layer, a contiguous range, and the layer is a ktfp8.distributed.ExpertParallelMoE: partial
 output, one all-reduce per MoE block.  The non-expert weights stay replicated on every rank."""
+import os
+
 import torch
 
 from ..moe import MoE
@@ -25,8 +27,16 @@ class TorchMoE:
 
 
 def _expert_parallel():
+    """Whether to split the experts over the ranks: under torch.distributed with more than one rank,
+    unless $KTFP8_EXPERT_PARALLEL is 0 (data parallel: each rank runs its own tokens through every
+    expert; the split needs the same tokens on every rank, and ExpertParallelMoE checks that)."""
+    from ..distributed import ENV_EXPERT_PARALLEL
+    setting = os.environ.get(ENV_EXPERT_PARALLEL, "").strip()
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{ENV_EXPERT_PARALLEL}={os.environ[ENV_EXPERT_PARALLEL]!r} must be 0 (every rank holds "
+                         f"every expert) or 1 (the default: split the experts over the ranks)")
     dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return setting != "0" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def local_experts(expert_num):
