@@ -80,6 +80,18 @@ def _is_ktfp8_fp8(folder):
     return bool(isinstance(config, dict) and config.get("quantization_config"))
 
 
+def _holds_fp8_weights(folder):
+    """True for a folder whose safetensors headers hold F8_E4M3 tensors, whatever config.json says:
+    without a quantization_config, transformers would read the codes as values and drop the scales."""
+    from .loader import Checkpoint
+    from .safetensors_io import SafetensorsError
+    try:
+        checkpoint = Checkpoint(folder)
+    except SafetensorsError:        # no safetensors (e.g. .bin): transformers' path says what it lacks
+        return False
+    return any(checkpoint.info(name).dtype == "F8_E4M3" for name in checkpoint.names())
+
+
 def _cannot_load(folder, error):
     return _Failure(f"{folder}: cannot load the model: {error}", 1)
 
@@ -92,7 +104,7 @@ def load(folder, threads):
     import ktfp8.hf
     from ktfp8.hf.checkpoint import text_model_class
 
-    if _is_ktfp8_fp8(folder):
+    if _is_ktfp8_fp8(folder) or _holds_fp8_weights(folder):
         model = ktfp8.hf.from_pretrained(folder, threads=threads, dtype=torch.bfloat16)
     else:
         auto_class = text_model_class(AutoConfig.from_pretrained(folder))   # else transformers lists 200 classes

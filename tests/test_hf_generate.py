@@ -56,6 +56,19 @@ def test_json_ids_are_transformers_greedy_tokens(mixtral, folder, capsys):
     assert got["decode_tokens_per_s"] is None or got["decode_tokens_per_s"] > 0
 
 
+def test_fp8_folder_without_a_quantization_config_is_read_as_fp8(mixtral, tmp_path, capsys):
+    """Its headers say F8_E4M3: transformers' own loading would take the codes as values and drop the
+    scales (wrong tokens, exit 0), so generate reads it as FP8 anyway."""
+    folder = tmp_path / "fp8_no_quant_config"
+    shutil.copytree(mixtral["fp8"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    got = _generate_json(capsys, "--model", str(folder), "--prompt-ids", ",".join(map(str, PROMPT)),
+                         "--max-new-tokens", str(NEW), "--threads", "1")
+    assert got["ids"] == _expected(ktfp8.hf.from_pretrained(mixtral["fp8"]))
+
+
 def _word_tokenizer(vocab_size):
     """A whitespace tokenizer whose word 'w<i>' is token i (an oracle for text in, text out)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
