@@ -168,6 +168,7 @@ def convert(args):
              src, len(plan.items), len(plan.quantized) + _passthrough_count(plan),
              "per-channel" if args.quant_config.per_channel else f"block {list(args.quant_config.block)}",
              total_in / 1e9, len(plan.shards), threads)
+    _warn_fused_split(checkpoint, plan)
     _remove_stale_partials(dst)
     tmp = dst.parent / f".{dst.name}{PARTIAL_TAG}{os.getpid()}"
     tmp.mkdir()
@@ -191,6 +192,21 @@ def convert(args):
     out_bytes = sum(os.path.getsize(dst / f) for f in set(names.values()))
     log.info("wrote %s: %d shard(s), %.2f GB; read %.2f GB in %.1f s (%.0f MB/s of input)",
              dst, len(plan.shards), out_bytes / 1e9, total_in / 1e9, elapsed, total_in / 1e6 / max(elapsed, 1e-9))
+
+
+def _warn_fused_split(checkpoint, plan):
+    """Fused experts (Mistral 4's, Qwen3-VL-MoE's) are written per expert, a layout that ktfp8 reads but
+    not transformers' own model class of that type: its from_pretrained would find those experts
+    missing and initialise them randomly, a model that runs and answers nonsense.  Say so up front."""
+    stacks = sorted({i.src.rsplit(".", 1)[0] for i in plan.items if i.fused}, key=_natural)
+    if not stacks:
+        return
+    model_type = (checkpoint.hf_config() or {}).get("model_type") or "this model type"
+    log.warning("warning: the fused experts of %d layer(s) (%s%s) are written per expert "
+                "(...experts.<e>.gate_proj.weight, up_proj, down_proj): the output is for ktfp8 "
+                "(ktfp8.hf.from_pretrained, FP8SafeTensorLoader); transformers' own from_pretrained of %s "
+                "expects fused gate_up_proj / down_proj, would find those experts missing and initialise them "
+                "randomly", len(stacks), stacks[0], ", ..." if len(stacks) > 1 else "", model_type)
 
 
 def _passthrough_count(plan):

@@ -4,11 +4,11 @@ import json
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
-from .config import (_EXPERT_COUNT_KEYS, _EXPERT_HIDDEN_KEYS, _EXPERT_INTERMEDIATE_KEYS, ODD_BLOCK_EDGE,
-                     _one_value, _read_hf_config)
+from .config import (_EXPERT_COUNT_KEYS, _EXPERT_HIDDEN_KEYS, _EXPERT_INTERMEDIATE_KEYS, MAX_BLOCK_EDGE,
+                     ODD_BLOCK_EDGE, _one_value, _read_hf_config)
 from .loader import (EXPERT_RE, FUSED_LAYOUTS, FUSED_STACK_RE, PER_EXPERT_NAMES, ROLE, ROLES, _is_positive_int,
                      block_size_of, fused_expert_names, stacks_by_prefix)
 from .safetensors_io import SafetensorsError, tensor_nbytes
@@ -31,11 +31,28 @@ class QuantSpec:
     block: Optional[Tuple[int, int]] = None
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs):
+    """json object_pairs_hook: a key given twice is refused (json.loads would keep the last one silently,
+    e.g. per_channel true then false), as the safetensors header parser refuses it."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def parse_quant_config(text):
     """--quant-config JSON -> QuantSpec.  Keys: method ("FP8"), per_channel (bool, default true),
     group_size (per-channel: 0 or absent; block-wise: the block edge, default 128)."""
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise ValueError(f"--quant-config: duplicate key {e.args[0]!r}; give each key once: {text!r}") from None
     except (ValueError, RecursionError) as e:      # RecursionError: nested thousands deep
         raise ValueError(f"--quant-config is not valid JSON ({e}): {text!r}") from None
     if not isinstance(raw, dict):
@@ -58,6 +75,9 @@ def parse_quant_config(text):
         return QuantSpec(True)
     if group <= 0:
         raise ValueError(f"--quant-config: block-wise (per_channel false) needs group_size > 0, got {group}")
+    if group > MAX_BLOCK_EDGE:
+        raise ValueError(f"--quant-config: group_size must be at most {MAX_BLOCK_EDGE} (the kernels' block edges "
+                         f"are 32-bit), got {group}")
     if group % 2:
         raise ValueError(f"--quant-config: group_size must be even, got {group}: {ODD_BLOCK_EDGE}")
     return QuantSpec(False, (group, group))
@@ -89,6 +109,7 @@ class Item:
     out_scale: Optional[str] = None          # weight_scale (per-channel) or weight_scale_inv (block-wise)
     scale_shape: Tuple[int, ...] = ()
     fused: Optional["FusedPart"] = None      # src holds a layer's experts fused: which part is this weight
+    check_scale: bool = False                # a copied weight_scale_inv: refused where the loader refuses it
 
     def outputs(self):
         specs = [(self.out, self.out_dtype, self.shape)]
@@ -181,7 +202,9 @@ def _classify(checkpoint, input_type, spec, all_linear, hf_config, fused):
                                    f"expects {INPUT_DTYPES[input_type]} weights")
         _check_matrix(name, info.shape)
         items.append(_quantized_item("quantize", name, info, spec))
-    return [i for i in items if i.src not in consumed]
+    kept = {i.src + "_scale_inv" for i in items if i.action == "copy" and i.out_dtype == "F8_E4M3"
+            and i.src.endswith(".weight")}       # FP8 weights already in the target format, copied with their scales
+    return [replace(i, check_scale=True) if i.src in kept else i for i in items if i.src not in consumed]
 
 
 def _quantizable_dtype(dtype, input_type):

@@ -5,11 +5,12 @@ import math
 import threading
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from . import fp8
 from .convert_plan import input_nbytes
-from .safetensors_io import ShardWriter
+from .safetensors_io import SafetensorsError, ShardWriter
 
 CHUNK_BYTES = 32 << 20      # input bytes per chunk: big enough to stream, small enough to bound RSS
 CODEC_THREADS = 1           # the pool runs one chunk per core; the codec itself stays on its thread
@@ -33,15 +34,16 @@ def chunks(item, checkpoint, spec, chunk_bytes=CHUNK_BYTES):
     and of the output, so every chunk owns whole scale rows.  A weight stored transposed in a fused
     stack is one chunk: each chunk reads its expert's whole matrix."""
     rows = _rows(item.shape)
+    if input_nbytes(item, checkpoint) == 0:     # e.g. [2**50, 0]: rows of 0 bytes would make 2**50 chunks
+        return [Chunk(item, 0, rows, 0)]
     align = rows if item.fused and item.fused.transposed else 1
     if item.src_block:
         align = math.lcm(align, item.src_block[0])
     if item.action != "copy" and not spec.per_channel:
         align = math.lcm(align, spec.block[0])
-    row_bytes = input_nbytes(item, checkpoint) // rows if rows else 0
-    step = max(align, (chunk_bytes // max(row_bytes, 1)) // align * align)
-    return [Chunk(item, a, min(a + step, rows), min(step, rows - a) * row_bytes)
-            for a in range(0, max(rows, 1), step)]
+    row_bytes = input_nbytes(item, checkpoint) // rows
+    step = max(align, (chunk_bytes // row_bytes) // align * align)
+    return [Chunk(item, a, min(a + step, rows), min(step, rows - a) * row_bytes) for a in range(0, rows, step)]
 
 
 def shard_file_names(count):
@@ -95,6 +97,60 @@ class ShardSet:
             self._open.clear()
 
 
+# (signed view, unsigned view, bits of +inf) of each float dtype the converter quantizes: NaN and Inf are
+# the values whose exponent bits are all ones, i.e. whose bits with the sign cleared are >= those of +inf
+_INF_BITS = {np.dtype(ml_dtypes.bfloat16): (np.int16, np.uint16, 0x7F80),
+             np.dtype(np.float16): (np.int16, np.uint16, 0x7C00),
+             np.dtype(np.float32): (np.int32, np.uint32, 0x7F800000)}
+
+
+def _all_finite(values):
+    """Whether a BF16 / F16 / F32 array holds no NaN or Inf.  Two max reductions over its bits, no
+    temporary array: a positive NaN or Inf is the largest as a signed integer, a negative one as an
+    unsigned integer (sign bit set); cheap next to reading the chunk."""
+    signed, unsigned, inf = _INF_BITS[values.dtype]
+    bits = np.ascontiguousarray(values).reshape(-1)
+    if not bits.size:
+        return True
+    sign = 1 << (8 * values.dtype.itemsize - 1)
+    return bits.view(signed).max() < inf and bits.view(unsigned).max() < (sign | inf)
+
+
+def _source_index(chunk, row, col):
+    """The index in the input tensor of the chunk's value [row, col] (a fused stack: [expert, ., .])."""
+    part, row = chunk.item.fused, chunk.start + row
+    if part is None:
+        return [row, col]
+    return [part.expert, col, part.first + row] if part.transposed else [part.expert, part.first + row, col]
+
+
+def _check_weights(chunk, weights):
+    """Refuses a NaN or Inf among the values to quantize: E4M3 has no infinity (Inf would be saturated to
+    448 x the row's scale, a finite wrong weight) and a NaN weight turns every output of its row NaN."""
+    if _all_finite(weights):
+        return
+    item = chunk.item
+    row, col = (int(i) for i in np.argwhere(~np.isfinite(weights.astype(np.float32)))[0])
+    value = float(weights[row, col])
+    where = f"tensor {item.src!r}" + (f" dequantized with {item.src_scale!r}" if item.src_scale else "")
+    whose = f" ({item.out})" if item.fused else ""
+    raise SafetensorsError(f"{where} holds {value} at {_source_index(chunk, row, col)}{whose}; only finite "
+                           f"weights can be quantized (FP8 E4M3 has no infinity, and a NaN weight makes every "
+                           f"output of its row NaN)")
+
+
+def _check_scales(name, scale, first_row=0):
+    """Refuses what ktfp8's loader refuses in an input weight_scale_inv (rows first_row.. of tensor
+    `name`): a NaN, an Inf or a negative value.  Zero is allowed (a block of zero weights)."""
+    scale = np.asarray(scale, np.float32)
+    bad = ~np.isfinite(scale) | (scale < 0)
+    if bad.any():
+        index = [int(i) for i in np.argwhere(bad)[0]]
+        value = float(scale[tuple(index)])
+        index[0] += first_row
+        raise SafetensorsError(f"tensor {name!r} holds {value} at {index}; scales must be finite and >= 0")
+
+
 def _block_rows(start, stop, block_n):
     return start // block_n, -(-stop // block_n)
 
@@ -119,17 +175,34 @@ def _source_rows(chunk, checkpoint):
         return rows
     a, b = _block_rows(chunk.start, chunk.stop, item.src_block[0])
     scale = checkpoint.file_of(item.src_scale).read_rows(item.src_scale, a, b).astype(np.float32)
+    _check_scales(item.src_scale, scale, a)
     return fp8.dequantize(rows, scale, out_dtype=np.float32, block=item.src_block, threads=CODEC_THREADS)
+
+
+def _no_rows(item, checkpoint):
+    """An array of none of the rows of a zero-byte tensor (e.g. [2**62, 0]: all its rows would be more than
+    NumPy can shape, though they hold nothing)."""
+    try:
+        return np.empty((0,) + tuple(item.shape[1:]), checkpoint.info(item.src).np_dtype)
+    except ValueError:
+        raise SafetensorsError(f"tensor {item.src!r} has shape {list(item.shape)}: no bytes, but a row shape "
+                               f"{list(item.shape[1:])} larger than NumPy can hold") from None
 
 
 def run_chunk(chunk, checkpoint, shards, spec):
     """Reads, converts and writes one chunk into `shards` (a ShardSet)."""
     item = chunk.item
     if item.action == "copy":
+        if not chunk.in_bytes:          # a zero-byte tensor: nothing to read, but its shard must be opened
+            shards.write(item.out, _no_rows(item, checkpoint))
+            return
         data = checkpoint.file_of(item.src).read_rows(item.src, chunk.start, chunk.stop)
+        if item.check_scale:
+            _check_scales(item.src, data, chunk.start)
         shards.write(item.out, data, chunk.start)
         return
     weights = _source_rows(chunk, checkpoint)
+    _check_weights(chunk, weights)
     block = spec.block or (128, 128)
     codes, scale = fp8.quantize(weights, per_channel=spec.per_channel, block=block, threads=CODEC_THREADS)
     shards.write(item.out, codes, chunk.start)
@@ -142,6 +215,8 @@ def verify_chunk(chunk, checkpoint, outputs, spec):
     for a copied tensor (0, 0) when the bytes match and (0, inf) when they do not.
     `outputs`: output tensor name -> SafetensorsFile of the written shard."""
     item = chunk.item
+    if item.action == "copy" and not chunk.in_bytes:       # a zero-byte tensor: no bytes to differ
+        return 0.0, 0.0
     if item.action == "copy":
         src = checkpoint.file_of(item.src).read_rows(item.src, chunk.start, chunk.stop)
         dst = outputs[item.out].read_rows(item.out, chunk.start, chunk.stop)

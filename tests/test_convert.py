@@ -254,6 +254,10 @@ def test_output_filled_by_another_run_meanwhile_is_not_replaced(qwen, tmp_path, 
     ('{"per_channel":false,"group_size":0}', "needs group_size > 0"),
     ('{"per_channel":false,"group_size":15}', "group_size must be even, got 15"),  # no MoE could run it
     ('{"method":"FP8","bits":8}', "unknown keys"),
+    # json.loads keeps the last of two values: per-channel asked for first, block-wise written
+    ('{"method":"FP8","per_channel":true,"per_channel":false}', "--quant-config: duplicate key 'per_channel'"),
+    ('{"per_channel":false,"group_size":2147483648}',          # failed later, after the plan was logged
+     "--quant-config: group_size must be at most 2147483647 (the kernels' block edges are 32-bit), got 2147483648"),
 ])
 def test_malformed_quant_config(qwen, tmp_path, capsys, bad, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -859,3 +863,189 @@ def test_experts_of_their_own_width_convert(tiny, tmp_path):
         src = _edited(tiny["qwen3_moe"], tmp_path / key, config=lambda c: c.update(
             {key: c["hidden_size"], "hidden_size": c["hidden_size"] + 8}))
         assert run(src, tmp_path / f"{key}_out", "--quant-config", PER_CHANNEL) == 0
+
+
+# -- values no FP8 checkpoint can hold: refused, naming the tensor and the value ---------------------
+def _in_small_chunks(monkeypatch, rows):
+    """Cuts every tensor into chunks of about `rows` rows (of the widest experts), so that a value is
+    found in a chunk that does not start at row 0."""
+    import functools
+    import ktfp8.convert as convert_module
+    from ktfp8.convert_work import chunks
+    monkeypatch.setattr(convert_module, "chunks", functools.partial(chunks, chunk_bytes=rows * 2 * HIDDEN))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_nan_or_inf_in_a_weight_to_quantize_is_refused(tiny, tmp_path, capsys, monkeypatch, value, dtype):
+    """NaN and Inf have no FP8 E4M3 code that means them (Inf would be saturated to 448 x the row's scale,
+    NaN would make every output of its row NaN): refused at the chunk that holds one, naming the tensor,
+    the value and where it is in the input, and nothing is written.  Row 50 lies in a chunk that starts
+    at row 32 (BF16, FP16) or 48 (FP32)."""
+    _in_small_chunks(monkeypatch, 32)
+    kind = "qwen3_moe"
+    name = expert_name(kind, moe_layers(kind)[-1], 2, "up")
+    np_dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32}[dtype]
+    safetensors_dtype = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[dtype]
+
+    def spoil(t):
+        for n, (d, a) in list(t.items()):
+            if d == "BF16":
+                t[n] = (safetensors_dtype, a.astype(np.float32).astype(np_dtype))
+        t[name][1][50, 7] = value
+    src = _edited(tiny[kind], tmp_path / "in", spoil)
+    _expect_error(src, tmp_path, capsys, f"tensor {name!r} holds {float(value)} at [50, 7]; only finite weights "
+                  f"can be quantized", input_type=dtype)
+
+
+@pytest.mark.parametrize("model_type, transposed", FUSED_KINDS, ids=FUSED_IDS)
+def test_nan_in_fused_experts_is_refused_where_it_is(tiny, tmp_path, capsys, model_type, transposed):
+    """A NaN in a fused stack is reported at its index in the stack, with the per-expert weight it falls
+    in: expert 2's up_proj row 5, column 7."""
+    stack = "model.layers.1.mlp.experts"
+    where = (2, 7, MOE_INTER + 5) if transposed else (2, MOE_INTER + 5, 7)
+
+    def spoil(t):
+        t[f"{stack}.gate_up_proj"][1][where] = np.nan
+    src = _fused(tiny, tmp_path, model_type, transposed, spoil)
+    _expect_error(src, tmp_path, capsys, f"tensor '{stack}.gate_up_proj' holds nan at {list(where)} "
+                  f"({stack}.2.up_proj.weight); only finite weights can be quantized")
+
+
+B32 = '{"method":"FP8","per_channel":false,"group_size":32}'
+
+
+@pytest.fixture(scope="module")
+def block_fp8(tiny, tmp_path_factory):
+    """The tiny Qwen3-MoE as a block-wise FP8 checkpoint of 32 x 32 blocks (gate/up scales [3, 5])."""
+    out = tmp_path_factory.mktemp("block_fp8") / "b32"
+    assert run(tiny["qwen3_moe"], out, "--quant-config", B32) == 0
+    return out
+
+
+@pytest.mark.parametrize("quant", [PER_CHANNEL, BLOCK_64, B32], ids=["per_channel", "block64", "same_block"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "negative"])
+def test_bad_weight_scale_inv_is_refused(block_fp8, tmp_path, capsys, monkeypatch, bad, quant):
+    """A block-wise FP8 input whose weight_scale_inv holds a NaN, an Inf or a negative value is refused as
+    ktfp8's loader refuses it (FP8SafeTensorLoader: scales must be finite and >= 0), whether its weight is
+    re-quantized (NaN codes, +-448 codes, flipped signs were written before) or kept as it is (the
+    loader would refuse the output); the index is the scale's own, in a chunk not starting at row 0."""
+    _in_small_chunks(monkeypatch, 32)
+    scale = "model.layers.1.mlp.experts.2.gate_proj.weight_scale_inv"
+    value = {"nan": np.nan, "inf": np.inf, "negative": -0.25}[bad]
+
+    def spoil(t):
+        t[scale][1][2, 3] = value
+    src = _edited(block_fp8, tmp_path / "in", spoil)
+    with pytest.raises(SafetensorsError, match=re.escape(f"{scale} holds {float(value)} at [2, 3]; scales must be "
+                                                         f"finite and >= 0")):
+        FP8SafeTensorLoader(src).load_experts(1)
+    assert run(src, tmp_path / "o", "--quant-config", quant, input_type="fp8") == 1
+    err = capsys.readouterr().err
+    assert f"tensor {scale!r} holds {float(value)} at [2, 3]; scales must be finite and >= 0" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_nan_code_in_fp8_input_is_refused(block_fp8, tmp_path, capsys):
+    """An F8_E4M3 NaN code (0x7F) is a NaN once dequantized: refused, not written as a NaN code again."""
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+
+    def spoil(t):
+        t[name][1].view(np.uint8)[4, 9] = 0x7F
+    src = _edited(block_fp8, tmp_path / "in", spoil)
+    _expect_error(src, tmp_path, capsys, f"tensor {name!r} dequantized with '{name}_scale_inv' holds nan at [4, 9]; "
+                  f"only finite weights can be quantized", input_type="fp8")
+
+
+def test_zero_weight_scale_inv_is_a_block_of_zeros(block_fp8, tmp_path):
+    """Scale 0 is allowed, as the loader allows it (an all-zero block may carry it): that block's weights
+    are zeros, written as zero codes; every other weight is its dequantized input re-quantized per
+    channel (oracle: ml_dtypes)."""
+    scale = "model.layers.1.mlp.experts.2.gate_proj.weight_scale_inv"
+    name = scale[:-len("_scale_inv")]
+    src = _edited(block_fp8, tmp_path / "in", lambda t: t[scale][1].__setitem__((1, 2), 0.0))
+    assert run(src, tmp_path / "o", "--quant-config", PER_CHANNEL, input_type="fp8") == 0
+    with SafetensorsFile(src / "model.safetensors") as f:
+        codes, s = f.read_rows(name), f.read_rows(scale).astype(np.float32)
+    expanded = np.repeat(np.repeat(s, 32, 0), 32, 1)[:codes.shape[0], :codes.shape[1]]
+    w = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * expanded
+    with SafetensorsFile(tmp_path / "o" / "model.safetensors") as f:
+        out_codes, out_scale = f.read_rows(name), f.read_rows(name + "_scale")
+    restored = out_codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * out_scale
+    assert np.all(restored[32:64, 64:96] == 0)
+    expected_scale = np.abs(w).max(axis=1, keepdims=True) / 448
+    np.testing.assert_allclose(out_scale, expected_scale, rtol=1e-6)
+    expected = (w / out_scale).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    np.testing.assert_array_equal(out_codes.view(np.uint8), expected)
+    FP8SafeTensorLoader(tmp_path / "o").load_experts(1)
+
+
+# -- shapes and options that once stalled or were read wrongly ----------------------------------------
+def test_zero_byte_tensor_with_huge_rows_is_one_chunk(tiny, tmp_path, capsys):
+    """A legal zero-size tensor that is copied, shape [2**50, 0]: one empty chunk (rows of 0 bytes were cut
+    into 2**25 chunks of 2**25 rows, minutes and gigabytes of bookkeeping), copied with its shape.  One
+    whose row alone is more than NumPy can shape is refused, naming it."""
+    from ktfp8.convert_plan import Item, parse_quant_config
+    from ktfp8.convert_work import chunks
+    spec = parse_quant_config(PER_CHANNEL)
+    for shape in ((2**40, 0), (0, 5), (3, 0, 7)):
+        item = Item("copy", "x", "x", "BF16", shape)
+        parts = chunks(item, _ZeroSized(), spec)
+        assert [(c.start, c.stop, c.in_bytes) for c in parts] == [(0, shape[0], 0)], shape
+    started = time.monotonic()
+    src = _with_zero_byte_tensor(tiny["qwen3_moe"], tmp_path / "in", [2**50, 0])
+    assert run(src, tmp_path / "o", "--verify") == 0
+    assert time.monotonic() - started < 60
+    assert _shapes(tmp_path / "o")["model.extra_buffer"] == ("BF16", (2**50, 0))
+    # more rows than NumPy can shape at once (nothing is read), in a shard of its own (opened all the same)
+    src = _with_zero_byte_tensor(tiny["qwen3_moe"], tmp_path / "in2", [2**62, 0])
+    assert run(src, tmp_path / "o2", "--verify", "--max-shard-size", "1") == 0
+    assert _shapes(tmp_path / "o2")["model.extra_buffer"] == ("BF16", (2**62, 0))
+    shard = json.loads((tmp_path / "o2" / "model.safetensors.index.json").read_text())["weight_map"]
+    with SafetensorsFile(tmp_path / "o2" / shard["model.extra_buffer"]) as f:
+        assert list(f.tensors) == ["model.extra_buffer"]
+    capsys.readouterr()
+    src = _with_zero_byte_tensor(tiny["qwen3_moe"], tmp_path / "in3", [0, 2**62])
+    assert run(src, tmp_path / "o3") == 1
+    assert f"tensor 'model.extra_buffer' has shape [0, {2**62}]: no bytes, but a row shape [{2**62}] larger than " \
+           f"NumPy can hold" in capsys.readouterr().err
+    assert not (tmp_path / "o3").exists()
+
+
+def _with_zero_byte_tensor(src, dst, shape):
+    """A copy of the single-file checkpoint `src` with a second shard holding one BF16 tensor
+    `model.extra_buffer` of `shape` and no bytes (written by hand: NumPy cannot make [2**62, 0])."""
+    import shutil
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst)
+    shutil.copy(src / "model.safetensors", dst / "model-00001-of-00002.safetensors")
+    header = json.dumps({"model.extra_buffer": {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    header += b" " * (-len(header) % 8)
+    (dst / "model-00002-of-00002.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    with SafetensorsFile(src / "model.safetensors") as f:
+        weight_map = {n: "model-00001-of-00002.safetensors" for n in f.tensors}
+    weight_map["model.extra_buffer"] = "model-00002-of-00002.safetensors"
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+class _ZeroSized:
+    """A checkpoint whose every tensor holds no bytes (what chunks() asks of one)."""
+
+    def info(self, name):
+        from ktfp8.safetensors_io import TensorInfo
+        return TensorInfo(name, "BF16", (0,), 0, 0)
+
+
+def test_fused_split_warns_that_transformers_cannot_load_the_output(tiny, tmp_path, capsys):
+    """transformers' own Mistral 4 / Qwen3-VL-MoE classes hold fused experts: loading the per-expert output
+    with their from_pretrained finds the experts missing and initialises them randomly.  The converter
+    says so when it splits fused experts, and only then."""
+    assert run(_fused(tiny, tmp_path, "mistral4", False), tmp_path / "o") == 0
+    err = capsys.readouterr().err
+    assert "warning: the fused experts of 2 layer(s) (model.layers.0.mlp.experts, ...) are written per expert " \
+           "(...experts.<e>.gate_proj.weight, up_proj, down_proj): the output is for ktfp8 " \
+           "(ktfp8.hf.from_pretrained, FP8SafeTensorLoader); transformers' own from_pretrained of mistral4 expects " \
+           "fused gate_up_proj / down_proj, would find those experts missing and initialise them randomly" in err, err
+    assert run(tiny["qwen3_moe"], tmp_path / "per_expert") == 0
+    assert "warning" not in capsys.readouterr().err
