@@ -142,13 +142,14 @@ _ANY_MODEL = {**ALL_MODELS, **FUSED_MODELS}
 MIXTRAL_ROLE = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
-def build_model(kind, seed=0):
-    """The random transformers model (float32, eval mode) of `kind`."""
+def build_model(kind, seed=0, **config_changes):
+    """The random transformers model (float32, eval mode) of `kind`, its config's fields changed as
+    `config_changes` says (e.g. moe_topk=[1, 3])."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     config_cls, model_cls, kwargs, _, _ = _ANY_MODEL[kind]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**kwargs)
+    config = getattr(transformers, config_cls)(**{**kwargs, **config_changes})
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():       # init std 0.02 everywhere; make expert rows differ in scale like trained ones
         for name, p in model.named_parameters():

@@ -163,6 +163,25 @@ def _convert_bf16(c, name, edit):
     return convert_main(["--input-type", "bf16", "--input-path", str(folder), "--output-path", str(c.tmp / "o")])
 
 
+def _convert_block_fp8(c, name, bad_scale):
+    """Converts a block-wise FP8 checkpoint (32 x 32 blocks, weight_scale_inv) of the catalogue's experts
+    whose expert 1 gate_proj scale holds bad_scale at [0, 1]."""
+    folder = c.tmp / name
+    folder.mkdir()
+    tensors = {}
+    for e in range(E):
+        for role in c.w:
+            codes, scale = fp8.quantize(c.w[role][e], per_channel=False, block=(32, 32))
+            tensors[_expert(e, role)] = ("F8_E4M3", codes)
+            tensors[_expert(e, role) + "_scale_inv"] = ("F32", scale)
+    tensors[_expert(1, "gate") + "_scale_inv"][1][0, 1] = bad_scale
+    write_file(folder / "model.safetensors", tensors)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": K, "hidden_size": H,
+        "moe_intermediate_size": I, "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}))
+    return convert_main(["--input-type", "fp8", "--input-path", str(folder), "--output-path", str(c.tmp / "o")])
+
+
 def _expert(e, role):
     return f"model.layers.0.mlp.experts.{e}.{role}_proj.weight"
 
@@ -280,6 +299,17 @@ def _tiny_qwen3_moe():
                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                          num_experts=4, num_experts_per_tok=2)
     return transformers.Qwen3MoeForCausalLM(config)
+
+
+def _prepared_qwen3_moe():
+    return _hf().prepare(_tiny_qwen3_moe())
+
+
+def _switched_back(c):
+    import torch
+    model = _prepared_qwen3_moe()
+    model.set_experts_implementation("eager")
+    return model(torch.tensor([[1, 2, 3]]))
 
 
 def _float16_model(c):
@@ -654,6 +684,24 @@ CASES = [
          lambda c: _convert_bf16(c, "fused", _fused), 1,
          "holds a layer's routed experts fused in one 3-D tensor, whose layout python -m ktfp8.convert does not "
          "know for model type qwen3_moe"),
+    Case("python -m ktfp8.convert", "--quant-config with a key given twice (json.loads keeps the last)",
+         lambda c: _convert(c, "--quant-config", '{"per_channel":true,"per_channel":false}'), 2,
+         "--quant-config: duplicate key 'per_channel'"),
+    Case("python -m ktfp8.convert", "--quant-config group_size 2**31",
+         lambda c: _convert(c, "--quant-config", '{"per_channel":false,"group_size":2147483648}'), 2,
+         "--quant-config: group_size must be at most 2147483647"),
+    Case("python -m ktfp8.convert", "a NaN in an expert weight to quantize",
+         lambda c: _convert_bf16(c, "nan_weight", lambda t, cfg: t[_expert(1, "gate")][1].__setitem__((2, 3), np.nan)),
+         1, f"tensor '{_expert(1, 'gate')}' holds nan at [2, 3]; only finite weights can be quantized"),
+    Case("python -m ktfp8.convert", "an Inf in an expert weight to quantize",
+         lambda c: _convert_bf16(c, "inf_weight", lambda t, cfg: t[_expert(1, "gate")][1].__setitem__((2, 3), -np.inf)),
+         1, f"tensor '{_expert(1, 'gate')}' holds -inf at [2, 3]; only finite weights can be quantized"),
+    Case("python -m ktfp8.convert", "a NaN in a block-wise FP8 input's weight_scale_inv",
+         lambda c: _convert_block_fp8(c, "nan_scale_inv", np.nan), 1,
+         f"tensor '{_expert(1, 'gate')}_scale_inv' holds nan at [0, 1]; scales must be finite and >= 0"),
+    Case("python -m ktfp8.convert", "a negative value in a block-wise FP8 input's weight_scale_inv",
+         lambda c: _convert_block_fp8(c, "negative_scale_inv", -1.0), 1,
+         f"tensor '{_expert(1, 'gate')}_scale_inv' holds -1.0 at [0, 1]; scales must be finite and >= 0"),
     # ---------------------------------------------------------------- python -m ktfp8.cpu
     Case("python -m ktfp8.cpu", "an unknown option", lambda c: cpu_main(["--verbose"]), 2,
          "unrecognized arguments: --verbose"),
@@ -679,6 +727,14 @@ CASES = [
     Case("ktfp8.hf.prepare", "KTFP8_EXPERT_PARALLEL=yes in the environment",
          _with_env("KTFP8_EXPERT_PARALLEL", "yes", lambda c: _hf().prepare(_tiny_qwen3_moe())), ValueError,
          "KTFP8_EXPERT_PARALLEL='yes' must be 0 (every rank holds every expert) or 1"),
+    Case("ktfp8.hf.prepare", "save_pretrained of a prepared model (experts released)",
+         lambda c: _prepared_qwen3_moe().save_pretrained(c.tmp / "saved_prepared"), ValueError,
+         "ktfp8 holds the routed experts of this model"),
+    Case("ktfp8.hf.prepare", "set_experts_implementation('eager') after prepare", _switched_back, ValueError,
+         "so this model cannot switch back to another experts implementation"),
+    Case("ktfp8.hf.prepare", "pickle of a prepared model",
+         lambda c: __import__("pickle").dumps(_prepared_qwen3_moe()), TypeError,
+         "whose experts ktfp8 holds cannot be pickled"),
     Case("ktfp8.hf.prepare", "a float16 model", _float16_model, TypeError,
          "the model runs in torch.float16; ktfp8 takes float32 or bfloat16 activations"),
     # ---------------------------------------------------------------- python -m ktfp8.generate
@@ -686,7 +742,7 @@ CASES = [
          lambda c: _generate(c, "--model", str(c.tmp / "absent"), "--prompt-ids", "1"), 1, "no such model folder"),
     Case("python -m ktfp8.generate", "a checkpoint lacking the model's other weights",
          lambda c: _generate(c, "--model", str(c.ckpt), "--prompt-ids", "1"), 1,
-         "cannot load the model: the checkpoint lacks"),
+         "checkpoint does not fit Qwen3MoeForCausalLM: missing"),
     Case("python -m ktfp8.generate", "--prompt-ids not integers",
          lambda c: _generate(c, "--model", str(c.ckpt), "--prompt-ids", "1,a"), 2,
          "expected comma-separated token ids"),

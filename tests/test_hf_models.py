@@ -231,3 +231,28 @@ def test_ernie_fp8_folder_routes_with_its_checkpoint_bias(tmp_path):
     _assert_routed_as(ids, weights, hf_ids, hf_weights)
     unbiased = ktfp8.route(router_logits.numpy(), loader.config)[0]       # the bias changes choices here
     assert (np.sort(unbiased, axis=1) != np.sort(ids, axis=1)).any()
+
+
+def test_hunyuan_top_k_listed_per_layer(tmp_path, capsys):
+    """Hunyuan-A13B's config.json lists moe_topk per layer, and transformers' HunYuanMoEV1Gate takes
+    moe_topk[layer_idx]: each ktfp8 layer takes its own router's top-k (1 and 3 here, so a layer built with
+    the other's would refuse the router's output) on all three paths, and generate runs the FP8 folder."""
+    kind = "hunyuan_v1_moe"
+    bf16 = save_model(build_model(kind, moe_topk=[1, 3]), tmp_path / "bf16")
+    fp8 = tmp_path / "fp8"
+    assert convert(["--input-type", "bf16", "--input-path", str(bf16), "--output-path", str(fp8),
+                    "--threads", "1"]) == 0
+    on_load = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32, experts_implementation="ktfp8")
+    prepared = ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32))
+    from_fp8 = ktfp8.hf.from_pretrained(fp8, dtype=torch.float32)
+    quantized_here, fp8_oracle = eager_model(bf16, kind), eager_model(bf16, kind, fp8_folder=fp8)
+    assert [layer.mlp.gate.top_k for layer in fp8_oracle.model.layers] == [1, 3]
+    for model, oracle in ((on_load, quantized_here), (prepared, quantized_here), (from_fp8, fp8_oracle)):
+        _check_against(model, oracle)
+        held = [ktfp8.hf.op.layer_of(experts_module(model, layer)._ktfp8_handle).moe.config.num_experts_per_tok
+                for layer in moe_layers(kind)]
+        assert held == [1, 3]
+    capsys.readouterr()
+    assert generate(["--model", str(fp8), "--prompt-ids", "3,17,42", "--max-new-tokens", "4", "--json",
+                     "--threads", "1"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["ids"]) > 0

@@ -1,6 +1,9 @@
 """ktfp8.hf around the forward: torch.compile, inference_mode, prepare(), the custom op, and the errors
 a user gets for what it cannot run."""
+import copy
+import gc
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -194,3 +197,68 @@ def test_fp8_formats_mixed_across_layers_refused(qwen3, tmp_path):
     (mixed / "config.json").write_bytes((qwen3["fp8_block"] / "config.json").read_bytes())
     with pytest.raises(ValueError, match="mixes FP8 per-channel and block-wise experts across layers"):
         ktfp8.hf.from_pretrained(mixed)
+
+
+def test_save_pretrained_refused_once_ktfp8_holds_the_experts(qwen3, tmp_path):
+    """save_pretrained would write [0]-shaped experts (released) that no loader can use: it refuses before
+    writing anything, naming where an FP8 checkpoint comes from.  Before the first call of a model loaded
+    with experts_implementation="ktfp8" the BF16 experts are still there, and it saves them."""
+    fp8 = ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32)
+    prepared = ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32))
+    held = (r"ktfp8 holds the routed experts of this model \(2 experts modules, e\.g\. "
+            r"model\.layers\.0\.mlp\.experts, packed FP8 per-channel\).*nothing was written\. ")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=held + f"For an FP8 checkpoint, the FP8 folder it was loaded from, "
+                                                f"{qwen3['fp8']}, is that checkpoint"):
+        fp8.save_pretrained(out)
+    assert not out.exists()
+    for model in (prepared, copy.deepcopy(prepared)):
+        with pytest.raises(ValueError, match=held + r".*python -m ktfp8\.convert --input-type bf16"):
+            model.save_pretrained(out)
+        assert not out.exists()
+    on_load = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32,
+                                                   experts_implementation="ktfp8")
+    gate_up = experts_module(on_load, 0).gate_up_proj.detach().clone()
+    on_load.save_pretrained(out)                        # not quantized yet: a complete BF16 checkpoint
+    saved = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, experts_implementation="eager")
+    assert torch.equal(experts_module(saved, 0).gate_up_proj, gate_up)
+    logits(on_load)                                     # its first call quantizes and releases
+    with pytest.raises(ValueError, match=held):
+        on_load.save_pretrained(tmp_path / "after_first_call")
+    assert not (tmp_path / "after_first_call").exists()
+
+
+def test_deepcopy_outlives_the_original(qwen3):
+    """copy.deepcopy of a model copies its experts modules' int handle: the copy's claim keeps the (shared,
+    never written) packed layer registered after the original is freed, until the last holder goes.
+    Pickling, which would carry a handle to a process without that layer, is refused."""
+    model = ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32)
+    want = logits(model)
+    handle = experts_module(model, 0)._ktfp8_handle
+    copied = copy.deepcopy(model)
+    del model
+    gc.collect()
+    np.testing.assert_array_equal(logits(copied), want)
+    with pytest.raises(TypeError, match="whose experts ktfp8 holds cannot be pickled"):
+        pickle.dumps(copied)
+    del copied
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no layer registered under handle {handle}"):
+        op.layer_of(handle)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+def test_switching_back_to_transformers_experts_refused(qwen3, implementation):
+    """Once ktfp8 took the experts, their transformers weights are gone: another implementation is refused at
+    the next forward (transformers' set_experts_implementation has no hook), naming why; "ktfp8" runs again."""
+    for model in (ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32),
+                  ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32))):
+        want = logits(model)
+        model.set_experts_implementation(implementation)
+        refusal = (f"Qwen3MoeExperts is set to run as '{implementation}', but ktfp8 released its transformers "
+                   f"expert weights .* when it took the experts \\(FP8 per-channel\\), so this model cannot switch "
+                   f"back.*reload the model")
+        with pytest.raises(ValueError, match=refusal):
+            logits(model)
+        model.set_experts_implementation("ktfp8")
+        np.testing.assert_array_equal(logits(model), want)

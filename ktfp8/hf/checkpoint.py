@@ -152,16 +152,16 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
         raise ValueError(f"{path}: checkpoint does not fit {type(model).__name__}: missing "
                          f"{sorted(missing)[:5]}, mismatched {sorted(info['mismatched_keys'])[:5]}")
 
-    for name, module in model.named_modules():
-        if not hf_experts.is_experts_module(module):
-            continue
+    for name, module, block in hf_experts.experts_modules(model):
         hf_experts.check_supported(module)
         m = _LAYER_RE.search(name)
         if m is None or int(m[1]) not in loader.moe_layers():
             raise ValueError(f"{path}: no expert tensors for {name} (the checkpoint has experts in layers "
                              f"{loader.moe_layers()})")
         layer = int(m[1])
-        config_of_layer = hf_experts.layer_config(module, quant_config, threads)
+        top_k = hf_experts.layer_top_k(module, block)      # per layer where config.json lists them (Hunyuan)
+        config_of_layer = hf_experts.layer_config(module, quant_config, top_k, threads)
         experts = loader.load_experts(layer, experts=local_experts(module.num_experts))
-        hf_experts.attach(module, build_layer(config_of_layer, experts, threads=threads), quant_config)
+        hf_experts.attach(module, build_layer(config_of_layer, experts, threads=threads), quant_config,
+                          source=os.fspath(path))
     return model

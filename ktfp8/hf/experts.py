@@ -5,7 +5,7 @@ transformers 5 keeps a MoE block's routed experts in one module (fused `gate_up_
 `down_proj` [E, H, I], HF Linear layout) called as experts(hidden_states, top_k_index, top_k_weights)
 after its own router: exactly what ktfp8.MoE computes, so routing stays in transformers."""
 import copy
-import weakref
+import functools
 
 import torch
 
@@ -75,24 +75,64 @@ def check_supported(module):
         raise _unsupported(f"{name} with {', '.join(problems)}")
 
 
-def attach(module, layer, quant_config):
+def _refuse_other_implementations(module, args):
+    """Forward pre-hook of a module whose experts ktfp8 holds: any other experts implementation (eager,
+    batched_mm, grouped_mm, ...) would index the released empty weights and fail with an IndexError that
+    names nothing.  transformers' set_experts_implementation offers no hook, so the forward says it."""
+    name = module.config._experts_implementation
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"ktfp8 experts implementation: {type(module).__name__} is set to run as {name!r}, but "
+                         f"ktfp8 released its transformers expert weights ({', '.join(RELEASED)}) when it took "
+                         f"the experts ({describe(module._ktfp8_quant_config)}), so this model cannot switch back "
+                         f"to another experts implementation; reload the model to use {name!r}")
+
+
+def attach(module, layer, quant_config, source=None):
     """Makes `module` run `layer` (a callable over CPU tensors holding the experts as `quant_config`
     says) and releases its transformers weights (replaced by empty tensors: the memory goes back once
-    nothing else holds them)."""
-    handle = op.register(layer)
-    weakref.finalize(module, op.unregister, handle)
-    module._ktfp8_handle = handle
+    nothing else holds them).  source: the FP8 folder the experts were read from, if any."""
+    claim = op.register(layer)
+    module._ktfp8_claim = claim                   # the layer stays registered while the module (or a copy) lives
+    module._ktfp8_handle = claim.handle
     module._ktfp8_quant_config = copy.copy(quant_config)      # the caller's object may change later
+    module._ktfp8_source = source
     for name in RELEASED:
         old = getattr(module, name)
         setattr(module, name, torch.nn.Parameter(torch.empty(0, dtype=old.dtype), requires_grad=False))
+    module.register_forward_pre_hook(_refuse_other_implementations)
 
 
-def layer_config(module, quant_config, threads=None):
-    """ktfp8.MoeConfig of one experts module (routing fields unused: transformers routes)."""
-    return MoeConfig(expert_num=module.num_experts, num_experts_per_tok=module.config.num_experts_per_tok,
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def layer_top_k(module, block):
+    """How many experts the router of `module`'s MoE block (`block`, which holds it) picks per token: its
+    gate's top_k, as every supported family's router has one (Hunyuan's takes moe_topk[layer_idx] where
+    config.json gives a per-layer list), else config.num_experts_per_tok when that is one int."""
+    top_k = getattr(getattr(block, "gate", None), "top_k", None)
+    if top_k is None:
+        top_k = getattr(module.config, "num_experts_per_tok", None)
+    if not _is_int(top_k):
+        raise ValueError(f"ktfp8 experts implementation: cannot tell how many experts the router of "
+                         f"{type(module).__name__} picks per token: its block {type(block).__name__} has no "
+                         f"gate.top_k and the config's num_experts_per_tok is {top_k!r}, not one int")
+    return top_k
+
+
+def layer_config(module, quant_config, top_k, threads=None):
+    """ktfp8.MoeConfig of one experts module whose router picks `top_k` experts a token (layer_top_k;
+    a per-layer value where the config has a list; routing fields unused: transformers routes)."""
+    return MoeConfig(expert_num=module.num_experts, num_experts_per_tok=top_k,
                      hidden_size=module.hidden_dim, intermediate_size=module.intermediate_dim,
                      threads=threads, quant_config=quant_config)
+
+
+def experts_modules(model):
+    """[(name, experts module, the block holding it)] of every dispatchable experts module of `model`."""
+    return [(f"{name}.{child_name}" if name else child_name, child, block)
+            for name, block in model.named_modules() for child_name, child in block.named_children()
+            if is_experts_module(child)]
 
 
 def _check_weight(t, name):
@@ -102,8 +142,9 @@ def _check_weight(t, name):
     return t.detach()
 
 
-def prepare_module(module, quant_config, threads=None):
-    """Quantizes one experts module's weights as `quant_config` says, once; no-op when already done."""
+def prepare_module(module, quant_config, top_k, threads=None):
+    """Quantizes one experts module's weights as `quant_config` says, once; no-op when already done.
+    top_k: experts its router picks a token (layer_top_k)."""
     if getattr(module, "_ktfp8_handle", None) is not None:
         return
     check_supported(module)
@@ -112,7 +153,7 @@ def prepare_module(module, quant_config, threads=None):
     down = _check_weight(module.down_proj, "down_proj")
     experts = quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, quant_config,
                                experts=local_experts(module.num_experts))
-    layer = build_layer(layer_config(module, quant_config, threads), experts, threads=threads)
+    layer = build_layer(layer_config(module, quant_config, top_k, threads), experts, threads=threads)
     attach(module, layer, quant_config)
 
 
@@ -175,30 +216,36 @@ def prepare(model, quant_config=None, *, threads=None):
         spec = model.config._experts_implementation
     quant_config = _quant_config(spec)
     wanted = quant_config if isinstance(spec, QuantConfig) else implementation_name(quant_config)
-    modules = [m for m in model.modules() if is_experts_module(m)]
+    modules = experts_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no experts module that transformers' experts_implementation "
                          f"dispatches")
-    for m in modules:
+    top_ks = []
+    for _, m, block in modules:
         check_supported(m)
         check_held_as(m, wanted)
-    for m in modules:
-        prepare_module(m, quant_config, threads)
+        top_ks.append(layer_top_k(m, block))
+    for (_, m, _), top_k in zip(modules, top_ks):
+        prepare_module(m, quant_config, top_k, threads)
     model.set_experts_implementation(implementation_name(quant_config))
     return model
 
 
 def _forward_for(name):
     @torch.compiler.disable
-    def first_call(module, dtype):
+    def first_call(module, dtype, top_k_shape):
         check_activation_dtype(dtype)
-        prepare_module(module, IMPLEMENTATIONS[name]())
+        if len(top_k_shape) != 2:
+            raise ValueError(f"ktfp8 experts implementation: {type(module).__name__} got top_k_index of shape "
+                             f"{tuple(top_k_shape)}, expected [tokens, experts per token]")
+        # the router's own width: the layer's top-k even where the config lists one per layer (Hunyuan)
+        prepare_module(module, IMPLEMENTATIONS[name](), top_k_shape[1])
         return module._ktfp8_handle
 
     def ktfp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         handle = getattr(self, "_ktfp8_handle", None)
         if handle is None:
-            handle = first_call(self, hidden_states.dtype)
+            handle = first_call(self, hidden_states.dtype, tuple(top_k_index.shape))
         else:
             check_held_as(self, name)
         return torch.ops.ktfp8.moe(hidden_states, top_k_index, top_k_weights, handle)
@@ -207,9 +254,48 @@ def _forward_for(name):
     return ktfp8_experts_forward
 
 
+def held_experts(model):
+    """[(name, module)] of the modules of `model` whose experts ktfp8 holds (their weights released)."""
+    return [(name, m) for name, m in model.named_modules() if getattr(m, "_ktfp8_claim", None) is not None]
+
+
+def _refuse_to_save(model, held):
+    name, module = held[0]
+    source = module._ktfp8_source
+    if source is not None:
+        where = f"the FP8 folder it was loaded from, {source}, is that checkpoint"
+    else:
+        where = ("make one from the BF16 folder the model was loaded from: python -m ktfp8.convert --input-type "
+                 "bf16 --input-path BF16_FOLDER --output-path FP8_FOLDER (ktfp8.hf.from_pretrained loads it)")
+    modules = f"{len(held)} experts module{'s' * (len(held) != 1)}, e.g. {name}"
+    return ValueError(f"{type(model).__name__}.save_pretrained: ktfp8 holds the routed experts of this model "
+                      f"({modules}, packed {describe(module._ktfp8_quant_config)}) and released their transformers "
+                      f"weights, so the folder would hold empty experts; nothing was written. For an FP8 "
+                      f"checkpoint, {where}")
+
+
+def _guarded_save_pretrained(save_pretrained):
+    """transformers' save_pretrained, refusing before it writes anything when ktfp8 holds experts of the model
+    (it would write [0]-shaped experts that no loader can use).  A method wrapper, not a hook: the experts
+    are taken at a forward where only the experts module is at hand, and transformers offers no save hook."""
+    @functools.wraps(save_pretrained)
+    def save_pretrained_unless_ktfp8_holds_experts(self, *args, **kwargs):
+        held = held_experts(self)
+        if held:
+            raise _refuse_to_save(self, held)
+        return save_pretrained(self, *args, **kwargs)
+
+    save_pretrained_unless_ktfp8_holds_experts._ktfp8_guard = True
+    return save_pretrained_unless_ktfp8_holds_experts
+
+
 def register_implementations():
-    """Adds the ktfp8 names to transformers' ALL_EXPERTS_FUNCTIONS (idempotent)."""
+    """Adds the ktfp8 names to transformers' ALL_EXPERTS_FUNCTIONS and the guard to its save_pretrained
+    (idempotent)."""
+    from transformers import PreTrainedModel
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     for name in IMPLEMENTATIONS:
         if name not in ALL_EXPERTS_FUNCTIONS:
             ALL_EXPERTS_FUNCTIONS.register(name, _forward_for(name))
+    if not getattr(PreTrainedModel.save_pretrained, "_ktfp8_guard", False):
+        PreTrainedModel.save_pretrained = _guarded_save_pretrained(PreTrainedModel.save_pretrained)
