@@ -11,6 +11,59 @@ from .config import as_block
 FORMATS = ("fp8_per_channel", "fp8_block", "bf16")
 
 
+class ExpertMatrices:
+    """[E, out, in] expert matrices held where they lie, as E [out, in] arrays (memory-map views).
+
+    A checkpoint's experts need not lie at one distance from each other: safetensors writes tensor
+    names in string order (experts 0, 1, 10, 100, ..., 2, ...), and a layer may span two shards.  No
+    NumPy view covers such a layer, and stacking one would copy it; ktfp8.MoE packs from the matrices
+    as they are.  m[e] is expert e's matrix, m[a:b] an ExpertMatrices of those experts, and
+    np.asarray(m) a stacked copy."""
+
+    ndim = 3
+
+    def __init__(self, matrices):
+        self.matrices = tuple(matrices)
+        if not self.matrices:
+            raise ValueError("ExpertMatrices needs at least one expert matrix")
+        first = self.matrices[0]
+        for m in self.matrices:
+            if not isinstance(m, np.ndarray) or m.ndim != 2 or m.shape != first.shape or m.dtype != first.dtype:
+                raise ValueError(f"ExpertMatrices matrices must be 2-D arrays of one shape and dtype like the first "
+                                 f"({first.shape}, {first.dtype})")
+        self.shape = (len(self.matrices),) + first.shape
+        self.dtype = first.dtype
+
+    @property
+    def nbytes(self):
+        return sum(m.nbytes for m in self.matrices)
+
+    def __len__(self):
+        return len(self.matrices)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return ExpertMatrices(self.matrices[key])
+        if isinstance(key, (int, np.integer)):
+            return self.matrices[key]
+        if isinstance(key, tuple) and key and isinstance(key[0], (int, np.integer)):
+            return self.matrices[key[0]][key[1:]]
+        return np.asarray(self)[key]
+
+    def __array__(self, dtype=None, copy=None):
+        if copy is False:
+            raise ValueError("an ExpertMatrices is not one array: np.asarray of it stacks a copy")
+        stacked = np.stack(self.matrices)
+        return stacked if dtype is None else stacked.astype(dtype, copy=False)
+
+    def view(self, dtype):
+        """The same bytes as `dtype` (of the same item size), matrix by matrix."""
+        return ExpertMatrices(m.view(dtype) for m in self.matrices)
+
+    def __repr__(self):
+        return f"ExpertMatrices(shape={self.shape}, dtype={self.dtype})"
+
+
 @dataclass(frozen=True)
 class ExpertWeights:
     """gate, up: [E, intermediate, hidden]; down: [E, hidden, intermediate] (HF Linear [out, in]).
@@ -18,7 +71,9 @@ class ExpertWeights:
     fp8_per_channel: uint8 codes + float32 scales [E, out, 1];
     fp8_block:       uint8 codes + float32 scales [E, ceil(out/bn), ceil(in/bk)], block = (bn, bk);
     bf16:            ml_dtypes.bfloat16 weights, scales None.
-    Arrays may be memory-mapped; nothing is copied until a MoE packs them.  CPU torch tensors are
+    Arrays may be memory-mapped; nothing is copied until a MoE packs them.  A weight may also be an
+    ExpertMatrices (per-expert matrices where a checkpoint holds them; FP8SafeTensorLoader gives one where
+    no view covers a layer's experts).  CPU torch tensors are
     accepted and held as NumPy views of their memory (no copy).
 
     A shard of a layer holds the contiguous global expert ids `expert_range` =
@@ -126,7 +181,7 @@ def _validate(w):
         raise ValueError(f"ExpertWeights.format must be one of {FORMATS}, got {w.format!r}")
     for name in ("gate", "up", "down"):
         a = getattr(w, name)
-        if not isinstance(a, np.ndarray) or a.ndim != 3:
+        if not isinstance(a, (np.ndarray, ExpertMatrices)) or a.ndim != 3:
             raise ValueError(f"ExpertWeights.{name} must be a 3-D numpy array [experts, out, in]")
         if w.format == "bf16":
             if a.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import MoeConfig, QuantConfig, as_block
-from .experts import ExpertWeights, check_expert_range
+from .experts import ExpertMatrices, ExpertWeights, check_expert_range
 from .safetensors_io import SafetensorsError, SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -266,7 +266,8 @@ class FP8SafeTensorLoader:
 
     def load_expert_tensors(self, layer, experts=None):
         """(gate, up, down) weights of `layer` as stored, each [E, out, in]: memory-map views when the
-        experts lie at equal distances in one shard (as HF and ktfp8 write them), else stacked copies.
+        experts lie at equal distances in one shard (as ktfp8 writes them, and safetensors for up to 10
+        experts), else stacked copies (load_experts copies nothing: ExpertMatrices).
         experts=range(a, b): only those experts' tensors (the bytes of the others are never mapped in)."""
         experts = self._expert_range(layer, experts)
         return tuple(self._weights(layer, role, experts) for role in ROLES)
@@ -278,7 +279,7 @@ class FP8SafeTensorLoader:
         fp16/fp32 checkpoints are not FP8 or BF16: convert them first (python -m ktfp8.convert)."""
         fmt = self.layer_format(layer)
         experts = self._expert_range(layer, experts)
-        weights = self.load_expert_tensors(layer, experts)
+        weights = tuple(self._weights(layer, role, experts, matrices=True) for role in ROLES)
         shard = {"first_expert": experts.start, "total_experts": self.expert_count(layer)}
         if fmt == "bf16":
             return ExpertWeights("bf16", *weights, **shard)
@@ -341,7 +342,10 @@ class FP8SafeTensorLoader:
                                    f"{missing[:8] or sorted(set(names) - set(range(count)))[:8]}")
         return [names[e] for e in experts]
 
-    def _stack(self, layer, role, kind, experts):
+    def _stack(self, layer, role, kind, experts, matrices=False):
+        """The tensors of `kind` of `role` of the experts, [E, ...]: one memory-map view where they lie at
+        one distance in one shard; else matrices=True: an ExpertMatrices of their views (MoE packs them
+        where they lie), matrices=False: a stacked copy."""
         names = self._names(layer, role, kind, experts)
         files = {self.checkpoint.weight_map[n] for n in names}
         infos = [self.checkpoint.info(n) for n in names]
@@ -352,10 +356,11 @@ class FP8SafeTensorLoader:
             view = self.checkpoint.file_of(names[0]).stacked_memmap(names)
             if view is not None:
                 return view
-        return np.stack([self.checkpoint.file_of(n).memmap(n) for n in names])
+        views = [self.checkpoint.file_of(n).memmap(n) for n in names]
+        return ExpertMatrices(views) if matrices and views[0].ndim == 2 else np.stack(views)
 
-    def _weights(self, layer, role, experts):
-        weights = self._stack(layer, role, "weight", experts)
+    def _weights(self, layer, role, experts, matrices=False):
+        weights = self._stack(layer, role, "weight", experts, matrices)
         if weights.ndim != 3:
             name = self._names(layer, role, "weight", experts)[0]
             raise SafetensorsError(f"{self.path}: {name} has shape {list(weights.shape[1:])}; expert weights "

@@ -13,7 +13,7 @@ from . import backends
 from ._native import _ext
 from ._torch import accepts_tensors
 from .config import ODD_BLOCK_EDGE, MoeConfig
-from .experts import ExpertWeights
+from .experts import ExpertMatrices, ExpertWeights
 
 _W = _ext.ktfp8_wformat
 _FORMAT_CODES = {"fp8_per_channel": _W.KTFP8_FMT_FP8_CHANNEL, "fp8_block": _W.KTFP8_FMT_FP8_BLOCK,
@@ -28,6 +28,19 @@ def _expected_format(quant_config):
     if quant_config.method == "BF16":
         return "bf16"
     return "fp8_per_channel" if quant_config.per_channel else "fp8_block"
+
+
+def _packable(weights, bits):
+    """`weights` [E, out, in] as PackedMoE reads them, viewed as `bits`: each expert's matrix where it
+    lies when it is C-contiguous (a strided view over a checkpoint's experts, an ExpertMatrices's matrices),
+    which saves copying the layer once more beside its packed copy; else a contiguous copy."""
+    if isinstance(weights, ExpertMatrices):
+        return [np.ascontiguousarray(m).view(bits) for m in weights.matrices]
+    _, out, inp = weights.shape
+    row_step, step = weights.strides[1:]
+    if (inp == 1 or step == weights.itemsize) and (out == 1 or row_step == inp * weights.itemsize):
+        return weights.view(bits)
+    return np.ascontiguousarray(weights).view(bits)
 
 
 def check_layer_types(config, experts):
@@ -98,7 +111,7 @@ class MoE:
         self._shape = (experts.expert_num, experts.hidden_size, experts.intermediate_size,
                        _FORMAT_CODES[fmt], int(block[0]), int(block[1]))
         bits = np.uint16 if fmt == "bf16" else np.uint8
-        proj = [np.ascontiguousarray(p).view(bits) for p in (experts.gate, experts.up, experts.down)]
+        proj = [_packable(p, bits) for p in (experts.gate, experts.up, experts.down)]
         scales = [None if s is None else np.ascontiguousarray(s, dtype=np.float32)
                   for s in (experts.gate_scale, experts.up_scale, experts.down_scale)]
         self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, self._threads)

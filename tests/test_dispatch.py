@@ -101,8 +101,14 @@ def test_the_seam_refuses_buffers_of_the_wrong_size():
     shape = (E, H, I, _ext.ktfp8_wformat.KTFP8_FMT_FP8_CHANNEL, 0, 0)
     codes = [np.zeros((E, I, H), np.uint8), np.zeros((E, I, H), np.uint8), np.zeros((E, H, I), np.uint8)]
     scales = [np.ones((E, I, 1), np.float32), np.ones((E, I, 1), np.float32), np.ones((E, H, 1), np.float32)]
-    with pytest.raises(ValueError, match="gate holds 992 bytes, expected 1024"):
+    with pytest.raises(ValueError, match=r"gate must be \[2, 16, 32\] of 1-byte elements"):
         _ext.PackedMoE(v, shape, codes[0][:, :, 1:].copy(), *codes[1:], *scales, 1)
+    with pytest.raises(ValueError, match="gate must be .* with C-contiguous matrices"):   # rows not adjacent
+        _ext.PackedMoE(v, shape, np.zeros((E, I, 2 * H), np.uint8)[:, :, ::2], *codes[1:], *scales, 1)
+    with pytest.raises(ValueError, match=r"up\[1\] holds 496 bytes, expected 512"):
+        _ext.PackedMoE(v, shape, codes[0], [codes[1][0], codes[1][1, :, 1:].copy()], codes[2], *scales, 1)
+    with pytest.raises(TypeError, match="down must be an ndarray .* or a list of 2"):
+        _ext.PackedMoE(v, shape, *codes[:2], list(codes[2][:1]), *scales, 1)
     kernel = _ext.PackedMoE(v, shape, *codes, *scales, 1)
     x, ids, w = np.ones((3, H), np.float32), np.zeros((3, 2), np.int64), np.ones((3, 2), np.float32)
     with pytest.raises(ValueError, match="y holds"):

@@ -47,9 +47,11 @@ typedef struct ktfp8_moe_shape {
     int64_t block_n, block_k;  /* FP8_BLOCK only: block edges (block_k even) */
 } ktfp8_moe_shape;
 
-/* One projection of all experts as the user holds it (Hugging Face Linear layout). */
+/* One projection of all experts as the user holds it (Hugging Face Linear layout).  One pointer per
+ * expert: a checkpoint's experts need not lie at equal distances (safetensors writes names in string
+ * order: experts 0, 1, 10, 100, ...), and packing from where they lie saves a stacked copy. */
 typedef struct ktfp8_proj_src {
-    const void *w;      /* [E, out, in] uint8 codes or uint16 bf16 bits, C-contiguous */
+    const void *const *w; /* [E] pointers to expert e's [out, in] uint8 codes or uint16 bf16 bits, C-contiguous */
     const float *scale; /* per-channel [E, out]; block-wise [E, ceil(out/bn), ceil(in/bk)]; NULL for BF16 */
 } ktfp8_proj_src;
 

@@ -11,7 +11,7 @@ cdef extern from "ktfp8/abi.h":
         int32_t format
         int64_t block_n, block_k
     ctypedef struct ktfp8_proj_src:
-        const void *w
+        const void *const *w
         const float *scale
     ctypedef struct ktfp8_moe_call:
         const ktfp8_moe_shape *shape
@@ -35,13 +35,38 @@ cdef extern from "ktfp8/moe.h":
     enum: KTFP8_ENOMEM, KTFP8_EINVAL
 
 
+cdef object expert_pointers(weights, int64_t E, int64_t out, int64_t inp, size_t wsize, str name):
+    """uintp [E]: the address of each expert's [out, in] matrix in `weights`, an ndarray [E, out, in]
+    whose matrices are C-contiguous (the experts at any distance: a strided view over a file), or a
+    list of E C-contiguous [out, in] arrays."""
+    cdef Py_ssize_t size = <Py_ssize_t>wsize, matrix = out * inp * size
+    pointers = np.empty(E, np.uintp)
+    cdef cnp.ndarray arr
+    if isinstance(weights, cnp.ndarray):
+        arr = <cnp.ndarray>weights
+        if (arr.ndim != 3 or arr.shape[0] != E or arr.shape[1] != out or arr.shape[2] != inp
+                or arr.itemsize != size or (inp > 1 and arr.strides[2] != size)
+                or (out > 1 and arr.strides[1] != inp * size)):
+            raise ValueError(f"{name} must be [{E}, {out}, {inp}] of {wsize}-byte elements with C-contiguous "
+                             f"matrices, got shape {weights.shape}, strides {weights.strides}")
+        for e in range(E):
+            pointers[e] = <size_t>cnp.PyArray_DATA(arr) + e * arr.strides[0]
+        return pointers
+    if not isinstance(weights, (list, tuple)) or len(weights) != E:
+        raise TypeError(f"{name} must be an ndarray [E, out, in] or a list of {E} [out, in] arrays")
+    for e in range(E):
+        pointers[e] = <size_t>c_buffer(weights[e], matrix, f"{name}[{e}]")
+    return pointers
+
+
 cdef class PackedMoE:
     """The experts of one layer packed once for one variant, their shape checked once.
 
     PackedMoE(variant, shape, gate, up, down, gate_scale, up_scale, down_scale, threads):
     shape = (experts, hidden, inter, format, block_n, block_k) with format an enum ktfp8_wformat;
-    weights [E, out, in] uint8 codes or uint16 bf16 bits, scales float32 (None for bf16); packed on
-    `threads` threads.  Never changed after packing, so MoE copies share one."""
+    weights uint8 codes or uint16 bf16 bits, each [E, out, in] with C-contiguous matrices or a list of
+    E [out, in] arrays (expert_pointers); scales float32 (None for bf16); packed on `threads` threads.
+    Never changed after packing, so MoE copies share one."""
     cdef const ktfp8_variant *v
     cdef ktfp8_moe_shape s
     cdef readonly object packed   # uint8, 64-byte aligned
@@ -59,9 +84,11 @@ cdef class PackedMoE:
         cdef int64_t out, inp
         cdef size_t wsize = 2 if self.s.format == KTFP8_FMT_BF16 else 1
         weights, scales = (gate, up, down), (gate_scale, up_scale, down_scale)
+        pointers = []           # alive until the packing below returns
         for i in range(3):
             out, inp = (H, I) if i == 2 else (I, H)
-            src[i].w = c_buffer(weights[i], E * out * inp * wsize, ("gate", "up", "down")[i])
+            pointers.append(expert_pointers(weights[i], E, out, inp, wsize, ("gate", "up", "down")[i]))
+            src[i].w = <const void *const *>cnp.PyArray_DATA(<cnp.ndarray>pointers[i])
             if self.s.format == KTFP8_FMT_BF16:
                 src[i].scale = NULL
             elif self.s.format == KTFP8_FMT_FP8_CHANNEL:

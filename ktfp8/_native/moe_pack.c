@@ -100,11 +100,11 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
                 int64_t n = row0 + r, k = kk * kp + q;
                 size_t at = ((size_t)kk * nb + r) * kp + q;
                 int inside = n < p->n && k < p->k;
-                size_t from = ((size_t)e * p->n + n) * p->k + k;
+                size_t from = (size_t)n * p->k + k;
                 if (bf16)
-                    ((uint16_t *)w_out)[at] = inside ? ((const uint16_t *)src->w)[from] : 0;
+                    ((uint16_t *)w_out)[at] = inside ? ((const uint16_t *)src->w[e])[from] : 0;
                 else
-                    w_out[at] = inside ? ((const uint8_t *)src->w)[from] : 0;
+                    w_out[at] = inside ? ((const uint8_t *)src->w[e])[from] : 0;
             }
     if (!bf16 && l->code_order != KTFP8_CODES_NATURAL) {
         uint8_t group[64];
@@ -131,7 +131,7 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
                     v = src->scale[(size_t)e * p->n + n];
                 }
                 v *= l->scale_mul;
-                const uint8_t *row = (const uint8_t *)src->w + ((size_t)e * p->n + n) * p->k;
+                const uint8_t *row = (const uint8_t *)src->w[e] + (size_t)n * p->k;
                 for (int64_t k = k0; k < k1; k++)
                     if (ktfp8_e4m3_is_nan(row[k])) { v = NAN; break; }
             }
