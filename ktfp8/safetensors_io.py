@@ -11,7 +11,9 @@ of UTF-8 JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metada
 then the data buffer; offsets are relative to the buffer, tensors are contiguous and cover it."""
 import json
 import math
+import mmap
 import os
+import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -92,21 +94,40 @@ def read_header(path):
     """(tensors: {name: TensorInfo} in file order, metadata: dict) of the file at `path`, validated:
     offsets in range, contiguous, non-overlapping, sizes matching dtype x shape."""
     path = os.fspath(path)
+    fd = _open_file(path)
     try:
-        with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise SafetensorsError(f"{path}: truncated safetensors file ({file_size} bytes, no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > file_size:
-                raise SafetensorsError(f"{path}: header length {n} exceeds the file size {file_size} "
-                                       f"(truncated or not a safetensors file)")
-            raw = f.read(n)
+        return _read_header(fd, path)
+    finally:
+        os.close(fd)
+
+
+def _open_file(path):
+    """A read-only descriptor of the regular file at `path`, else SafetensorsError saying why."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise SafetensorsError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise SafetensorsError(f"{path}: is a directory, expected a .safetensors file") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "is a directory" if stat.S_ISDIR(mode) else "is not a regular file"
+        raise SafetensorsError(f"{path}: {what}, expected a .safetensors file")
+    return fd
+
+
+def _read_header(fd, path):
+    """read_header of the file open as `fd` (read with pread: the descriptor's offset is left alone)."""
+    file_size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise SafetensorsError(f"{path}: truncated safetensors file ({file_size} bytes, no header)")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise SafetensorsError(f"{path}: header length {n} exceeds the file size {file_size} "
+                               f"(truncated or not a safetensors file)")
+    raw = os.pread(fd, n, 8)
+    if len(raw) < n:
+        raise SafetensorsError(f"{path}: file shrank while its header was read")
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
     except (UnicodeDecodeError, ValueError) as e:
@@ -173,8 +194,15 @@ class SafetensorsFile:
 
     def __init__(self, path):
         self.path = os.fspath(path)
-        self.tensors, self.metadata = read_header(self.path)
-        self._fd = os.open(self.path, os.O_RDONLY)
+        # One descriptor for the header, the reads and the map: a file replaced under the same name
+        # (a conversion run again) would otherwise be read at the old header's offsets.
+        self._fd = _open_file(self.path)
+        try:
+            self.tensors, self.metadata = _read_header(self._fd, self.path)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._end = max((t.end for t in self.tensors.values()), default=0)
         self._map = None
 
     def __contains__(self, name):
@@ -192,10 +220,11 @@ class SafetensorsFile:
     def memmap(self, name):
         """Read-only view of tensor `name` on a memory map of the file (no copy)."""
         info = self.info(name)
+        # checked at every view, not only the first: a page past a truncated end is a SIGBUS when read
+        if os.fstat(self._fd).st_size < self._end:
+            raise SafetensorsError(f"{self.path}: file shrank since its header was read")
         if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-            if self._map.size < max((t.end for t in self.tensors.values()), default=0):
-                raise SafetensorsError(f"{self.path}: file shrank since its header was read")
+            self._map = np.frombuffer(mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ), np.uint8)
         return self._map[info.start:info.end].view(info.np_dtype).reshape(info.shape)
 
     def stacked_memmap(self, names):

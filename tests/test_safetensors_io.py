@@ -123,6 +123,33 @@ def test_memmap_is_a_read_only_view_of_the_file(tmp_path):
     assert f.read_rows("x", 1, 2).tolist() == [[4, 99, 6, 7]]
 
 
+def test_a_file_truncated_after_its_first_view_is_an_error_not_a_sigbus(tmp_path):
+    """Reading a page past a truncated file's end kills the process (SIGBUS): every view checks the
+    size, not only the first (the second layer of a shard truncated after the first was loaded)."""
+    path = tmp_path / "t.safetensors"
+    write_file(path, {"a": ("U8", np.ones((4096,), np.uint8)), "b": ("U8", np.full((65536,), 7, np.uint8))})
+    f = SafetensorsFile(path)
+    assert f.memmap("a").sum() == 4096
+    os.truncate(path, f.info("b").start + 100)
+    with pytest.raises(SafetensorsError, match="file shrank since its header was read"):
+        f.memmap("b")
+
+
+def test_a_file_replaced_under_its_name_is_read_as_opened(tmp_path):
+    """The header, the reads and the map all go through one descriptor: a file written again under the
+    same name (its tensors in another order) does not mix the old header with the new bytes."""
+    path = tmp_path / "r.safetensors"
+    first = {"a": ("F32", np.full((64,), 1, np.float32)), "b": ("F32", np.full((64,), 2, np.float32))}
+    write_file(path, first)
+    f = SafetensorsFile(path)
+    write_file(tmp_path / "new.safetensors", {"b": first["b"], "a": ("F32", np.full((64,), 3, np.float32))})
+    os.replace(tmp_path / "new.safetensors", path)
+    assert (f.memmap("a") == 1).all() and (f.memmap("b") == 2).all()
+    assert (f.read_rows("a") == 1).all()
+    fresh = SafetensorsFile(path)
+    assert (fresh.memmap("a") == 3).all() and (fresh.memmap("b") == 2).all()
+
+
 def test_stacked_memmap(tmp_path):
     rng = np.random.default_rng(3)
     experts = {f"e.{i}.{p}": ("BF16", rng.standard_normal((5, 6)).astype(ml_dtypes.bfloat16))
