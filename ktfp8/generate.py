@@ -92,6 +92,16 @@ def _holds_fp8_weights(folder):
     return any(checkpoint.info(name).dtype == "F8_E4M3" for name in checkpoint.names())
 
 
+def _config_errors():
+    """The exceptions transformers' strict config classes raise for a config.json field of the wrong type
+    (huggingface_hub's, which are no ValueError), where this version has them."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
 def _cannot_load(folder, error):
     return _Failure(f"{folder}: cannot load the model: {error}", 1)
 
@@ -217,7 +227,7 @@ def _generate(args, folder, prints):
         torch.set_num_threads(args.threads)
     try:
         model, tokenizer = load(folder, args.threads)
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, *_config_errors()) as e:
         raise _cannot_load(folder, e) from None
     prompt_ids = _prompt_ids(args, folder, tokenizer, model.config.get_text_config().vocab_size)
     progress = Progress(args.max_new_tokens) if prints and not args.json else None

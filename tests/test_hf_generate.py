@@ -112,6 +112,19 @@ def test_exit_statuses(mixtral, tmp_path, capsys):
         assert e.value.code == 2
 
 
+@pytest.mark.parametrize("folder", ["fp8", "bf16"])
+def test_a_config_field_of_the_wrong_type_exits_1(mixtral, folder, tmp_path, capsys):
+    """transformers' strict config classes raise huggingface_hub's StrictDataclassError (no ValueError)
+    for a field of the wrong type: a message and exit status 1, not a traceback."""
+    bad = tmp_path / "bad_config"
+    shutil.copytree(mixtral[folder], bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["num_local_experts"] = [4, 4]
+    (bad / "config.json").write_text(json.dumps(config))
+    assert main(["--model", str(bad), "--prompt-ids", "1"]) == 1
+    assert "cannot load the model" in capsys.readouterr().err
+
+
 def test_text_prompt_without_tokens(mixtral, tmp_path, capsys):
     folder = _with_tokenizer(mixtral["fp8"], tmp_path / "with_tokenizer")
     for empty in ("", "   "):
