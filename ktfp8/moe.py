@@ -251,6 +251,19 @@ def _unsupported(name):
             f"{backends.available_backends()[0]!r}")
 
 
+def _native_backend(name):
+    """The backend class `name` runs: $KTFP8_BACKEND where it names one of the native paths (amx,
+    avx512_bf16, or their emulated twins), the best native one where it is unset; any other backend
+    would not be what the class's name promises, and ignoring the variable would not be what it says."""
+    forced = backends._getenv(backends.ENV_BACKEND)
+    if not forced:
+        return _NATIVE_BACKENDS[0]
+    if forced.removesuffix("_emulated") not in ("amx", "avx512_bf16"):
+        raise ValueError(f"{backends.ENV_BACKEND}={forced!r}: {name} runs the amx or avx512_bf16 backend; "
+                         f"unset it, or use ktfp8.MoE(config, experts) for {forced!r}")
+    return forced       # MoE says why when this CPU or build cannot run it
+
+
 def _native_class(name, fmt, doc):
     """A KTransformers-named class bound to one weight format, using AMX where the CPU has it and
     the AVX-512-BF16 path otherwise; constructing it where neither runs raises RuntimeError."""
@@ -261,7 +274,7 @@ def _native_class(name, fmt, doc):
         check_layer_types(config, experts)
         if experts.format != fmt:
             raise ValueError(f"{name} takes {fmt!r} experts, got {experts.format!r}")
-        MoE.__init__(self, config, experts, backend=_NATIVE_BACKENDS[0], threads=threads, copy_to_cpu=copy_to_cpu)
+        MoE.__init__(self, config, experts, backend=_native_backend(name), threads=threads, copy_to_cpu=copy_to_cpu)
 
     return type(name, (MoE,), {"__init__": __init__, "__doc__": doc})
 

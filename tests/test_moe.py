@@ -185,6 +185,25 @@ def test_ktransformers_named_class_where_the_os_has_not_enabled_avx512(monkeypat
     assert "OS" in str(e.value) and "XCR0" in str(e.value)
 
 
+def test_ktransformers_named_classes_follow_ktfp8_backend(monkeypatch):
+    """$KTFP8_BACKEND naming a native path (or its emulated twin) is the class's backend; naming another
+    is refused by name rather than ignored (it was ignored: the class ran its own choice)."""
+    from ktfp8 import moe as moe_mod
+    monkeypatch.setattr(moe_mod, "_NATIVE_BACKENDS", ["avx512_bf16_emulated"])   # as on a CPU that runs them
+    experts, dense = make_experts("fp8_per_channel", E, H, I, seed=14)
+    cls = moe_mod.AMXFP8PerChannel_MOE
+    monkeypatch.setenv("KTFP8_BACKEND", "amx_emulated")
+    m = cls(config("fp8_per_channel"), experts)
+    assert m.backend == "amx_emulated"
+    x, ids, w = _inputs(3)
+    assert nmse(m(x, ids, w), moe_fp64(x, ids, w, *dense)) <= 2e-5
+    monkeypatch.setenv("KTFP8_BACKEND", "avx2")
+    with pytest.raises(ValueError, match="KTFP8_BACKEND='avx2': AMXFP8PerChannel_MOE runs the amx or avx512_bf16"):
+        cls(config("fp8_per_channel"), experts)
+    monkeypatch.delenv("KTFP8_BACKEND")
+    assert cls(config("fp8_per_channel"), experts).backend == "avx512_bf16_emulated"
+
+
 def test_ktransformers_named_classes_check_their_inputs(monkeypatch):
     """As on a CPU with the native kernels (their emulated build here): wrong types and another format
     are refused by name, and the class runs the emulated kernel's sums."""
