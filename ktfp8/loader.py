@@ -189,6 +189,11 @@ def block_size_of(hf_config, source="config.json"):
     return as_block(block, f"{source}: {BLOCK_FIELD}")
 
 
+def _ids(ids):
+    """[4, 5, 6] of a list of expert indices, the first 8 of a longer one: a message stays a line."""
+    return str(ids) if len(ids) <= 8 else f"{str(ids[:8])[:-1]}, ... ({len(ids)} in all)]"
+
+
 def _is_positive_int(value):
     # JSON true is a Python bool, an int subclass: [true, true] is not a block of 1 x 1
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
@@ -295,9 +300,12 @@ class FP8SafeTensorLoader:
         return ExpertWeights(fmt, *weights, *scales, block=block, **shard)
 
     def expert_count(self, layer):
-        """Number of routed experts of `layer` in the checkpoint."""
+        """Number of routed experts of `layer` in the checkpoint: the highest expert index among its weights
+        + 1, as python -m ktfp8.convert counts them without config.json; load_experts refuses a layer that
+        lacks a tensor of experts 0 .. count - 1.  (Counting names took a stray tensor of expert 7 beside
+        experts 0-3 for "expert 4 is missing".)"""
         self._check_layer(layer)
-        return max(len(self._layers[layer].tensors.get((r, "weight"), {})) for r in ROLES)
+        return 1 + max((e for r in ROLES for e in self._layers[layer].tensors.get((r, "weight"), {})), default=-1)
 
     # -- internals ------------------------------------------------------------------------------
     def _block_size(self):
@@ -336,11 +344,29 @@ class FP8SafeTensorLoader:
             raise SafetensorsError(f"{self.path}: layer {layer} has no {role} expert {kind} tensors "
                                    f"under {stack.prefix}")
         count = self.expert_count(layer)
-        missing = [e for e in range(count) if e not in names]
-        if missing or len(names) != count:
-            raise SafetensorsError(f"{self.path}: layer {layer}: {role} {kind} missing for experts "
-                                   f"{missing[:8] or sorted(set(names) - set(range(count)))[:8]}")
+        if names.keys() != set(range(count)):
+            raise SafetensorsError(f"{self.path}: layer {layer}: {self._wrong_ids(layer, role, kind, count)}")
         return [names[e] for e in experts]
+
+    def _wrong_ids(self, layer, role, kind, count):
+        """Why the `role` `kind` tensors of `layer` are not those of experts 0 .. count - 1 (a phrase): a
+        tensor beyond the experts with weights, whole experts absent below the highest index (named: a stray
+        tensor, or experts that were never written), else the experts this projection lacks."""
+        stack = self._layers[layer]
+        names = stack.tensors[role, kind]
+        beyond = sorted(e for e in names if e >= count)       # a scale of an expert without weights
+        if beyond:
+            return (f"{role} {kind} {names[beyond[0]]!r} names expert {beyond[0]}, but the layer's experts "
+                    f"(those with weights) are 0-{count - 1}")
+        missing = _ids([e for e in range(count) if e not in names])
+        weights = [stack.tensors.get((r, "weight"), {}) for r in ROLES]
+        absent = [e for e in range(count) if not any(e in w for w in weights)]
+        if not absent:
+            return f"{role} {kind} missing for experts {missing}"
+        highest = next(w[count - 1] for w in weights if count - 1 in w)
+        return (f"experts {_ids(absent)} have no gate, up or down weight, yet {highest!r} names expert "
+                f"{count - 1}: expert indices run from 0 without a gap ({role} {kind} missing for experts "
+                f"{missing})")
 
     def _stack(self, layer, role, kind, experts, matrices=False):
         """The tensors of `kind` of `role` of the experts, [E, ...]: one memory-map view where they lie at

@@ -6,8 +6,10 @@ and decode is bandwidth-bound.  Linux places an anonymous page on the node of th
 writes it, so a thread team pinned to a node *before* it packs (MoE.__init__ writes the packed copy)
 keeps its experts local, without libnuma.  The topology comes from /sys/devices/system/node (the root
 is a parameter, so tests can fake a machine); without it, the machine is one node."""
+import numbers
 import os
 import re
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,10 @@ from .experts import split_experts
 NODE_ROOT = "/sys/devices/system/node"
 _NODE_DIR = re.compile(r"^node(\d+)$")
 _MEM_TOTAL = re.compile(r"MemTotal:\s*(\d+)\s*kB")
+# The highest CPU number taken (in a cpulist, a node, pin).  Linux is built for at most 8192 CPUs (NR_CPUS;
+# x86-64's CONFIG_MAXSMP), so 2**20 leaves ample room to grow, while a corrupt or hostile cpulist such as
+# '0-4294967295' (billions of ints: memory runs out first) is refused at once; '0-1048575' takes 0.1 s.
+MAX_CPU = 2**20 - 1
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,10 @@ class Placement:
 
 
 def parse_cpulist(text, source="cpulist"):
-    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11); '' -> () (a node without CPUs)."""
+    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11); '' -> () (a node without CPUs).  CPU numbers above
+    MAX_CPU are refused."""
+    if not isinstance(text, str):
+        raise TypeError(f"{source}: a CPU list is a str such as '0-3,8', got {type(text).__name__}")
     cpus = []
     for part in text.strip().split(","):
         if not part:
@@ -46,6 +55,9 @@ def parse_cpulist(text, source="cpulist"):
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
         if m is None or (m[2] is not None and int(m[2]) < int(m[1])):
             raise ValueError(f"{source}: cannot read CPU list {text.strip()!r} (expected e.g. '0-3,8')")
+        if int(m[2] or m[1]) > MAX_CPU:        # checked before the range is expanded
+            raise ValueError(f"{source}: CPU list {text.strip()!r} names CPU {int(m[2] or m[1])}, above "
+                             f"ktfp8.numa.MAX_CPU = {MAX_CPU} (Linux runs at most 8192 CPUs)")
         cpus.extend(range(int(m[1]), int(m[2] or m[1]) + 1))
     return tuple(sorted(set(cpus)))
 
@@ -121,8 +133,8 @@ def pin_local_rank(nodes=None):
 
 def _usable(nodes, allowed_cpus):
     """[(node id, its CPUs this process may use)] for the nodes that have any."""
-    nodes = topology() if nodes is None else nodes
-    allowed = set(_allowed_cpus() if allowed_cpus is None else allowed_cpus)
+    nodes = topology() if nodes is None else _check_nodes(nodes)
+    allowed = _allowed_cpus() if allowed_cpus is None else _cpu_set("allowed_cpus", allowed_cpus)
     teams = [(n.id, tuple(c for c in n.cpus if c in allowed)) for n in nodes]
     teams = [(node, cpus) for node, cpus in teams if cpus]
     if not teams:
@@ -130,9 +142,50 @@ def _usable(nodes, allowed_cpus):
     return teams
 
 
+def _check_nodes(nodes):
+    """`nodes` as a list of NumaNode, or TypeError / ValueError naming what is wrong: a node id twice or
+    a CPU in two nodes would put two teams (or ranks) on one CPU, each believing it has it alone."""
+    if isinstance(nodes, (str, bytes)) or not isinstance(nodes, Iterable):
+        raise TypeError(f"nodes must be a list of ktfp8.numa.NumaNode (e.g. numa.topology()), got "
+                        f"{type(nodes).__name__} {nodes!r}")
+    nodes = list(nodes)
+    ids, owner = set(), {}                         # owner: CPU -> the node holding it
+    for i, node in enumerate(nodes):
+        if not isinstance(node, NumaNode):
+            raise TypeError(f"nodes[{i}] must be a ktfp8.numa.NumaNode(id, cpus), got {type(node).__name__} "
+                            f"{node!r}")
+        if isinstance(node.id, (bool, np.bool_)) or not isinstance(node.id, numbers.Integral):
+            raise TypeError(f"nodes[{i}].id must be an int, got {type(node.id).__name__} {node.id!r}")
+        if node.id < 0:
+            raise ValueError(f"nodes[{i}].id must be >= 0, got {node.id}")
+        if node.id in ids:
+            raise ValueError(f"nodes: node id {node.id} appears twice")
+        ids.add(node.id)
+        for cpu in _cpu_set(f"nodes[{i}].cpus", node.cpus):
+            if cpu in owner:
+                raise ValueError(f"nodes: CPU {cpu} is in node {owner[cpu]} and in node {node.id}; a CPU "
+                                 f"belongs to one node")
+            owner[cpu] = node.id
+    return nodes
+
+
+def _cpu_set(name, cpus):
+    """`cpus` as a set of CPU numbers (ints in 0 .. MAX_CPU), or TypeError / ValueError naming `name`:
+    True is an int to os.sched_setaffinity, but as a CPU it is a mistake, not CPU 1."""
+    if isinstance(cpus, (str, bytes)) or not isinstance(cpus, Iterable):
+        raise TypeError(f"{name} must be a collection of CPU numbers (ints), got {type(cpus).__name__} {cpus!r}")
+    cpus = list(cpus)          # checked before a set is made: a list inside would say only "unhashable"
+    for cpu in cpus:
+        if isinstance(cpu, (bool, np.bool_)) or not isinstance(cpu, numbers.Integral):
+            raise TypeError(f"{name} must hold CPU numbers (ints), got {type(cpu).__name__} {cpu!r}")
+        if not 0 <= cpu <= MAX_CPU:
+            raise ValueError(f"{name}: CPU {cpu} is not a CPU number (0 .. {MAX_CPU})")
+    return {int(cpu) for cpu in cpus}
+
+
 def pin(cpus):
     """Binds the calling thread (and the threads it starts later, OpenMP teams included) to `cpus`."""
-    cpus = set(cpus)
+    cpus = _cpu_set("cpus", cpus)
     if not cpus:
         raise ValueError("cpus must name at least one CPU")
     try:
@@ -148,8 +201,10 @@ class NumaMoE:
     On a one-node machine this is one MoE with extra steps: use MoE there."""
 
     def __init__(self, config, experts, *, nodes=None, allowed_cpus=None, backend=None):
-        from .moe import MoE, check_layer_types
-        check_layer_types(config, experts)
+        from .moe import MoE, _check_matches
+        # as MoE does, before planning: a wrong expert_num would otherwise surface as a shard's range
+        _check_matches(config, experts)
+        self._closed = False
         self.placements = plan(config.expert_num, nodes, allowed_cpus)
         self._teams = [ThreadPoolExecutor(1, thread_name_prefix=f"ktfp8-numa{p.node}") for p in self.placements]
         try:
@@ -171,6 +226,8 @@ class NumaMoE:
 
     def __call__(self, x, topk_ids, topk_weights):
         """Like MoE.__call__ (NumPy x, float32 or bfloat16): the partial outputs are summed in float32."""
+        if self._closed:          # else concurrent.futures' "cannot schedule new futures after shutdown"
+            raise RuntimeError("this NumaMoE is closed (close() shut down its node teams); build a new one")
         if not isinstance(x, np.ndarray) or x.dtype.name not in ("float32", "bfloat16"):
             raise TypeError(f"x must be a float32 or bfloat16 numpy array, got {getattr(x, 'dtype', type(x).__name__)}")
         x32 = np.ascontiguousarray(x, np.float32)
@@ -182,6 +239,7 @@ class NumaMoE:
         return y if x.dtype == np.float32 else y.astype(x.dtype)
 
     def close(self):
+        self._closed = True
         for team in self._teams:
             team.shutdown()
 

@@ -323,6 +323,32 @@ def _tiny_llama():
         vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
 
 
+def _stray_expert(c):
+    """Layer 0's experts 0-3 complete, and one stray up_proj (weight and scale) of expert 7."""
+    folder = c.copy("stray_expert")
+    shard = folder / "model.safetensors"
+    tensors = _read_all(shard)
+    up = "model.layers.0.mlp.experts.{}.up_proj.{}"
+    for kind in ("weight", "weight_scale"):
+        tensors[up.format(7, kind)] = tensors[up.format(2, kind)]
+    write_file(shard, tensors)
+    return FP8SafeTensorLoader(folder).load_experts(0)
+
+
+def _closed_numa_moe(c):
+    import os
+    layer = numa.NumaMoE(c.cfg, c.experts, nodes=[numa.NumaNode(0, (min(os.sched_getaffinity(0)),))])
+    layer.close()
+    return layer(c.x, c.ids, c.tw)
+
+
+def _pin_in_thread(cpus):
+    """numa.pin(cpus) in a thread of its own: should it pin by mistake, the test process keeps its CPUs."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(numa.pin, cpus).result()
+
+
 CASES = [
     # ---------------------------------------------------------------- MoeConfig / QuantConfig
     Case("MoeConfig", "expert_num=0", lambda c: cfg(expert_num=0, num_experts_per_tok=1), ValueError,
@@ -633,6 +659,9 @@ CASES = [
          lambda c: FP8SafeTensorLoader(c.ckpt).load_experts(0.0), TypeError, "layer must be an int, got float 0.0"),
     Case("FP8SafeTensorLoader.load_experts", "a NaN in a weight_scale", _nan_scale, SafetensorsError,
          "experts.1.up_proj.weight_scale holds nan at [2, 0]; scales must be finite and >= 0"),
+    Case("FP8SafeTensorLoader.load_experts", "a stray tensor of expert 7 beside experts 0-3", _stray_expert,
+         SafetensorsError, f"experts [4, 5, 6] have no gate, up or down weight, yet '{_expert(7, 'up')}' names "
+                           f"expert 7: expert indices run from 0 without a gap"),
     Case("FP8SafeTensorLoader.config", "no config.json", _without_config, ValueError,
          "no config.json to build a MoeConfig from"),
     # ---------------------------------------------------------------- python -m ktfp8.convert
@@ -759,6 +788,26 @@ CASES = [
     Case("ktfp8.numa.NumaMoE", "experts a tuple of arrays",
          lambda c: numa.NumaMoE(c.cfg, (c.w["gate"], c.w["up"], c.w["down"])), TypeError,
          "experts must be ktfp8.ExpertWeights, got tuple"),
+    Case("ktfp8.numa.NumaMoE", "a config whose expert_num differs from the experts'",
+         lambda c: numa.NumaMoE(cfg(expert_num=E + 1), c.experts), ValueError,
+         "experts hold (expert_num, hidden_size, intermediate_size) = (4, 64, 32), config says (5, 64, 32)"),
+    Case("ktfp8.numa.NumaMoE", "called after close()", _closed_numa_moe, RuntimeError,
+         "this NumaMoE is closed (close() shut down its node teams)"),
+    Case("ktfp8.numa.plan", "nodes a list of (id, cpus) tuples", lambda c: numa.plan(E, [(0, (0,))]), TypeError,
+         "nodes[0] must be a ktfp8.numa.NumaNode(id, cpus), got tuple (0, (0,))"),
+    Case("ktfp8.numa.plan", "nodes a str", lambda c: numa.plan(E, "0-1"), TypeError,
+         "nodes must be a list of ktfp8.numa.NumaNode (e.g. numa.topology()), got str '0-1'"),
+    Case("ktfp8.numa.plan", "a node id twice",
+         lambda c: numa.plan(E, [numa.NumaNode(0, (0,)), numa.NumaNode(0, (1,))]), ValueError,
+         "nodes: node id 0 appears twice"),
+    Case("ktfp8.numa.plan", "a CPU in two nodes",
+         lambda c: numa.plan(E, [numa.NumaNode(0, (0, 1)), numa.NumaNode(1, (1,))]), ValueError,
+         "nodes: CPU 1 is in node 0 and in node 1; a CPU belongs to one node"),
+    Case("ktfp8.numa.pin", "cpus [True] (a bool, not CPU 1)", lambda c: _pin_in_thread([True]), TypeError,
+         "cpus must hold CPU numbers (ints), got bool True"),
+    Case("ktfp8.numa.parse_cpulist", "a range up to CPU 4294967295 (it was expanded: memory ran out)",
+         lambda c: numa.parse_cpulist("0-4294967295", "node0/cpulist"), ValueError,
+         "node0/cpulist: CPU list '0-4294967295' names CPU 4294967295, above ktfp8.numa.MAX_CPU = 1048575"),
     Case("ktfp8.distributed.ExpertParallelMoE", "a dict as config",
          lambda c: distributed.ExpertParallelMoE({"expert_num": E}, c.experts), TypeError,
          "config must be a ktfp8.MoeConfig, got dict"),
@@ -771,6 +820,12 @@ CASES = [
     Case("python -m ktfp8.bench", "--tokens whose activations cannot fit in memory",
          lambda c: _bench(c, *_SMALL_BENCH, "--layer", "4,2,64,32", "--tokens", "999999999"), 2,
          "--tokens: the activations of a call of T=999999999"),
+    Case("python -m ktfp8.bench", "--threads above 16 per CPU (the run started, then a traceback)",
+         lambda c: _bench(c, *_SMALL_BENCH, "--layer", "4,2,64,32", "--tokens", "1", "--threads", "100000"), 2,
+         "--threads must be at most"),
+    Case("python -m ktfp8.bench", "KTFP8_BACKEND=junk in the environment",
+         _with_env("KTFP8_BACKEND", "junk", lambda c: _bench(c, *_SMALL_BENCH, "--layer", "4,2,64,32")), 2,
+         "KTFP8_BACKEND='junk' is not compiled in this build; usable backends:"),
     Case("python -m ktfp8.bench.model", "--layers 49", lambda c: _bench_model(c, "--layers", "49"), 2,
          "--layers: Qwen3-30B-A3B has 48 layers, got 49"),
     Case("python -m ktfp8.bench.model", "--json in a folder that does not exist",

@@ -842,6 +842,22 @@ def test_cli_refuses_what_cannot_fit_in_memory_before_running(tmp_path, args, me
     assert "Traceback" not in r.stderr and "measuring" not in r.stdout
 
 
+@pytest.mark.parametrize("args, env, message", [
+    (["--threads", f"1,{ktfp8.config.max_threads() + 1}"], {},
+     f"--threads must be at most {ktfp8.config.max_threads()} (16 per CPU"),
+    ([], {"KTFP8_BACKEND": "junk"}, "KTFP8_BACKEND='junk' is not compiled in this build; usable backends: "),
+    (["--backends", ktfp8.available_backends()[0]], {"KTFP8_BACKEND": "junk"}, "KTFP8_BACKEND='junk' is not"),
+])
+def test_cli_refuses_too_many_threads_and_a_bad_backend_variable_before_running(tmp_path, args, env, message):
+    """The old code took each, started measuring and ended in a ValueError traceback: --threads above
+    max_threads() at the limits, $KTFP8_BACKEND in make_plan or (with --backends) after the limits."""
+    argv = [sys.executable, "-m", "ktfp8.bench", "--out", str(tmp_path), *_SMALL, "--layer", "4,2,64,32",
+            "--tokens", "1", *args]        # the last --threads wins; seconds, should a check be missing
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, **env), timeout=600)
+    assert r.returncode == 2 and f"python -m ktfp8.bench: error: {message}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "measuring" not in r.stdout
+
+
 def test_cli_times_a_repeated_format_backend_or_layer_once(tmp_path):
     """--formats bf16,bf16 (or a repeated backend or layer) used to time it twice: doubled rows in the
     JSON, one of them in the table."""

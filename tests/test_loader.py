@@ -509,3 +509,43 @@ def test_per_channel_and_block_layers_refused_by_config(qwen_folders, tmp_path):
     with pytest.raises(ValueError, match=r"formats differ across layers \(\{0: 'fp8_per_channel', 1: 'fp8_block'\}\); "
                                          r"mixing per-channel and block-wise FP8.* is not supported"):
         loader.config
+
+
+def test_expert_indices_with_a_gap_or_a_stray_tensor_say_so(qwen_folders, tmp_path):
+    """Experts 0-3 complete and one stray up_proj of expert 7 used to read "gate weight missing for
+    experts [4]": the experts were counted by name, not by their highest index.  What loads is unchanged."""
+    src, E = qwen_folders["per_channel"], EXPERTS
+    stray = expert_name(QWEN, 0, E + 3, "up")
+
+    def stray_up(name, dtype, a):          # expert 2's up weight and scale again, as expert E + 3's
+        twin = name.replace(".experts.2.", f".experts.{E + 3}.")
+        return [(name, dtype, a)] + ([(twin, dtype, a)] if twin != name and twin.startswith(stray) else [])
+
+    loader = FP8SafeTensorLoader(_rewrite(src, tmp_path / "stray", transform=stray_up))
+    assert loader.expert_count(0) == E + 4
+    gap = list(range(E, E + 3))
+    for experts in (None, range(2)):        # a shard of the complete experts too: the layer is refused
+        with pytest.raises(SafetensorsError, match=re.escape(
+                f"layer 0: experts {gap} have no gate, up or down weight, yet {stray!r} names expert {E + 3}: "
+                f"expert indices run from 0 without a gap (gate weight missing for experts {gap + [E + 3]})")):
+            loader.load_experts(0, experts)
+    # a scale alone, of an expert without weights
+    scale = _scale_name("per_channel", E + 3, "up")
+    loader = FP8SafeTensorLoader(_rewrite(src, tmp_path / "scale", transform=lambda n, d, a: [(n, d, a)] + (
+        [(scale, d, a)] if n == _scale_name("per_channel", 2, "up") else [])))
+    assert loader.expert_count(0) == E
+    with pytest.raises(SafetensorsError, match=re.escape(
+            f"layer 0: up weight_scale {scale!r} names expert {E + 3}, but the layer's experts (those with "
+            f"weights) are 0-{E - 1}")):
+        loader.load_experts(0)
+    # expert 1 written as expert E: a gap below the highest index
+    moved = _rewrite(src, tmp_path / "moved", rename=lambda n: n.replace(".experts.1.", f".experts.{E}."))
+    with pytest.raises(SafetensorsError, match=re.escape(
+            f"layer 0: experts [1] have no gate, up or down weight, yet {expert_name(QWEN, 0, E, 'gate')!r} "
+            f"names expert {E}")):
+        FP8SafeTensorLoader(moved).load_experts(0)
+    # one projection of one expert missing: named as before
+    holed = _rewrite(src, tmp_path / "holed", transform=lambda n, d, a: [] if n == expert_name(QWEN, 0, 1, "up") else
+                     [(n, d, a)])
+    with pytest.raises(SafetensorsError, match=re.escape("layer 0: up weight missing for experts [1]")):
+        FP8SafeTensorLoader(holed).load_experts(0)

@@ -90,6 +90,39 @@ def test_bad_cpulist(bad):
         numa.parse_cpulist(bad, "node0/cpulist")
 
 
+def test_cpulist_numbers_are_bounded_before_a_range_is_expanded():
+    """'0-4294967295' (a corrupt or hostile cpulist) was expanded into 2**32 ints: memory ran out first."""
+    assert numa.parse_cpulist(f"0,{numa.MAX_CPU}") == (0, numa.MAX_CPU)
+    with pytest.raises(ValueError, match=r"node0/cpulist: CPU list '0,1048576' names CPU 1048576, above "
+                                         r"ktfp8.numa.MAX_CPU = 1048575"):
+        numa.parse_cpulist("0,1048576", "node0/cpulist")     # first: the old code returns at once here
+    with pytest.raises(ValueError, match="names CPU 4294967295"):
+        numa.parse_cpulist("0-4294967295", "node0/cpulist")
+    with pytest.raises(TypeError, match="a CPU list is a str such as '0-3,8', got NoneType"):
+        numa.parse_cpulist(None)
+
+
+@pytest.mark.parametrize("nodes, error, message", [
+    ([(0, (0,))], TypeError, r"nodes\[0\] must be a ktfp8.numa.NumaNode\(id, cpus\), got tuple \(0, \(0,\)\)"),
+    ("0-1", TypeError, "nodes must be a list of ktfp8.numa.NumaNode .*, got str '0-1'"),
+    (7, TypeError, "nodes must be a list of ktfp8.numa.NumaNode .*, got int 7"),
+    ([numa.NumaNode(True, (0,))], TypeError, r"nodes\[0\].id must be an int, got bool True"),
+    ([numa.NumaNode(-1, (0,))], ValueError, r"nodes\[0\].id must be >= 0, got -1"),
+    ([numa.NumaNode(0, None)], TypeError, r"nodes\[0\].cpus must be a collection of CPU numbers"),
+    ([numa.NumaNode(0, (0, 1.5))], TypeError, r"nodes\[0\].cpus must hold CPU numbers \(ints\), got float 1.5"),
+    ([numa.NumaNode(0, (0,)), numa.NumaNode(0, (1,))], ValueError, "nodes: node id 0 appears twice"),
+    ([numa.NumaNode(0, (0, 1)), numa.NumaNode(1, (1, 2))], ValueError,
+     "nodes: CPU 1 is in node 0 and in node 1; a CPU belongs to one node"),
+])
+def test_plan_refuses_nodes_that_are_not_numa_nodes_or_overlap(nodes, error, message):
+    """The first three were AttributeErrors ('tuple' object has no attribute 'id'); a node id twice or a
+    CPU in two nodes planned two teams on one CPU."""
+    with pytest.raises(error, match=message):
+        numa.plan(4, nodes, allowed_cpus=range(4))
+    with pytest.raises(error, match=message):
+        numa.rank_cpus(0, 1, nodes, allowed_cpus=range(4))
+
+
 def _in_thread(fn):
     """Runs fn in a fresh thread: pinning there leaves this test process's affinity alone."""
     result = {}
@@ -114,6 +147,16 @@ def test_pin(monkeypatch, tmp_path):
         numa.pin([])
     with pytest.raises(ValueError, match=r"cannot pin to CPUs \[100000\]"):
         numa.pin([100000])
+    # each in a thread of its own: the old code pinned the thread to CPU 1 for [True]
+    for cpus, error, message in [([True], TypeError, r"cpus must hold CPU numbers \(ints\), got bool True"),
+                                 ([1.5], TypeError, "got float 1.5"), (None, TypeError, "got NoneType None"),
+                                 ("0", TypeError, r"cpus must be a collection of CPU numbers \(ints\), got str '0'"),
+                                 ([2 ** 70], ValueError, rf"CPU {2 ** 70} is not a CPU number \(0 .. {numa.MAX_CPU}\)"),
+                                 ([-1], ValueError, "CPU -1 is not a CPU number")]:
+        with pytest.raises(error, match=message):
+            _in_thread(lambda: numa.pin(cpus))
+    with pytest.raises(TypeError, match=r"allowed_cpus must be a collection of CPU numbers \(ints\), got int 5"):
+        numa.plan(4, [numa.NumaNode(0, (0,))], allowed_cpus=5)
     # torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE on a faked 2-node machine made of this one's CPUs
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2:
@@ -163,11 +206,31 @@ def test_numa_moe_refuses_bad_arguments_by_name():
         numa.NumaMoE(cfg, (1, 2, 3))
     with pytest.raises(TypeError, match="config must be a ktfp8.MoeConfig, got dict"):
         numa.NumaMoE({"expert_num": E}, experts)
+    # as MoE says it (the old message: "experts=range(3, 5) is outside the layer's experts range(0, 4)")
+    more = ktfp8.MoeConfig(expert_num=E + 1, num_experts_per_tok=K, hidden_size=H, intermediate_size=I)
+    with pytest.raises(ValueError, match=r"experts hold \(expert_num, hidden_size, intermediate_size\) = "
+                                         r"\(4, 64, 32\), config says \(5, 64, 32\)"):
+        numa.NumaMoE(more, experts, nodes=[numa.NumaNode(0, (0,)), numa.NumaNode(1, (1,))], allowed_cpus={0, 1})
     allowed = sorted(os.sched_getaffinity(0))
     absent = max(allowed) + 4000   # no such CPU: pinning to it fails
     nodes = [numa.NumaNode(0, tuple(allowed[:1])), numa.NumaNode(1, (absent,))]
     with pytest.raises(ValueError, match=f"cannot pin to CPUs \\[{absent}\\]"):
         numa.NumaMoE(cfg, experts, nodes=nodes, allowed_cpus=set(allowed[:1]) | {absent})
+
+
+def test_a_closed_numa_moe_says_so():
+    """It said concurrent.futures' "cannot schedule new futures after shutdown"."""
+    E, H, I, K = 4, 64, 32, 2
+    cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=I)
+    experts, _ = make_experts("fp8_per_channel", E, H, I, seed=2)
+    layer = numa.NumaMoE(cfg, experts, nodes=[numa.NumaNode(0, (min(os.sched_getaffinity(0)),))])
+    x = np.ones((1, H), np.float32)
+    ids, w = np.zeros((1, K), np.int64), np.full((1, K), 0.5, np.float32)
+    assert layer(x, ids, w).shape == (1, H)
+    layer.close()
+    layer.close()                                   # twice: nothing more to do
+    with pytest.raises(RuntimeError, match=r"this NumaMoE is closed \(close\(\) shut down its node teams\)"):
+        layer(x, ids, w)
 
 
 def test_cpu_report_shows_the_numa_layout():

@@ -19,6 +19,7 @@ import sys
 import tempfile
 
 from .. import __version__, backends, cpu
+from ..config import check_threads
 from . import layers as L
 from . import backend_choice, interleaved, peer_rounds, report
 from .run import Plan, Runner
@@ -88,6 +89,9 @@ def parse_args(argv):
     for b in args.backends or []:
         if b not in usable:
             p.error(f"--backends: {b!r} is not usable here; usable: {', '.join(usable)}")
+    why = _bad_threads(args.threads) or _bad_env_backend()   # both ended a started run in a traceback
+    if why:
+        p.error(why)
     for name in ("formats", "backends", "layers"):  # a repeat would be timed twice, its rows doubled
         if getattr(args, name):
             setattr(args, name, list(dict.fromkeys(getattr(args, name))))
@@ -102,6 +106,28 @@ def parse_args(argv):
     if not args.no_plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the run
         p.error("the plot needs matplotlib, which is not installed: pip install matplotlib, or pass --no-plot")
     return args
+
+
+def _bad_threads(threads):
+    """Why a --threads count is more than a call may ask for (config.max_threads()), or None: the limits
+    measurement refused it only after the run had started."""
+    try:
+        for n in threads or []:
+            check_threads("--threads", n)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _bad_env_backend():
+    """Why $KTFP8_BACKEND names no backend this machine runs (ktfp8.backends' own words), or None.  The
+    default backend is the one the table stars and the goals judge, with or without --backends, and each
+    step asks for it: a bad name used to end the run in a traceback, after the limits were measured."""
+    try:
+        backends.variant()
+    except (TypeError, ValueError) as err:
+        return str(err)
+    return None
 
 
 def _does_not_fit(args):
