@@ -141,10 +141,24 @@ class BuildNative(build_ext):
         self._plan = units
         return units
 
+    def run(self):
+        if not any(ext.name == "ktfp8._native._testing" for ext in self.extensions):
+            self.remove_stale_test_module()
+        super().run()
+
+    def remove_stale_test_module(self):
+        """A test module an earlier build left in build/lib (or in place) would ship in this build's wheel
+        and still offer the *_emulated variants that KTFP8_ENABLE_EMULATED=OFF leaves out."""
+        for folder in {Path(self.build_lib) / NATIVE, *([ROOT / NATIVE] if self.inplace else [])}:
+            for stale in folder.glob("_testing*.so"):
+                stale.unlink()
+
     def build_extension(self, ext):
         units = self.plan()[ext.name]
         common = BASE_CFLAGS + sanitize_flags()
-        if os.environ.get("KTFP8_NATIVE") == "1":
+        # not in the emulated twins: with the CPU's own instructions enabled, SIMDe would hand every
+        # intrinsic to the hardware, and the twins' tests would test no emulation
+        if os.environ.get("KTFP8_NATIVE") == "1" and ext.name == "ktfp8._native._ext":
             common = common + ["-march=native"]
 
         def compile_unit(unit):

@@ -222,6 +222,10 @@ def _prompt_ids(args, folder, tokenizer, vocab_size):
 
 
 def _generate(args, folder, prints):
+    try:
+        import ktfp8.hf  # noqa: F401  (torch and transformers: the core package installs without them)
+    except ImportError as e:
+        raise _Failure(str(e), 1) from None
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)

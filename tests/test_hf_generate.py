@@ -2,6 +2,8 @@
 ktfp8 model), for a BF16 folder and an FP8 folder, with and without a tokenizer; its exit statuses."""
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -123,6 +125,16 @@ def test_a_config_field_of_the_wrong_type_exits_1(mixtral, folder, tmp_path, cap
     (bad / "config.json").write_text(json.dumps(config))
     assert main(["--model", str(bad), "--prompt-ids", "1"]) == 1
     assert "cannot load the model" in capsys.readouterr().err
+
+
+def test_without_torch_exits_1_naming_what_to_install(mixtral):
+    """The core package installs without torch; generate then says what it needs (it was an
+    ImportError traceback).  torch is hidden in a child process: a None in sys.modules fails its import."""
+    code = "import sys; sys.modules['torch'] = None; from ktfp8.generate import main; sys.exit(main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", code, "--model", str(mixtral["fp8"]), "--prompt-ids", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "needs torch and transformers >= 5" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_text_prompt_without_tokens(mixtral, tmp_path, capsys):

@@ -6,19 +6,28 @@ cd "$(dirname "$0")/.."
 
 # qemu-user proves the fallbacks on emulated older CPUs; libsimde-dev lets the AVX-512/AMX sources
 # be compiled a second time as the *_emulated test variants on CPUs without them.
+# The build itself needs a C compiler, Python's headers and its venv module (python3-dev, python3-venv:
+# not on a minimal Debian/Ubuntu).
+PY=${PYTHON:-python3}
 need=()
 command -v qemu-x86_64 >/dev/null || need+=(qemu-user)
 [ -f /usr/include/simde/x86/avx512.h ] || need+=(libsimde-dev)
+command -v "${CC:-gcc}" >/dev/null || need+=(gcc)
+"$PY" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' ||
+    need+=(python3-dev)
+"$PY" -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    # apt failing (no network, another apt running) is not fatal here: the build says what it lacks
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null &&
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null; then
+        :
     else
         echo "setup: please install ${need[*]} (apt-get install ${need[*]}); continuing without them" >&2
     fi
 fi
 
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# A venv that an earlier run left half made (python3-venv missing: no pip in it) is made again.
+.venv/bin/python -m pip --version >/dev/null 2>&1 || "$PY" -m venv --clear .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # The CPU PyTorch wheel (tests: transformers' reference MoE blocks; benchmark: the PyTorch peers);
 # the package itself needs no torch.
