@@ -7,7 +7,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import ktfp8
 from ktfp8.experts import split_experts
 from ktfp8.moe import MoE
 

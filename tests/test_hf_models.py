@@ -3,7 +3,6 @@ transformers model running its own eager experts on the dequantized FP8 weights 
 so that only the order of float32 additions differs)."""
 import json
 import re
-import shutil
 
 import numpy as np
 import pytest
@@ -21,7 +20,6 @@ from ktfp8.convert import main as convert  # noqa: E402
 from ktfp8.generate import main as generate  # noqa: E402
 from ktfp8.hf.experts import SUPPORTED_EXPERTS  # noqa: E402
 from moe_oracle import nmse  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: E402
 
 NMSE_MAX = 1e-8     # float32 on the same weights: the sums' order alone differs (measured ~1e-12)

@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers", minversion="5")
 
 import ktfp8  # noqa: E402
 import ktfp8.hf  # noqa: E402
-from hf_models import build_model, save_model  # noqa: E402
 from hf_oracle import PROMPT, experts_module, logits, model_folders, tiny_model_settings  # noqa: E402
 from ktfp8.hf import op  # noqa: E402
 from moe_oracle import nmse  # noqa: E402
