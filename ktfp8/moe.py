@@ -227,10 +227,12 @@ class MoE:
 
 @accepts_tensors("x", copy_to_cpu=lambda args: args.get("copy_to_cpu", False))
 def moe_forward(x, experts, topk_ids, topk_weights, config, backend=None, out=None, accumulate=False,
-                copy_to_cpu=False):
+                copy_to_cpu=False, threads=None):
     """Functional form: packs `experts` for this call, then runs it (prefer MoE for repeated calls).
-    copy_to_cpu: as for MoE (tensors on another device are copied to the CPU and y back)."""
-    return MoE(config, experts, backend=backend)(x, topk_ids, topk_weights, out=out, accumulate=accumulate)
+    copy_to_cpu: as for MoE (tensors on another device are copied to the CPU and y back); threads: this
+    call's, else as MoE has it (config.threads, $KTFP8_NUM_THREADS, ...)."""
+    return MoE(config, experts, backend=backend, threads=threads)(x, topk_ids, topk_weights, out=out,
+                                                                  accumulate=accumulate)
 
 
 # the native classes' backends, best first, and the CPU flags the slower of them needs (dispatch.c)

@@ -230,6 +230,11 @@ def test_moe_forward_functional_form(layer):
     x, ids, w = _inputs(4, seed=15)
     y = ktfp8.moe_forward(x, experts, ids, w, config=cfg)
     np.testing.assert_array_equal(y, MoE(cfg, experts)(x, ids, w))
+    # the call's threads= (API.md: a call's thread count is its own threads= first); results do not
+    # depend on the count, so the refusal of a bad one shows that it reaches the layer
+    np.testing.assert_array_equal(ktfp8.moe_forward(x, experts, ids, w, config=cfg, threads=1), y)
+    with pytest.raises(ValueError, match="threads must be a positive int or None, got 0"):
+        ktfp8.moe_forward(x, experts, ids, w, config=cfg, threads=0)
 
 
 def test_forward_with_router_logits(layer):
