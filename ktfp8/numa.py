@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -205,7 +205,10 @@ class NumaMoE:
         # as MoE does, before planning: a wrong expert_num would otherwise surface as a shard's range
         _check_matches(config, experts)
         self._closed = False
-        self.placements = plan(config.expert_num, nodes, allowed_cpus)
+        # the experts held (the whole layer, or e.g. an expert-parallel rank's shard) split over the nodes
+        own = experts.expert_range
+        self.placements = [replace(p, experts=range(own.start + p.experts.start, own.start + p.experts.stop))
+                           for p in plan(len(own), nodes, allowed_cpus)]
         self._teams = [ThreadPoolExecutor(1, thread_name_prefix=f"ktfp8-numa{p.node}") for p in self.placements]
         try:
             # Each team's one thread pins itself as its first task (and stays pinned): a pool initializer

@@ -198,6 +198,28 @@ def test_numa_moe_teams_are_pinned_and_sum_to_the_layer():
         layer.close()
 
 
+def test_numa_moe_over_a_shard_splits_the_shard():
+    """An expert-parallel rank's shard over its nodes: the shard's experts split between them (it was
+    refused: the plan split the whole layer, whose ranges lay outside the shard)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs to fake two nodes")
+    nodes = [numa.NumaNode(0, tuple(allowed[:1])), numa.NumaNode(1, tuple(allowed[1:]))]
+    E, H, I, K = 9, 128, 48, 3
+    cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=I)
+    shard = make_experts("fp8_per_channel", E, H, I, seed=2)[0].shard(range(4, 9))
+    layer = numa.NumaMoE(cfg, shard, nodes=nodes)
+    try:
+        assert [p.experts for p in layer.placements] == [range(4, 7), range(7, 9)]
+        x = np.random.default_rng(0).standard_normal((11, H)).astype(np.float32)
+        ids, w = random_routing(11, E, K, seed=1, skip_fraction=0.1)
+        want = MoE(cfg, shard, threads=1)(x, ids, w)       # the shard's share: ids outside it skipped
+        np.testing.assert_allclose(layer(x, ids, w), want, rtol=0,
+                                   atol=8 * np.finfo(np.float32).eps * np.abs(want).max())
+    finally:
+        layer.close()
+
+
 def test_numa_moe_refuses_bad_arguments_by_name():
     E, H, I, K = 4, 64, 32, 2
     cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=I)
