@@ -171,7 +171,9 @@ def test_pin(monkeypatch, tmp_path):
     assert _in_thread(lambda: numa.pin_local_rank(nodes)) is None             # not under torchrun
 
 
-def test_numa_moe_teams_are_pinned_and_sum_to_the_layer():
+def _two_node_layer():
+    """This machine's CPUs as two fake NUMA nodes (the first CPU, the rest), a 9-expert layer's config
+    and experts, and the CPUs allowed."""
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2:
         pytest.skip("needs two CPUs to fake two nodes")
@@ -179,6 +181,23 @@ def test_numa_moe_teams_are_pinned_and_sum_to_the_layer():
     E, H, I, K = 9, 128, 48, 3
     cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=I)
     experts, _ = make_experts("fp8_per_channel", E, H, I, seed=2)
+    return nodes, cfg, experts, allowed
+
+
+def _assert_sums_to(layer, one_team):
+    """layer's output of 11 tokens equals one_team's (a MoE over the same experts), up to the order of
+    the float32 sums of the partial outputs; returns the inputs (x, ids, w)."""
+    cfg = layer.config
+    x = np.random.default_rng(0).standard_normal((11, cfg.hidden_size)).astype(np.float32)
+    ids, w = random_routing(11, cfg.expert_num, cfg.num_experts_per_tok, seed=1, skip_fraction=0.1)
+    want = one_team(x, ids, w)
+    np.testing.assert_allclose(layer(x, ids, w), want, rtol=0,
+                               atol=8 * np.finfo(np.float32).eps * np.abs(want).max())
+    return x, ids, w
+
+
+def test_numa_moe_teams_are_pinned_and_sum_to_the_layer():
+    nodes, cfg, experts, allowed = _two_node_layer()
     layer = numa.NumaMoE(cfg, experts, nodes=nodes)
     try:
         assert [p.experts for p in layer.placements] == [range(0, 5), range(5, 9)]
@@ -187,11 +206,7 @@ def test_numa_moe_teams_are_pinned_and_sum_to_the_layer():
         assert [m.threads for m in layer.moes] == [1, len(allowed) - 1]
         whole = MoE(cfg, experts, threads=1)
         assert layer.nbytes == pytest.approx(whole.nbytes, rel=0.01)
-        x = np.random.default_rng(0).standard_normal((11, H)).astype(np.float32)
-        ids, w = random_routing(11, E, K, seed=1, skip_fraction=0.1)
-        want = whole(x, ids, w)
-        np.testing.assert_allclose(layer(x, ids, w), want, rtol=0,
-                                   atol=8 * np.finfo(np.float32).eps * np.abs(want).max())
+        x, ids, w = _assert_sums_to(layer, whole)
         with pytest.raises(TypeError, match="float32 or bfloat16 numpy array"):
             layer(x.astype(np.float64), ids, w)
     finally:
@@ -201,21 +216,12 @@ def test_numa_moe_teams_are_pinned_and_sum_to_the_layer():
 def test_numa_moe_over_a_shard_splits_the_shard():
     """An expert-parallel rank's shard over its nodes: the shard's experts split between them (it was
     refused: the plan split the whole layer, whose ranges lay outside the shard)."""
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < 2:
-        pytest.skip("needs two CPUs to fake two nodes")
-    nodes = [numa.NumaNode(0, tuple(allowed[:1])), numa.NumaNode(1, tuple(allowed[1:]))]
-    E, H, I, K = 9, 128, 48, 3
-    cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=I)
-    shard = make_experts("fp8_per_channel", E, H, I, seed=2)[0].shard(range(4, 9))
+    nodes, cfg, experts, _ = _two_node_layer()
+    shard = experts.shard(range(4, 9))
     layer = numa.NumaMoE(cfg, shard, nodes=nodes)
     try:
         assert [p.experts for p in layer.placements] == [range(4, 7), range(7, 9)]
-        x = np.random.default_rng(0).standard_normal((11, H)).astype(np.float32)
-        ids, w = random_routing(11, E, K, seed=1, skip_fraction=0.1)
-        want = MoE(cfg, shard, threads=1)(x, ids, w)       # the shard's share: ids outside it skipped
-        np.testing.assert_allclose(layer(x, ids, w), want, rtol=0,
-                                   atol=8 * np.finfo(np.float32).eps * np.abs(want).max())
+        _assert_sums_to(layer, MoE(cfg, shard, threads=1))     # the shard's share: ids outside it skipped
     finally:
         layer.close()
 
