@@ -10,6 +10,7 @@ import numpy as np
 
 from . import fp8
 from .convert_plan import input_nbytes
+from .loader import SCALE_RULE, first_bad_scale
 from .safetensors_io import SafetensorsError, ShardWriter
 
 CHUNK_BYTES = 32 << 20      # input bytes per chunk: big enough to stream, small enough to bound RSS
@@ -141,14 +142,12 @@ def _check_weights(chunk, weights):
 
 def _check_scales(name, scale, first_row=0):
     """Refuses what ktfp8's loader refuses in an input weight_scale_inv (rows first_row.. of tensor
-    `name`): a NaN, an Inf or a negative value.  Zero is allowed (a block of zero weights)."""
-    scale = np.asarray(scale, np.float32)
-    bad = ~np.isfinite(scale) | (scale < 0)
-    if bad.any():
-        index = [int(i) for i in np.argwhere(bad)[0]]
-        value = float(scale[tuple(index)])
+    `name`): loader.first_bad_scale."""
+    found = first_bad_scale(np.asarray(scale, np.float32))
+    if found is not None:
+        index, value = found
         index[0] += first_row
-        raise SafetensorsError(f"tensor {name!r} holds {value} at {index}; scales must be finite and >= 0")
+        raise SafetensorsError(f"tensor {name!r} holds {float(value)} at {index}; {SCALE_RULE}")
 
 
 def _block_rows(start, stop, block_n):

@@ -199,15 +199,26 @@ def _is_positive_int(value):
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
-def _check_scale_values(path, names, scale):
-    """Refuses NaN, Inf and negative scales (of experts `names`, float32 [E, ...]): NaN or Inf turns every
-    output of its rows into NaN, and no converter writes a negative scale. Zero is allowed: an all-zero
-    row may carry scale 0."""
+SCALE_RULE = "scales must be finite and >= 0"
+
+
+def first_bad_scale(scale):
+    """([index], value) of the first NaN, Inf or negative value of float32 `scale`, or None: NaN or Inf
+    turns every output of its rows into NaN, and no converter writes a negative scale. Zero is allowed:
+    an all-zero row may carry scale 0.  The loader and python -m ktfp8.convert refuse the same values."""
     bad = ~np.isfinite(scale) | (scale < 0)
-    if bad.any():
-        expert, *index = (int(i) for i in np.argwhere(bad)[0])
-        raise SafetensorsError(f"{path}: {names[expert]} holds {scale[(expert, *index)]} at {index}; "
-                               f"scales must be finite and >= 0")
+    if not bad.any():
+        return None
+    index = [int(i) for i in np.argwhere(bad)[0]]
+    return index, scale[tuple(index)]
+
+
+def _check_scale_values(path, names, scale):
+    """first_bad_scale of the scales of experts `names` (float32 [E, ...]), refused naming the expert."""
+    found = first_bad_scale(scale)
+    if found is not None:
+        (expert, *index), value = found
+        raise SafetensorsError(f"{path}: {names[expert]} holds {value} at {index}; {SCALE_RULE}")
 
 
 def fused_expert_names(checkpoint):
