@@ -236,7 +236,8 @@ def moe_forward(x, experts, topk_ids, topk_weights, config, backend=None, out=No
 
 
 # the native classes' backends, best first, and the CPU flags the slower of them needs (dispatch.c)
-_NATIVE_BACKENDS = [b for b in ("amx", "avx512_bf16") if b in backends.available_backends()]
+_NATIVE_NAMES = ("amx", "avx512_bf16")
+_NATIVE_BACKENDS = [b for b in _NATIVE_NAMES if b in backends.available_backends()]
 _AVX512_BF16_FLAGS = ("os_avx512", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vbmi")
 
 
@@ -260,7 +261,7 @@ def _native_backend(name):
     forced = backends._getenv(backends.ENV_BACKEND)
     if not forced:
         return _NATIVE_BACKENDS[0]
-    if forced.removesuffix("_emulated") not in ("amx", "avx512_bf16"):
+    if forced.removesuffix("_emulated") not in _NATIVE_NAMES:
         raise ValueError(f"{backends.ENV_BACKEND}={forced!r}: {name} runs the amx or avx512_bf16 backend; "
                          f"unset it, or use ktfp8.MoE(config, experts) for {forced!r}")
     return forced       # MoE says why when this CPU or build cannot run it
