@@ -211,8 +211,8 @@ class _InputCheck:
     non-expert layers).  Other tokens route differently, so the routing's bytes tell them apart; of x
     only every X_STRIDE-th column is hashed (all of it took 3.5-6 ms at T = 512, H = 7168: 2-4 GB/s)."""
 
-    FIELDS = ("tokens", "crc32(x[:, ::64])", "crc32(topk_ids)", "crc32(topk_weights)")
     X_STRIDE = 64
+    FIELDS = ("tokens", f"crc32(x[:, ::{X_STRIDE}])", "crc32(topk_ids)", "crc32(topk_weights)")
 
     def __init__(self, x32, topk_ids, topk_weights, group, timeout_s):
         import torch
