@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 
 from .config import check_threads
-from .convert_plan import INPUT_DTYPES, build_plan, input_nbytes, parse_quant_config, parse_size
+from .convert_args import parse_quant_config, parse_size
+from .convert_items import INPUT_DTYPES, input_nbytes
+from .convert_plan import build_plan
 from .convert_work import ShardSet, chunks, run_chunk, sqnr_db, verify_chunk
 from .loader import INDEX_NAME, Checkpoint
 from .safetensors_io import SafetensorsError, SafetensorsFile, tensor_nbytes

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 
 from . import fp8
-from .convert_plan import input_nbytes
+from .convert_items import input_nbytes
 from .loader import SCALE_RULE, first_bad_scale
 from .safetensors_io import SafetensorsError, ShardWriter
 
@@ -155,7 +155,7 @@ def _block_rows(start, stop, block_n):
 
 
 def _fused_rows(chunk, checkpoint):
-    """Rows of one expert's weight out of its fused stack (see convert_plan.FusedPart)."""
+    """Rows of one expert's weight out of its fused stack (see convert_items.FusedPart)."""
     part, file = chunk.item.fused, checkpoint.file_of(chunk.item.src)
     if part.transposed:          # [in, out]: the expert's whole matrix, then the columns of this weight
         matrix = file.read_rows(chunk.item.src, part.expert, part.expert + 1)[0]

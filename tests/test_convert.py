@@ -735,7 +735,8 @@ def test_fused_experts_convert_as_their_per_expert_form(tiny, tmp_path, model_ty
 def test_fused_weights_read_back_in_row_chunks(tiny, tmp_path, model_type, transposed):
     """However a weight's rows are cut into chunks, the chunks read from its fused stack are the expert's
     weight as stored per expert (a transposed stack: one chunk a weight)."""
-    from ktfp8.convert_plan import build_plan, parse_quant_config
+    from ktfp8.convert_args import parse_quant_config
+    from ktfp8.convert_plan import build_plan
     from ktfp8.convert_work import _source_rows, chunks
     from ktfp8.loader import Checkpoint
     with SafetensorsFile(tiny["qwen3_moe"] / "model.safetensors") as f:
@@ -985,7 +986,8 @@ def test_zero_byte_tensor_with_huge_rows_is_one_chunk(tiny, tmp_path, capsys):
     """A legal zero-size tensor that is copied, shape [2**50, 0]: one empty chunk (rows of 0 bytes were cut
     into 2**25 chunks of 2**25 rows, minutes and gigabytes of bookkeeping), copied with its shape.  One
     whose row alone is more than NumPy can shape is refused, naming it."""
-    from ktfp8.convert_plan import Item, parse_quant_config
+    from ktfp8.convert_args import parse_quant_config
+    from ktfp8.convert_items import Item
     from ktfp8.convert_work import chunks
     spec = parse_quant_config(PER_CHANNEL)
     for shape in ((2**40, 0), (0, 5), (3, 0, 7)):
