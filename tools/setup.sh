@@ -29,9 +29,20 @@ fi
 # A venv that an earlier run left half made (python3-venv missing: no pip in it) is made again.
 .venv/bin/python -m pip --version >/dev/null 2>&1 || "$PY" -m venv --clear .venv
 .venv/bin/python -m pip install -q --upgrade pip
-# The CPU PyTorch wheel (tests: transformers' reference MoE blocks; benchmark: the PyTorch peers);
-# the package itself needs no torch.
-.venv/bin/python -m pip install -q "torch==2.13.0"
+# The CPU build of PyTorch (tests: transformers' reference MoE blocks; benchmark: the PyTorch peers);
+# the package itself needs no torch.  PyPI's torch for Linux x86-64 is the CUDA build (several GB), so
+# where pip finds no wheel of it on this machine (its find-links), PyTorch's CPU index gives it.
+TORCH=torch==2.13.0
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+    probe=$(mktemp -d)
+    if .venv/bin/python -m pip download -q --no-deps --no-index -d "$probe" "$TORCH" >/dev/null 2>&1; then
+        .venv/bin/python -m pip install -q "$TORCH"
+    else
+        .venv/bin/python -m pip install -q "$TORCH" --index-url https://download.pytorch.org/whl/cpu \
+            --extra-index-url https://pypi.org/simple
+    fi
+    rm -rf "$probe"
+fi
 .venv/bin/python -m pip install -q -e ".[test]"
 # KTransformers' own kernels, a benchmark peer (python -m ktfp8.bench) whose adapter the tests check:
 # --no-deps because its metadata pins torch 2.9.1, while its CPU extension runs beside the wheel above.
