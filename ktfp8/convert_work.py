@@ -147,7 +147,7 @@ def _check_scales(name, scale, first_row=0):
     if found is not None:
         index, value = found
         index[0] += first_row
-        raise SafetensorsError(f"tensor {name!r} holds {float(value)} at {index}; {SCALE_RULE}")
+        raise SafetensorsError(f"tensor {name!r} holds {value!s} at {index}; {SCALE_RULE}")
 
 
 def _block_rows(start, stop, block_n):

@@ -9,6 +9,10 @@ from ._torch import accepts_tensors, to_numpy
 from .config import as_block
 
 FORMATS = ("fp8_per_channel", "fp8_block", "bf16")
+# The largest |scale| an FP8 expert may carry: the avx512 and avx2 kernels fold their conversion's 2^8
+# (FP8 -> FP16 bits) into the packed scales, and a larger scale would become Inf there.  No weight is
+# lost: 448 x a larger scale is beyond float32 anyway, and fp8.quantize's largest is FLT_MAX / 448.
+MAX_SCALE = float(np.finfo(np.float32).max) / 256
 
 
 class ExpertMatrices:
@@ -213,6 +217,11 @@ def _validate(w):
             raise TypeError(f"ExpertWeights.{name} must be a float32 numpy array of shape {expected}")
         if s.shape != expected and not (w.format == "fp8_per_channel" and s.shape == (E, out)):
             raise ValueError(f"ExpertWeights.{name} has shape {s.shape}, expected {expected}")
+        too_large = np.abs(s) > MAX_SCALE            # NaN compares False: a NaN row stays NaN, as in the reference
+        if too_large.any():
+            index = tuple(int(i) for i in np.argwhere(too_large)[0])
+            raise ValueError(f"ExpertWeights.{name} holds {s[index]!s} at {list(index)}; |scale| must be at most "
+                             f"{MAX_SCALE:.4g} (FLT_MAX / 256)")
 
 
 @accepts_tensors(main=None)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import MoeConfig, QuantConfig, as_block
-from .experts import ExpertMatrices, ExpertWeights, check_expert_range
+from .experts import MAX_SCALE, ExpertMatrices, ExpertWeights, check_expert_range
 from .safetensors_io import SafetensorsError, SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -199,14 +199,16 @@ def _is_positive_int(value):
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
-SCALE_RULE = "scales must be finite and >= 0"
+SCALE_RULE = f"scales must be finite, >= 0 and at most {MAX_SCALE:.4g} (FLT_MAX / 256)"
 
 
 def first_bad_scale(scale):
-    """([index], value) of the first NaN, Inf or negative value of float32 `scale`, or None: NaN or Inf
-    turns every output of its rows into NaN, and no converter writes a negative scale. Zero is allowed:
-    an all-zero row may carry scale 0.  The loader and python -m ktfp8.convert refuse the same values."""
-    bad = ~np.isfinite(scale) | (scale < 0)
+    """([index], value) of the first value of float32 `scale` that breaks SCALE_RULE, or None: NaN or Inf
+    turns every output of its rows into NaN, no converter writes a negative scale, and above MAX_SCALE
+    the weights are beyond float32 (and Inf in the avx512 / avx2 kernels' packed scales). Zero is
+    allowed: an all-zero row may carry scale 0.  The loader and python -m ktfp8.convert refuse the same
+    values."""
+    bad = ~np.isfinite(scale) | (scale < 0) | (scale > MAX_SCALE)
     if not bad.any():
         return None
     index = [int(i) for i in np.argwhere(bad)[0]]
@@ -218,7 +220,7 @@ def _check_scale_values(path, names, scale):
     found = first_bad_scale(scale)
     if found is not None:
         (expert, *index), value = found
-        raise SafetensorsError(f"{path}: {names[expert]} holds {value} at {index}; {SCALE_RULE}")
+        raise SafetensorsError(f"{path}: {names[expert]} holds {value!s} at {index}; {SCALE_RULE}")
 
 
 def fused_expert_names(checkpoint):

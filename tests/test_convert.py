@@ -925,25 +925,25 @@ def block_fp8(tiny, tmp_path_factory):
 
 
 @pytest.mark.parametrize("quant", [PER_CHANNEL, BLOCK_64, B32], ids=["per_channel", "block64", "same_block"])
-@pytest.mark.parametrize("bad", ["nan", "inf", "negative"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "negative", "too_large"])
 def test_bad_weight_scale_inv_is_refused(block_fp8, tmp_path, capsys, monkeypatch, bad, quant):
-    """A block-wise FP8 input whose weight_scale_inv holds a NaN, an Inf or a negative value is refused as
-    ktfp8's loader refuses it (FP8SafeTensorLoader: scales must be finite and >= 0), whether its weight is
+    """A block-wise FP8 input whose weight_scale_inv holds a NaN, an Inf, a negative value or one above
+    FLT_MAX / 256 is refused as ktfp8's loader refuses it (FP8SafeTensorLoader: SCALE_RULE), whether its weight is
     re-quantized (NaN codes, +-448 codes, flipped signs were written before) or kept as it is (the
     loader would refuse the output); the index is the scale's own, in a chunk not starting at row 0."""
     _in_small_chunks(monkeypatch, 32)
     scale = "model.layers.1.mlp.experts.2.gate_proj.weight_scale_inv"
-    value = {"nan": np.nan, "inf": np.inf, "negative": -0.25}[bad]
+    value = {"nan": np.nan, "inf": np.inf, "negative": -0.25, "too_large": 1e37}[bad]
 
     def spoil(t):
         t[scale][1][2, 3] = value
     src = _edited(block_fp8, tmp_path / "in", spoil)
-    with pytest.raises(SafetensorsError, match=re.escape(f"{scale} holds {float(value)} at [2, 3]; scales must be "
-                                                         f"finite and >= 0")):
+    rule = "scales must be finite, >= 0 and at most 1.329e+36 (FLT_MAX / 256)"
+    with pytest.raises(SafetensorsError, match=re.escape(f"{scale} holds {float(value)} at [2, 3]; {rule}")):
         FP8SafeTensorLoader(src).load_experts(1)
     assert run(src, tmp_path / "o", "--quant-config", quant, input_type="fp8") == 1
     err = capsys.readouterr().err
-    assert f"tensor {scale!r} holds {float(value)} at [2, 3]; scales must be finite and >= 0" in err, err
+    assert f"tensor {scale!r} holds {float(value)} at [2, 3]; {rule}" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
 

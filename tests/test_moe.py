@@ -1,6 +1,7 @@
 """The MoE object: zero tokens, out= and accumulate, threads, concurrent calls, memory, backend choice,
 the KTransformers-named classes, the functional and router-logits forms.  What each kernel computes
 (every variant x weight format x token count, edge cases) is test_kernels.py's, via kernel_tester."""
+import dataclasses
 import threading
 
 import ml_dtypes
@@ -9,6 +10,7 @@ import pytest
 
 import ktfp8
 from ktfp8 import backends
+from ktfp8.experts import MAX_SCALE
 from ktfp8.moe import MoE
 from kernel_tester import moe_config
 from moe_oracle import make_experts, moe_fp64, nmse, random_routing
@@ -90,6 +92,32 @@ def test_runs_of_tiles_do_not_change_results(backend, fmt):
     for n in (2, 3, 5):
         moe.threads = n
         np.testing.assert_array_equal(moe(x, ids, w), want, err_msg=f"{n} threads")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", ["fp8_per_channel", "fp8_block"])
+def test_scales_up_to_the_limit_compute_and_larger_ones_are_refused(backend, fmt):
+    """An expert scale may be as large as experts.MAX_SCALE (FLT_MAX / 256: the avx512 and avx2 kernels
+    multiply their packed scales by 256) and every backend computes it; a larger one is refused when the
+    ExpertWeights is built (avx512 and avx2 returned Inf, and NaN for a token of zeros)."""
+    experts, dense = make_experts(fmt, E, H, I, seed=3)
+    scale = experts.down_scale.copy()
+    scale[1, 0, 0] = MAX_SCALE                # expert 1's first output row (first 64 x 64 block)
+    huge = dataclasses.replace(experts, down_scale=scale)
+    dense[2] = dense[2].copy()
+    block = slice(0, 1) if fmt == "fp8_per_channel" else slice(0, 64)
+    dense[2][1, block, block if fmt == "fp8_block" else slice(None)] *= MAX_SCALE / np.float64(experts.down_scale[1, 0, 0])
+    x, ids, w = _inputs(5, seed=3)
+    x *= 1e-8                                 # h about 1e-16: outputs about 1e24, finite
+    x[4] = 0.0
+    ids[:, 0] = 1
+    got = MoE(config(fmt), huge, backend=backend)(x, ids, w)
+    assert np.isfinite(got).all() and not got[4].any()
+    assert nmse(got, moe_fp64(x, ids, w, *dense)) <= 2e-5
+    scale[1, 0, 0] = np.nextafter(np.float32(MAX_SCALE), np.float32(np.inf))
+    with pytest.raises(ValueError, match=r"ExpertWeights.down_scale holds .* at \[1, 0, 0\]; \|scale\| must be "
+                                         r"at most 1.329e\+36 \(FLT_MAX / 256\)"):
+        dataclasses.replace(experts, down_scale=scale)
 
 
 def test_concurrent_calls_match_serial_calls():
