@@ -39,8 +39,9 @@ def route(router_logits, cfg, correction_bias=None):
 
     Each row lists its experts best first. Among equal scores the lower expert id wins; torch.topk
     picks some tied expert without saying which, so exact ties may pick other (equally weighted)
-    experts than a transformers model. A row with a NaN score (NaN logit, or +-Inf in softmax) gets
-    NaN weights, so the NaN reaches the MoE output; its ids stay valid, distinct expert ids.
+    experts than a transformers model. A row with a NaN score (a NaN logit; in softmax a +Inf logit, or
+    every logit -Inf) gets NaN weights, so the NaN reaches the MoE output; its ids stay valid, distinct
+    expert ids.  A single -Inf logit (a masked expert) scores 0, as in torch's softmax.
     transformers' Qwen-MoE routers round their weights to the logits' dtype (bfloat16 in a bfloat16
     model); these weights stay float32.
     """

@@ -317,6 +317,19 @@ def test_nan_logits_give_nan_weights_for_that_token_only(scoring_func):
     np.testing.assert_array_equal(w[[0, 2]], clean_w)
 
 
+def test_infinite_softmax_logits_as_torch_softmax():
+    """A -Inf logit (a masked expert) scores 0 and the rest route as without it; +Inf, or every logit
+    -Inf, makes the row's weights NaN (the docstring's rule), as torch's softmax does."""
+    torch = pytest.importorskip("torch")
+    cfg = MoeConfig(4, 4, 16, 16, norm_topk_prob=False)
+    logits = np.array([[0.5, -np.inf, 1.0, 0.2], [np.inf, 0, 0, 0], [-np.inf] * 4], np.float32)
+    ids, w = route(logits, cfg)
+    want = torch.from_numpy(logits).softmax(-1).numpy()
+    assert ids[0].tolist() == [2, 0, 3, 1] and w[0, 3] == 0
+    np.testing.assert_allclose(w[0], want[0, ids[0]], rtol=WEIGHT_RTOL)
+    assert np.isnan(w[1:]).all() and np.isnan(want[1:]).all()
+
+
 def test_bfloat16_logits_route_as_their_float32_values():
     cfg = MoeConfig(16, 4, 16, 16, scoring_func="sigmoid", n_group=4, topk_group=2)
     values = np.random.default_rng(5).normal(size=(20, 16)).astype(ml_dtypes.bfloat16)
