@@ -89,7 +89,8 @@ def _holds_fp8_weights(folder):
         checkpoint = Checkpoint(folder)
     except SafetensorsError:        # no safetensors (e.g. .bin): transformers' path says what it lacks
         return False
-    return any(checkpoint.info(name).dtype == "F8_E4M3" for name in checkpoint.names())
+    with checkpoint:
+        return any(checkpoint.info(name).dtype == "F8_E4M3" for name in checkpoint.names())
 
 
 def _config_errors():

@@ -78,6 +78,8 @@ class Checkpoint:
                                        f"shard (the index lists it there)")
 
     def file(self, file_name) -> SafetensorsFile:
+        if self._files is None:
+            raise ValueError(f"{self.folder}: checkpoint is closed")
         f = self._files.get(file_name)
         if f is None:
             f = self._files[file_name] = SafetensorsFile(self.folder / file_name)
@@ -110,9 +112,16 @@ class Checkpoint:
         return config
 
     def close(self):
-        for f in self._files.values():
+        """Closes every shard; views handed out stay valid.  Reading more afterwards is a ValueError."""
+        for f in (self._files or {}).values():
             f.close()
-        self._files.clear()
+        self._files = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _read_index(path):
@@ -236,7 +245,12 @@ def fused_experts_tensor(checkpoint):
 
 class FP8SafeTensorLoader:
     """Experts of a Hugging Face checkpoint folder: `.format`, `.moe_layers()`, `.load_experts(layer)`
-    (memory-mapped ExpertWeights), `.config` (ktfp8 MoeConfig from config.json)."""
+    (memory-mapped ExpertWeights), `.config` (ktfp8 MoeConfig from config.json).
+
+    The loader holds every shard open while it lives.  `close()` (or a `with` block) gives them back:
+    experts loaded before stay valid (their views hold the map), and loading more is a ValueError.  A
+    MoE built from loaded experts holds its own packed copy and needs neither the loader nor the
+    experts: closing the loader and dropping the experts frees the mapped pages."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -245,6 +259,15 @@ class FP8SafeTensorLoader:
         self._layers = expert_stacks(self.checkpoint.names())
         self._formats = {layer: self._layer_format(layer) for layer in self._layers}
         self.format = self._overall_format()
+
+    def close(self):
+        self.checkpoint.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def moe_layers(self):
         """Indices of the layers that hold routed experts, ascending."""

@@ -221,7 +221,7 @@ class SafetensorsFile:
         """Read-only view of tensor `name` on a memory map of the file (no copy)."""
         info = self.info(name)
         # checked at every view, not only the first: a page past a truncated end is a SIGBUS when read
-        if os.fstat(self._fd).st_size < self._end:
+        if os.fstat(self._open_fd()).st_size < self._end:
             raise SafetensorsError(f"{self.path}: file shrank since its header was read")
         if self._map is None:
             self._map = np.frombuffer(mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ), np.uint8)
@@ -261,17 +261,24 @@ class SafetensorsFile:
         buf = memoryview(out.reshape(-1).view(np.uint8))
         offset, done = info.start + start * row_bytes, 0
         while done < len(buf):
-            got = os.preadv(self._fd, [buf[done:]], offset + done)
+            got = os.preadv(self._open_fd(), [buf[done:]], offset + done)
             if got == 0:
                 raise SafetensorsError(f"{self.path}: truncated while reading tensor {name!r}")
             done += got
         return out.reshape(info.shape) if not info.shape else out
 
+    def _open_fd(self):
+        if self._fd is None:
+            raise ValueError(f"{self.path}: file is closed")
+        return self._fd
+
     def close(self):
+        """Gives back the descriptor and this file's map; views handed out keep their own reference to
+        the map, and stay valid."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._map = None    # views handed out keep their own reference to the map
+        self._map = None
 
     def __enter__(self):
         return self

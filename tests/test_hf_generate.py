@@ -12,6 +12,7 @@ pytest.importorskip("transformers", minversion="5")
 
 import ktfp8.hf  # noqa: E402
 from hf_oracle import model_folders, tiny_model_settings  # noqa: E402
+from open_files import open_files_under  # noqa: E402
 from ktfp8.generate import main  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
@@ -56,6 +57,14 @@ def test_json_ids_are_transformers_greedy_tokens(mixtral, folder, capsys):
     assert got["text"] is None                                   # the folder has no tokenizer
     assert got["prefill_tokens_per_s"] > 0
     assert got["decode_tokens_per_s"] is None or got["decode_tokens_per_s"] > 0
+
+
+def test_from_pretrained_gives_the_checkpoint_files_back(mixtral):
+    """Once every layer has packed its experts, from_pretrained closes the loader: no descriptor of the
+    folder's shards stays open (their maps went with the loaded experts), and the model still runs."""
+    model = ktfp8.hf.from_pretrained(mixtral["fp8"])
+    assert open_files_under(mixtral["fp8"]) == []
+    assert len(_expected(model)) > 0
 
 
 def test_fp8_folder_without_a_quantization_config_is_read_as_fp8(mixtral, tmp_path, capsys):

@@ -16,6 +16,8 @@ from hf_models import (EXPERTS, HIDDEN, MODELS, MOE_INTER, build_model, expert_n
 from ktfp8.convert import main as convert
 from ktfp8.experts import ExpertMatrices
 from ktfp8.loader import FP8SafeTensorLoader
+from ktfp8.moe import MoE
+from open_files import open_files_under
 from ktfp8.safetensors_io import SafetensorsError, SafetensorsFile, write_file
 
 torch = pytest.importorskip("torch")
@@ -108,6 +110,31 @@ def test_per_channel_conversion_round_trip(hf, tmp_path, sharded):
             assert _memory_mapped(codes) and _memory_mapped(scale)
             restored = codes.view(E4M3).astype(np.float32) * scale
             assert sqnr_db(original, restored) > 28
+
+
+def test_closing_the_loader_gives_its_files_back_and_keeps_loaded_experts(hf, tmp_path):
+    """close() (or a with block) closes every shard; experts loaded before stay valid (their maps hold
+    the files until they are dropped), and a MoE built from them computes as one built while the loader
+    was open; reading more is a ValueError, not a reopened file."""
+    kind, _, _, many = hf
+    out = _convert(many, tmp_path / "fp8", PER_CHANNEL, "bf16", "--max-shard-size", "200KB")
+    layer = moe_layers(kind)[0]
+    with FP8SafeTensorLoader(out) as loader:
+        assert len(open_files_under(out)) > 1            # the shards, open while the loader lives
+        experts = loader.load_experts(layer)
+        cfg = loader.config
+        want = MoE(cfg, experts)
+    x = np.random.default_rng(0).standard_normal((3, HIDDEN)).astype(np.float32)
+    ids = np.arange(3 * cfg.num_experts_per_tok).reshape(3, -1) % EXPERTS
+    w = np.full(ids.shape, 0.5, np.float32)
+    np.testing.assert_array_equal(MoE(cfg, experts)(x, ids, w), want(x, ids, w))
+    del experts
+    assert open_files_under(out) == []
+    for read in (lambda: loader.load_experts(layer), lambda: loader.tensor(loader.checkpoint.names()[0])):
+        with pytest.raises(ValueError, match="checkpoint is closed"):
+            read()
+    assert open_files_under(out) == []
+    loader.close()                                       # again: nothing to do
 
 
 def test_block_wise_conversion_round_trip(hf, tmp_path):

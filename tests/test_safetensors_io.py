@@ -135,6 +135,17 @@ def test_a_file_truncated_after_its_first_view_is_an_error_not_a_sigbus(tmp_path
         f.memmap("b")
 
 
+def test_a_closed_file_says_so_and_its_views_stay_valid(tmp_path):
+    path = tmp_path / "t.safetensors"
+    write_file(path, {"a": ("U8", np.arange(64, dtype=np.uint8))})
+    with SafetensorsFile(path) as f:
+        view = f.memmap("a")
+    for read in (lambda: f.memmap("a"), lambda: f.read_rows("a")):
+        with pytest.raises(ValueError, match="t.safetensors: file is closed"):
+            read()
+    np.testing.assert_array_equal(view, np.arange(64))
+
+
 def test_a_file_replaced_under_its_name_is_read_as_opened(tmp_path):
     """The header, the reads and the map all go through one descriptor: a file written again under the
     same name (its tensors in another order) does not mix the old header with the new bytes."""

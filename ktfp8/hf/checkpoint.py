@@ -130,28 +130,34 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
     if dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype!r}")
     _check_kwargs(kwargs)
-    loader = _check_folder(path)
-    config = AutoConfig.from_pretrained(path)
-    hf_experts.check_model_type(config)
-    auto_class = text_model_class(config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config        # the experts are ours; the rest is not quantized
-    quant_config = loader.quant_config
+    with _check_folder(path) as loader:      # closed once every layer has packed its experts
+        config = AutoConfig.from_pretrained(path)
+        hf_experts.check_model_type(config)
+        auto_class = text_model_class(config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config        # the experts are ours; the rest is not quantized
+        quant_config = loader.quant_config
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()          # the report lists the experts we skip on purpose
-    try:
-        with _expert_weights_left_empty():
-            model, info = auto_class.from_pretrained(
-                path, config=config, dtype=dtype, key_mapping=_KEY_MAPPING, output_loading_info=True,
-                experts_implementation=hf_experts.implementation_name(quant_config), **kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    missing = [k for k in info["missing_keys"] if k.rpartition(".")[2] not in hf_experts.RELEASED]
-    if missing or info["mismatched_keys"]:
-        raise ValueError(f"{path}: checkpoint does not fit {type(model).__name__}: missing "
-                         f"{sorted(missing)[:5]}, mismatched {sorted(info['mismatched_keys'])[:5]}")
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()          # the report lists the experts we skip on purpose
+        try:
+            with _expert_weights_left_empty():
+                model, info = auto_class.from_pretrained(
+                    path, config=config, dtype=dtype, key_mapping=_KEY_MAPPING, output_loading_info=True,
+                    experts_implementation=hf_experts.implementation_name(quant_config), **kwargs)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        missing = [k for k in info["missing_keys"] if k.rpartition(".")[2] not in hf_experts.RELEASED]
+        if missing or info["mismatched_keys"]:
+            raise ValueError(f"{path}: checkpoint does not fit {type(model).__name__}: missing "
+                             f"{sorted(missing)[:5]}, mismatched {sorted(info['mismatched_keys'])[:5]}")
 
+        _attach_experts(model, loader, quant_config, threads, path)
+        return model
+
+
+def _attach_experts(model, loader, quant_config, threads, path):
+    """Each experts module of `model` runs its layer's experts from `loader`, packed for this CPU."""
     for name, module, block in hf_experts.experts_modules(model):
         hf_experts.check_supported(module)
         m = _LAYER_RE.search(name)
@@ -164,4 +170,3 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
         experts = loader.load_experts(layer, experts=local_experts(module.num_experts))
         hf_experts.attach(module, build_layer(config_of_layer, experts, threads=threads), quant_config,
                           source=os.fspath(path))
-    return model
