@@ -4,6 +4,7 @@ import copy
 import gc
 import json
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -225,6 +226,24 @@ def test_save_pretrained_refused_once_ktfp8_holds_the_experts(qwen3, tmp_path):
     with pytest.raises(ValueError, match=held):
         on_load.save_pretrained(tmp_path / "after_first_call")
     assert not (tmp_path / "after_first_call").exists()
+
+
+def test_state_dict_warns_that_held_experts_are_empty(qwen3):
+    """model.state_dict() still works (other code reads the rest of it), but its expert entries are the
+    released (0,) tensors: it warns, so that torch.save(model.state_dict()) is not taken for a checkpoint.
+    A model whose experts ktfp8 does not hold yet (not called since loading) gives its weights, silently."""
+    on_load = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32,
+                                                   experts_implementation="ktfp8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert on_load.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].numel() > 0
+    logits(on_load)                                     # its first call quantizes and releases
+    for model in (on_load, ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32)):
+        with pytest.warns(RuntimeWarning, match=r"state_dict\(\): ktfp8 holds the routed experts .* empty "
+                                                r"\(0,\) tensors"):
+            state = model.state_dict()
+        assert state["model.layers.0.mlp.experts.down_proj"].shape == (0,)
+        assert state["model.embed_tokens.weight"].numel() > 0
 
 
 def test_deepcopy_outlives_the_original(qwen3):

@@ -6,6 +6,7 @@ transformers 5 keeps a MoE block's routed experts in one module (fused `gate_up_
 after its own router: exactly what ktfp8.MoE computes, so routing stays in transformers."""
 import copy
 import functools
+import warnings
 
 import torch
 
@@ -100,6 +101,19 @@ def attach(module, layer, quant_config, source=None):
         old = getattr(module, name)
         setattr(module, name, torch.nn.Parameter(torch.empty(0, dtype=old.dtype), requires_grad=False))
     module.register_forward_pre_hook(_refuse_other_implementations)
+    module._register_state_dict_hook(_warn_experts_are_empty)
+
+
+EMPTY_IN_STATE_DICT = ("state_dict(): ktfp8 holds the routed experts of this model packed for this CPU and "
+                       "released their transformers weights, so its gate_up_proj / down_proj entries are empty "
+                       "(0,) tensors, not the weights; for an FP8 checkpoint of the model, use the folder "
+                       "python -m ktfp8.convert writes (save_pretrained refuses for the same reason)")
+
+
+def _warn_experts_are_empty(module, state_dict, prefix, local_metadata):
+    """state_dict hook of a module whose experts ktfp8 holds: the dict is still made (other code reads
+    the rest of it), but torch.save(model.state_dict()) must not pass for a checkpoint unsaid."""
+    warnings.warn(EMPTY_IN_STATE_DICT, RuntimeWarning, stacklevel=2)
 
 
 def _is_int(value):
