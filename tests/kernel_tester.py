@@ -25,12 +25,13 @@ import ml_dtypes
 import numpy as np
 
 import ktfp8
+import ktfp8._native
 from ktfp8 import backends
 from moe_oracle import make_experts, moe_fp64, nmse, round_to
 
 BF16 = ml_dtypes.bfloat16
 F32 = np.float32
-SOURCES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ktfp8", "_native")
+SOURCES = os.path.dirname(os.path.abspath(ktfp8._native.__file__))   # the C sources ship with the package
 THREADS = 2
 
 

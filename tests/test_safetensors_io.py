@@ -10,13 +10,18 @@ import pytest
 from ktfp8.safetensors_io import (DTYPES, SafetensorsError, SafetensorsFile, ShardWriter, read_header,
                                   write_file)
 
-torch = pytest.importorskip("torch")
-st_torch = pytest.importorskip("safetensors.torch")
 
-TORCH_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-                "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
-                "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-                "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+def _reference():
+    """torch and safetensors' torch API, the reference writer and reader: the tests comparing against
+    them skip without torch (ktfp8.safetensors_io itself needs none)."""
+    return pytest.importorskip("torch"), pytest.importorskip("safetensors.torch")
+
+
+def _torch_dtypes(torch):
+    return {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+            "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
+            "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+            "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def _random_bytes(rng, shape, dtype):
@@ -32,10 +37,11 @@ def _raw(a):
 
 
 def test_reads_every_dtype_written_by_safetensors(tmp_path):
+    torch, st_torch = _reference()
     rng = np.random.default_rng(0)
     shapes = [(3, 5), (7,), (), (2, 0, 4), (1, 2, 3)]
     tensors = {}
-    for i, (name, tdt) in enumerate(TORCH_DTYPES.items()):
+    for i, (name, tdt) in enumerate(_torch_dtypes(torch).items()):
         shape = shapes[i % len(shapes)]
         raw = rng.integers(0, 256, size=int(np.prod(shape)) * tdt.itemsize, dtype=np.uint8)
         if tdt == torch.bool:
@@ -58,6 +64,7 @@ def test_reads_every_dtype_written_by_safetensors(tmp_path):
 
 
 def test_written_file_is_read_by_safetensors(tmp_path):
+    torch, st_torch = _reference()
     rng = np.random.default_rng(1)
     arrays = {"codes": ("F8_E4M3", _random_bytes(rng, (6, 10), "U8")),
               "scale": ("F32", rng.standard_normal((6, 1)).astype(np.float32)),
@@ -77,6 +84,7 @@ def test_written_file_is_read_by_safetensors(tmp_path):
 
 def test_writer_accepts_rows_in_any_order_from_threads(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
+    torch, st_torch = _reference()
     rng = np.random.default_rng(2)
     a = rng.standard_normal((64, 33)).astype(np.float32)
     b = _random_bytes(rng, (50, 7), "U8")
