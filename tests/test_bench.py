@@ -937,6 +937,14 @@ def test_read_probe_reuses_a_given_buffer(monkeypatch):
 
 
 # ---------------------------------------------------------------- python -m ktfp8.bench.model
+def _model_cli():
+    """ktfp8.bench.model, whose main says first that it needs torch and transformers where they are missing."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from ktfp8.bench import model
+    return model
+
+
 _FAKE_ROWS = ([{"side": "eager", "backend": None, "skipped": None, "prefill": 4.0, "decode": 0.5},
                {"side": "ktfp8", "backend": "avx2", "skipped": None, "prefill": 12.0, "decode": 2.0}],
               {"bf16": (8.0, 8.1), "ktfp8": (4.4, 9.2)})
@@ -952,7 +960,7 @@ _FAKE_ROWS = ([{"side": "eager", "backend": None, "skipped": None, "prefill": 4.
 def test_model_cli_refuses_before_building_the_model(monkeypatch, capsys, args, message):
     """Each used to fail after the model was built and measured (minutes): the --json path in open()
     at the very end, the rest in transformers or the OOM killer."""
-    from ktfp8.bench import model as M
+    M = _model_cli()
 
     def built(*a, **k):
         raise AssertionError("the model was built")
@@ -966,7 +974,7 @@ def test_model_cli_writes_the_json_before_the_table_and_stops_quietly_when_the_r
                                                                                          capsys):
     """`... --json r.json | head -1` used to end in a BrokenPipeError traceback before the JSON, the
     only record of minutes of measurements, was written."""
-    from ktfp8.bench import model as M
+    M = _model_cli()
 
     class ReaderLeft(io.StringIO):
         def write(self, text):
@@ -980,7 +988,7 @@ def test_model_cli_writes_the_json_before_the_table_and_stops_quietly_when_the_r
 
 
 def test_model_cli_interrupted_is_one_line(monkeypatch, capsys):
-    from ktfp8.bench import model as M
+    M = _model_cli()
 
     def interrupted(*a):
         raise KeyboardInterrupt
@@ -992,9 +1000,8 @@ def test_model_cli_interrupted_is_one_line(monkeypatch, capsys):
 def test_model_run_with_one_decode_token_has_no_decode_figure(monkeypatch):
     """--decode-tokens 1 used to end in KeyError: 'decode' (decode tokens/s counts the tokens after
     the first) after the model was built; now its decode figure is missing, printed as '-'."""
-    pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from ktfp8.bench import model as M
+    M = _model_cli()
+    import transformers
     config = transformers.Qwen3MoeConfig(vocab_size=16, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                          num_experts=4, num_experts_per_tok=2)
