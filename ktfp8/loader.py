@@ -56,10 +56,8 @@ class Checkpoint:
             raise SafetensorsError(f"{self.folder}: not a directory (expected a Hugging Face model folder)")
         index = self.folder / INDEX_NAME
         if index.is_file():
-            self.index_path = index
             self.weight_map = _read_index(index)
         else:
-            self.index_path = None
             files = [self.folder / SINGLE_NAME] if (self.folder / SINGLE_NAME).is_file() else \
                 sorted(self.folder.glob("*.safetensors"))
             if not files:

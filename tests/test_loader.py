@@ -14,7 +14,7 @@ import pytest
 from hf_models import (EXPERTS, HIDDEN, MODELS, MOE_INTER, build_model, expert_name, fuse_experts, moe_layers,
                        read_experts, save_model, sqnr_db)
 from ktfp8.convert import main as convert
-from ktfp8.experts import ExpertMatrices
+from ktfp8.experts import ExpertMatrices, quantize_experts
 from ktfp8.loader import FP8SafeTensorLoader
 from ktfp8.moe import MoE
 from open_files import open_files_under
@@ -88,6 +88,29 @@ def test_bf16_checkpoints_load_as_stored(hf):
                     assert not a.flags.writeable and _memory_mapped(a)
     if len(list(sharded.glob("*.safetensors"))) < 2:
         pytest.fail("the sharded fixture should span several files")
+
+
+def test_fp16_experts_load_as_stored_for_quantize_experts(hf, tmp_path):
+    """An FP16 checkpoint: load_experts refuses, pointing to load_expert_tensors, which gives the stored
+    float16 weights (every expert, or a range of them) that quantize_experts takes."""
+    kind, model, _, _ = hf
+    folder = save_model(copy.deepcopy(model), tmp_path / "fp16", dtype="float16")
+    loader = FP8SafeTensorLoader(folder)
+    assert loader.format == "fp16"
+    layer = moe_layers(kind)[0]
+    with pytest.raises(ValueError, match=rf"quantize load_expert_tensors\({layer}\) with ktfp8.quantize_experts"):
+        loader.load_experts(layer)
+    tensors = loader.load_expert_tensors(layer)
+    for role, got in zip(ROLES, tensors):
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(got.astype(np.float32), read_experts(folder, kind, layer, role))
+    for whole, part in zip(tensors, loader.load_expert_tensors(layer, experts=range(1, 3))):
+        np.testing.assert_array_equal(part, whole[1:3])
+    experts = quantize_experts(*tensors, loader.quant_config)
+    for role, w in zip(ROLES, tensors):
+        codes, scale = _oracle_per_channel(w)
+        np.testing.assert_array_equal(getattr(experts, role), codes)
+        np.testing.assert_array_equal(getattr(experts, role + "_scale"), scale)
 
 
 @pytest.mark.parametrize("sharded", [False, True])
