@@ -9,9 +9,10 @@ from ._torch import accepts_tensors, to_numpy
 from .config import as_block
 
 FORMATS = ("fp8_per_channel", "fp8_block", "bf16")
-# The largest |scale| an FP8 expert may carry: the avx512 and avx2 kernels fold their conversion's 2^8
-# (FP8 -> FP16 bits) into the packed scales, and a larger scale would become Inf there.  No weight is
-# lost: 448 x a larger scale is beyond float32 anyway, and fp8.quantize's largest is FLT_MAX / 448.
+# The largest |scale| an FP8 expert may carry (Inf too is refused): the avx512 and avx2 kernels fold
+# their conversion's 2^8 (FP8 -> FP16 bits) into the packed scales, and a larger scale would become Inf
+# there.  fp8.quantize's largest is FLT_MAX / 448, below it; above it the largest codes' weights
+# (448 x scale) are beyond float32 anyway.
 MAX_SCALE = float(np.finfo(np.float32).max) / 256
 
 

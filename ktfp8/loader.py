@@ -212,7 +212,8 @@ SCALE_RULE = f"scales must be finite, >= 0 and at most {MAX_SCALE:.4g} (FLT_MAX 
 def first_bad_scale(scale):
     """([index], value) of the first value of float32 `scale` that breaks SCALE_RULE, or None: NaN or Inf
     turns every output of its rows into NaN, no converter writes a negative scale, and above MAX_SCALE
-    the weights are beyond float32 (and Inf in the avx512 / avx2 kernels' packed scales). Zero is
+    the kernels' packed scales (avx512, avx2) would be Inf, and the largest codes' weights are beyond
+    float32. Zero is
     allowed: an all-zero row may carry scale 0.  The loader and python -m ktfp8.convert refuse the same
     values."""
     bad = ~np.isfinite(scale) | (scale < 0) | (scale > MAX_SCALE)

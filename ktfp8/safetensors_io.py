@@ -257,11 +257,12 @@ class SafetensorsFile:
         if not 0 <= start <= stop <= rows:
             raise ValueError(f"rows [{start}, {stop}) out of range for tensor {name!r} with {rows} rows")
         row_bytes = info.nbytes // rows if rows else 0
+        fd = self._open_fd()
         out = np.empty((stop - start,) + shape[1:], dtype=info.np_dtype)
         buf = memoryview(out.reshape(-1).view(np.uint8))
         offset, done = info.start + start * row_bytes, 0
         while done < len(buf):
-            got = os.preadv(self._open_fd(), [buf[done:]], offset + done)
+            got = os.preadv(fd, [buf[done:]], offset + done)
             if got == 0:
                 raise SafetensorsError(f"{self.path}: truncated while reading tensor {name!r}")
             done += got

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", minversion="5")
 
 import ktfp8.hf  # noqa: E402
+from ktfp8.hf import checkpoint as checkpoint_module  # noqa: E402
 from hf_oracle import model_folders, tiny_model_settings  # noqa: E402
 from open_files import open_files_under  # noqa: E402
 from ktfp8.generate import main  # noqa: E402
@@ -59,12 +60,23 @@ def test_json_ids_are_transformers_greedy_tokens(mixtral, folder, capsys):
     assert got["decode_tokens_per_s"] is None or got["decode_tokens_per_s"] > 0
 
 
-def test_from_pretrained_gives_the_checkpoint_files_back(mixtral):
-    """Once every layer has packed its experts, from_pretrained closes the loader: no descriptor of the
-    folder's shards stays open (their maps went with the loaded experts), and the model still runs."""
+def test_from_pretrained_gives_the_checkpoint_files_back(mixtral, tmp_path, monkeypatch):
+    """Once every layer has packed its experts, from_pretrained closes its loader, and so does a refusal:
+    while the loader object is still referenced (here by the test; in a refusal, by the exception's
+    frames), no descriptor of the folder's shards stays open; the model still runs."""
+    loaders = []
+
+    class Recorded(checkpoint_module.FP8SafeTensorLoader):
+        def __init__(self, path):
+            super().__init__(path)
+            loaders.append(self)
+    monkeypatch.setattr(checkpoint_module, "FP8SafeTensorLoader", Recorded)
     model = ktfp8.hf.from_pretrained(mixtral["fp8"])
-    assert open_files_under(mixtral["fp8"]) == []
+    assert len(loaders) == 1 and open_files_under(mixtral["fp8"]) == []
     assert len(_expected(model)) > 0
+    with pytest.raises(ValueError, match="not FP8") as refused:
+        ktfp8.hf.from_pretrained(mixtral["bf16"])
+    assert len(loaders) == 2 and refused.value is not None and open_files_under(mixtral["bf16"]) == []
 
 
 def test_fp8_folder_without_a_quantization_config_is_read_as_fp8(mixtral, tmp_path, capsys):

@@ -240,8 +240,9 @@ def test_state_dict_warns_that_held_experts_are_empty(qwen3):
     logits(on_load)                                     # its first call quantizes and releases
     for model in (on_load, ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32)):
         with pytest.warns(RuntimeWarning, match=r"state_dict\(\): ktfp8 holds the routed experts .* empty "
-                                                r"\(0,\) tensors"):
+                                                r"\(0,\) tensors") as record:
             state = model.state_dict()
+        assert len(record) == 1                         # once per call, not once per layer (2 here)
         assert state["model.layers.0.mlp.experts.down_proj"].shape == (0,)
         assert state["model.embed_tokens.weight"].numel() > 0
 

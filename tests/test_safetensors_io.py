@@ -145,10 +145,10 @@ def test_a_file_truncated_after_its_first_view_is_an_error_not_a_sigbus(tmp_path
 
 def test_a_closed_file_says_so_and_its_views_stay_valid(tmp_path):
     path = tmp_path / "t.safetensors"
-    write_file(path, {"a": ("U8", np.arange(64, dtype=np.uint8))})
+    write_file(path, {"a": ("U8", np.arange(64, dtype=np.uint8)), "empty": ("U8", np.zeros((0,), np.uint8))})
     with SafetensorsFile(path) as f:
         view = f.memmap("a")
-    for read in (lambda: f.memmap("a"), lambda: f.read_rows("a")):
+    for read in (lambda: f.memmap("a"), lambda: f.read_rows("a"), lambda: f.read_rows("empty")):
         with pytest.raises(ValueError, match="t.safetensors: file is closed"):
             read()
     np.testing.assert_array_equal(view, np.arange(64))

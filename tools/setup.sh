@@ -31,17 +31,14 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # The CPU build of PyTorch (tests: transformers' reference MoE blocks; benchmark: the PyTorch peers);
 # the package itself needs no torch.  PyPI's torch for Linux x86-64 is the CUDA build (several GB), so
-# where pip finds no wheel of it on this machine (its find-links), PyTorch's CPU index gives it.
-TORCH=torch==2.13.0
+# where pip finds no wheel of it on this machine (its find-links), the CPU build is asked for by its
+# local version, +cpu, which only PyTorch's index holds: unreachable, the install fails and says so.
 if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-    probe=$(mktemp -d)
-    if .venv/bin/python -m pip download -q --no-deps --no-index -d "$probe" "$TORCH" >/dev/null 2>&1; then
-        .venv/bin/python -m pip install -q "$TORCH"
+    if .venv/bin/python -m pip install -q --dry-run --no-deps --no-index "torch==2.13.0" >/dev/null 2>&1; then
+        .venv/bin/python -m pip install -q "torch==2.13.0"
     else
-        .venv/bin/python -m pip install -q "$TORCH" --index-url https://download.pytorch.org/whl/cpu \
-            --extra-index-url https://pypi.org/simple
+        .venv/bin/python -m pip install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
     fi
-    rm -rf "$probe"
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
 # KTransformers' own kernels, a benchmark peer (python -m ktfp8.bench) whose adapter the tests check:

@@ -61,6 +61,16 @@ def _check_folder(path):
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such model folder")
     loader = FP8SafeTensorLoader(folder)
+    try:
+        _check_experts_are_fp8(folder, loader)
+    except BaseException:
+        loader.close()              # not left to the exception's lifetime
+        raise
+    return loader
+
+
+def _check_experts_are_fp8(folder, loader):
+    """Refuses a folder whose experts ktfp8.hf.from_pretrained cannot run as FP8."""
     fused = fused_experts_tensor(loader.checkpoint)
     if fused is not None:
         raise ValueError(f"{folder}: its routed experts are stored fused (e.g. {fused[0]!r} {fused[1]}); "
@@ -83,7 +93,6 @@ def _check_folder(path):
     if others:
         raise ValueError(f"{folder}: FP8 tensors outside the routed experts (e.g. {others[0]!r}); ktfp8.hf "
                          f"loads checkpoints whose experts only are FP8 (convert without --all-linear)")
-    return loader
 
 
 def text_model_class(config):

@@ -112,8 +112,11 @@ EMPTY_IN_STATE_DICT = ("state_dict(): ktfp8 holds the routed experts of this mod
 
 def _warn_experts_are_empty(module, state_dict, prefix, local_metadata):
     """state_dict hook of a module whose experts ktfp8 holds: the dict is still made (other code reads
-    the rest of it), but torch.save(model.state_dict()) must not pass for a checkpoint unsaid."""
-    warnings.warn(EMPTY_IN_STATE_DICT, RuntimeWarning, stacklevel=2)
+    the rest of it), but torch.save(model.state_dict()) must not pass for a checkpoint unsaid.  Once per
+    state_dict() call: every held module of the model shares that call's dict."""
+    if not getattr(state_dict, "_ktfp8_warned", False):
+        state_dict._ktfp8_warned = True
+        warnings.warn(EMPTY_IN_STATE_DICT, RuntimeWarning, stacklevel=2)
 
 
 def _is_int(value):
