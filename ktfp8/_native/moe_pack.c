@@ -1,5 +1,7 @@
 /* Repacks Hugging Face [E, out, in] weights into a variant's tile layout (see ktfp8_layout in
  * abi.h), once, at MoE construction.  FP8 stays one byte per weight. */
+#include <string.h>
+
 #include "ktfp8/fp8.h"
 #include "ktfp8/fpenv.h"
 #include "ktfp8/moe.h"
@@ -66,25 +68,60 @@ void ktfp8_packed_views(const ktfp8_moe_shape *s, const ktfp8_layout *l, const v
     }
 }
 
-/* Position of natural byte i (of [k / KP][NB][KP] order) inside its 64-byte group, for each
- * ktfp8_code_order. */
-static int code_pos(int order, int i) {
-    if (order == KTFP8_CODES_VBMI64) {
-        /* The AVX-512 BF16 conversion looks the codes up with vpermi2b, then interleaves the low/high
-         * bf16 bytes with unpacklo/unpackhi_epi8, which work per 128-bit lane: output word 8L+j (j < 8)
-         * comes from byte 16L+j and word 32+8L+j from byte 16L+8+j.  Storing the codes in that order
-         * makes the two resulting registers hold words 0..31 and 32..63 in natural order. */
-        const int half = i / 32, lane = (i % 32) / 8, j = i % 8;
-        return 16 * lane + 8 * half + j;
+/* Each 64-byte group of a tile's FP8 codes, from natural [k / KP][NB][KP] order into `order`'s. */
+static void regroup_codes(uint8_t *w, size_t bytes, int order) {
+    for (size_t g = 0; g < bytes; g += 64) {
+        uint8_t in[64], *out = w + g;
+        memcpy(in, out, 64);
+        if (order == KTFP8_CODES_VBMI64) {
+            /* The AVX-512 BF16 conversion looks the codes up with vpermi2b, then interleaves the
+             * low/high bf16 bytes with unpacklo/unpackhi_epi8, which work per 128-bit lane: output
+             * word 8L+j (j < 8) comes from byte 16L+j and word 32+8L+j from byte 16L+8+j.  So lane L
+             * holds natural bytes 8L..8L+7, then 32+8L..32+8L+7, and the two resulting registers
+             * hold words 0..31 and 32..63 in natural order. */
+            for (int lane = 0; lane < 4; lane++) {
+                memcpy(out + 16 * lane, in + 8 * lane, 8);
+                memcpy(out + 16 * lane + 8, in + 32 + 8 * lane, 8);
+            }
+        } else {
+            /* KTFP8_CODES_PAIRS32: 32 bytes = K steps s (v = 0, bytes 0..15) and s + 1 (v = 1, bytes
+             * 16..31) of the 16 rows (NB 16, KP 1); moe_avx2.c's pair_row makes 4 vectors of 8 rows
+             * from the 4 bytes of each dword: dword d holds rows d + 8 and d, step s + 1 first. */
+            for (int half = 0; half < 64; half += 32)
+                for (int d = 0; d < 8; d++) {
+                    out[half + 4 * d] = in[half + 16 + d + 8];
+                    out[half + 4 * d + 1] = in[half + d + 8];
+                    out[half + 4 * d + 2] = in[half + 16 + d];
+                    out[half + 4 * d + 3] = in[half + d];
+                }
+        }
     }
-    if (order == KTFP8_CODES_PAIRS32) {
-        /* 32 bytes = K steps s (v = 0) and s + 1 (v = 1) of the 16 rows (NB 16, KP 1); moe_avx2.c's
-         * pair_row makes 4 vectors of 8 rows from the 4 bytes of each dword: byte 3 - v - 2h of dword
-         * i is step v, row 8h + i. */
-        const int group = i / 32, v = (i % 32) / 16, row = i % 16;
-        return 32 * group + 4 * (row % 8) + 3 - v - 2 * (row / 8);
+}
+
+/* Units of `unit` bytes (kp weights of one row) of one tile, [units][nb][unit]: unit u of rows
+ * 0 .. nb_in - 1 from `from` (row r's unit u at from + r * row_bytes + u * unit), the rows past the
+ * matrix zero.  always_inline so that each call site's constant `unit` makes memcpy one move. */
+static inline __attribute__((always_inline)) void copy_units(uint8_t *out, const uint8_t *from, size_t row_bytes,
+                                                             int64_t units, int nb, int nb_in, const size_t unit) {
+    for (int64_t u = 0; u < units; u++, out += (size_t)nb * unit) {
+        for (int r = 0; r < nb_in; r++) memcpy(out + r * unit, from + r * row_bytes + u * unit, unit);
+        if (nb_in < nb) memset(out + nb_in * unit, 0, (size_t)(nb - nb_in) * unit);
     }
-    return i;
+}
+
+/* Whether any code of row[0 .. len) is a NaN (S.1111.111), eight at a time: a byte's low seven bits
+ * plus one reach bit 7 only when they are all ones, and never carry into the next byte. */
+static int has_nan_code(const uint8_t *row, int64_t len) {
+    const uint64_t low7 = 0x7F7F7F7F7F7F7F7FULL, ones = 0x0101010101010101ULL, top = 0x8080808080808080ULL;
+    uint64_t any = 0;
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        uint64_t w;
+        memcpy(&w, row + i, 8);
+        any |= ((w & low7) + ones) & top;
+    }
+    for (; i < len; i++) any |= ktfp8_e4m3_is_nan(row[i]);
+    return any != 0;
 }
 
 static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktfp8_packed_proj *p,
@@ -93,26 +130,29 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
     const int64_t row0 = tile * nb;
     const int bf16 = s->format == KTFP8_FMT_BF16;
 
-    /* weights: [k_pad / kp][nb][kp], zero outside the logical matrix */
-    for (int64_t kk = 0; kk < p->k_pad / kp; kk++)
+    /* weights: [k_pad / kp][nb][kp], zero outside the logical matrix.  Whole units of the rows inside
+     * are copied as such; the units K ends in, or past it, weight by weight. */
+    const size_t elem = bf16 ? 2 : 1, unit = (size_t)kp * elem, row_bytes = (size_t)p->k * elem;
+    const int nb_in = p->n - row0 < nb ? (int)(p->n - row0) : nb;
+    const int64_t whole = p->k / kp, units = p->k_pad / kp;
+    const uint8_t *rows = (const uint8_t *)src->w[e] + (size_t)row0 * row_bytes;
+    switch (unit) {
+    case 1: copy_units(w_out, rows, row_bytes, whole, nb, nb_in, 1); break;
+    case 2: copy_units(w_out, rows, row_bytes, whole, nb, nb_in, 2); break;
+    case 4: copy_units(w_out, rows, row_bytes, whole, nb, nb_in, 4); break;
+    default: copy_units(w_out, rows, row_bytes, whole, nb, nb_in, unit);
+    }
+    for (int64_t u = whole; u < units; u++)
         for (int r = 0; r < nb; r++)
             for (int q = 0; q < kp; q++) {
-                int64_t n = row0 + r, k = kk * kp + q;
-                size_t at = ((size_t)kk * nb + r) * kp + q;
-                int inside = n < p->n && k < p->k;
-                size_t from = (size_t)n * p->k + k;
-                if (bf16)
-                    ((uint16_t *)w_out)[at] = inside ? ((const uint16_t *)src->w[e])[from] : 0;
+                const int64_t k = u * kp + q;
+                uint8_t *at = w_out + (((size_t)u * nb + r) * kp + q) * elem;
+                if (r < nb_in && k < p->k)
+                    memcpy(at, rows + r * row_bytes + k * elem, elem);
                 else
-                    w_out[at] = inside ? ((const uint8_t *)src->w[e])[from] : 0;
+                    memset(at, 0, elem);
             }
-    if (!bf16 && l->code_order != KTFP8_CODES_NATURAL) {
-        uint8_t group[64];
-        for (size_t g = 0; g < p->tile_w_bytes; g += 64) {
-            for (int i = 0; i < 64; i++) group[code_pos(l->code_order, i)] = w_out[g + i];
-            memcpy(w_out + g, group, 64);
-        }
-    }
+    if (!bf16 && l->code_order != KTFP8_CODES_NATURAL) regroup_codes(w_out, p->tile_w_bytes, l->code_order);
     if (bf16) return;
 
     /* scales: [n_kblocks][nb]; a NaN code anywhere in the row (block) makes its scale NaN */
@@ -132,8 +172,7 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
                 }
                 v *= l->scale_mul;
                 const uint8_t *row = (const uint8_t *)src->w[e] + (size_t)n * p->k;
-                for (int64_t k = k0; k < k1; k++)
-                    if (ktfp8_e4m3_is_nan(row[k])) { v = NAN; break; }
+                if (has_nan_code(row + k0, k1 - k0)) v = NAN;
             }
             s_out[kb * nb + r] = v;
         }
