@@ -98,12 +98,29 @@ static void regroup_codes(uint8_t *w, size_t bytes, int order) {
     }
 }
 
+/* K steps 0 .. 2 * pairs - 1 of a whole tile of 16 rows straight into avx2's order
+ * (KTFP8_CODES_PAIRS32, regroup_codes): steps s, s + 1 of rows d and d + 8 make dword d of a 32-byte
+ * run, bytes (d + 8, s + 1), (d + 8, s), (d, s + 1), (d, s), i.e. as a little-endian word the byte
+ * swap of row d's two codes below row d + 8's. */
+static void pairs32_from_rows(uint8_t *out, const uint8_t *rows, size_t row_bytes, int64_t pairs) {
+    for (int64_t s = 0; s < pairs; s++, out += 32)
+        for (int d = 0; d < 8; d++) {
+            uint16_t lo, hi;
+            memcpy(&lo, rows + d * row_bytes + 2 * s, 2);
+            memcpy(&hi, rows + (d + 8) * row_bytes + 2 * s, 2);
+            const uint32_t word = __builtin_bswap32((uint32_t)lo | (uint32_t)hi << 16);
+            memcpy(out + 4 * d, &word, 4);
+        }
+}
+
 /* Units of `unit` bytes (kp weights of one row) of one tile, [units][nb][unit]: unit u of rows
  * 0 .. nb_in - 1 from `from` (row r's unit u at from + r * row_bytes + u * unit), the rows past the
  * matrix zero.  always_inline so that each call site's constant `unit` makes memcpy one move. */
 static inline __attribute__((always_inline)) void copy_units(uint8_t *out, const uint8_t *from, size_t row_bytes,
-                                                             int64_t units, int nb, int nb_in, const size_t unit) {
-    for (int64_t u = 0; u < units; u++, out += (size_t)nb * unit) {
+                                                             int64_t u0, int64_t units, int nb, int nb_in,
+                                                             const size_t unit) {
+    out += (size_t)u0 * nb * unit;
+    for (int64_t u = u0; u < units; u++, out += (size_t)nb * unit) {
         for (int r = 0; r < nb_in; r++) memcpy(out + r * unit, from + r * row_bytes + u * unit, unit);
         if (nb_in < nb) memset(out + nb_in * unit, 0, (size_t)(nb - nb_in) * unit);
     }
@@ -130,17 +147,24 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
     const int64_t row0 = tile * nb;
     const int bf16 = s->format == KTFP8_FMT_BF16;
 
-    /* weights: [k_pad / kp][nb][kp], zero outside the logical matrix.  Whole units of the rows inside
-     * are copied as such; the units K ends in, or past it, weight by weight. */
+    /* weights: [k_pad / kp][nb][kp], zero outside the logical matrix, then each 64-byte group in the
+     * kernel's code order.  A whole avx2 tile's codes go straight into its order up to the last whole
+     * group (u0 units); the rest: whole units of the rows inside copied as such, the units K ends in,
+     * or past it, weight by weight, then regrouped. */
     const size_t elem = bf16 ? 2 : 1, unit = (size_t)kp * elem, row_bytes = (size_t)p->k * elem;
     const int nb_in = p->n - row0 < nb ? (int)(p->n - row0) : nb;
     const int64_t whole = p->k / kp, units = p->k_pad / kp;
     const uint8_t *rows = (const uint8_t *)src->w[e] + (size_t)row0 * row_bytes;
+    int64_t u0 = 0;
+    if (!bf16 && l->code_order == KTFP8_CODES_PAIRS32 && nb == 16 && nb_in == nb) {
+        u0 = p->k / 4 * 4;          /* 4 K steps of 16 rows: one 64-byte group */
+        pairs32_from_rows(w_out, rows, row_bytes, u0 / 2);
+    }
     switch (unit) {
-    case 1: copy_units(w_out, rows, row_bytes, whole, nb, nb_in, 1); break;
-    case 2: copy_units(w_out, rows, row_bytes, whole, nb, nb_in, 2); break;
-    case 4: copy_units(w_out, rows, row_bytes, whole, nb, nb_in, 4); break;
-    default: copy_units(w_out, rows, row_bytes, whole, nb, nb_in, unit);
+    case 1: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, 1); break;
+    case 2: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, 2); break;
+    case 4: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, 4); break;
+    default: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, unit);
     }
     for (int64_t u = whole; u < units; u++)
         for (int r = 0; r < nb; r++)
@@ -152,7 +176,10 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
                 else
                     memset(at, 0, elem);
             }
-    if (!bf16 && l->code_order != KTFP8_CODES_NATURAL) regroup_codes(w_out, p->tile_w_bytes, l->code_order);
+    if (!bf16 && l->code_order != KTFP8_CODES_NATURAL) {
+        const size_t done = (size_t)u0 * nb * unit;
+        regroup_codes(w_out + done, p->tile_w_bytes - done, l->code_order);
+    }
     if (bf16) return;
 
     /* scales: [n_kblocks][nb]; a NaN code anywhere in the row (block) makes its scale NaN */
