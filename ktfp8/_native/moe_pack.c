@@ -160,11 +160,15 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
         u0 = p->k / 4 * 4;          /* 4 K steps of 16 rows: one 64-byte group */
         pairs32_from_rows(w_out, rows, row_bytes, u0 / 2);
     }
-    switch (unit) {
-    case 1: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, 1); break;
-    case 2: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, 2); break;
-    case 4: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, 4); break;
-    default: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, unit);
+    if (nb == 1) {                  /* the tile is one row: its units lie as the row's weights do */
+        memcpy(w_out, rows, (size_t)whole * unit);
+    } else {
+        switch (unit) {
+        case 1: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, 1); break;
+        case 2: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, 2); break;
+        case 4: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, 4); break;
+        default: copy_units(w_out, rows, row_bytes, u0, whole, nb, nb_in, unit);
+        }
     }
     for (int64_t u = whole; u < units; u++)
         for (int r = 0; r < nb; r++)
