@@ -55,6 +55,7 @@ class Checkpoint:
         if not self.folder.is_dir():
             raise SafetensorsError(f"{self.folder}: not a directory (expected a Hugging Face model folder)")
         index = self.folder / INDEX_NAME
+        self._files = {}
         if index.is_file():
             self.weight_map = _read_index(index)
         else:
@@ -64,12 +65,11 @@ class Checkpoint:
                 raise SafetensorsError(f"{self.folder}: no {INDEX_NAME} and no .safetensors files")
             self.weight_map = {}
             for path in files:
-                for name in SafetensorsFile(path).tensors:
+                for name in self.file(path.name).tensors:        # opened once: kept for the checks below
                     if name in self.weight_map:
                         raise SafetensorsError(f"{self.folder}: tensor {name!r} is in both "
                                                f"{self.weight_map[name]} and {path.name}")
                     self.weight_map[name] = path.name
-        self._files = {}
         for name, file_name in self.weight_map.items():      # validates every header and entry now
             if name not in self.file(file_name):
                 raise SafetensorsError(f"{self.folder / file_name}: tensor {name!r} is missing from this "
@@ -213,9 +213,8 @@ def first_bad_scale(scale):
     """([index], value) of the first value of float32 `scale` that breaks SCALE_RULE, or None: NaN or Inf
     turns every output of its rows into NaN, no converter writes a negative scale, and above MAX_SCALE
     the kernels' packed scales (avx512, avx2) would be Inf, and the largest codes' weights are beyond
-    float32. Zero is
-    allowed: an all-zero row may carry scale 0.  The loader and python -m ktfp8.convert refuse the same
-    values."""
+    float32.  Zero is allowed: an all-zero row may carry scale 0.  The loader and python -m ktfp8.convert
+    refuse the same values."""
     bad = ~np.isfinite(scale) | (scale < 0) | (scale > MAX_SCALE)
     if not bad.any():
         return None
