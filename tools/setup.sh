@@ -33,11 +33,12 @@ fi
 # the package itself needs no torch.  PyPI's torch for Linux x86-64 is the CUDA build (several GB), so
 # where pip finds no wheel of it on this machine (its find-links), the CPU build is asked for by its
 # local version, +cpu, which only PyTorch's index holds: unreachable, the install fails and says so.
-if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-    if .venv/bin/python -m pip install -q --dry-run --no-deps --no-index "torch==2.13.0" >/dev/null 2>&1; then
-        .venv/bin/python -m pip install -q "torch==2.13.0"
+TORCH=2.13.0
+if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH')" 2>/dev/null; then
+    if .venv/bin/python -m pip install -q --dry-run --no-deps --no-index "torch==$TORCH" >/dev/null 2>&1; then
+        .venv/bin/python -m pip install -q "torch==$TORCH"
     else
-        .venv/bin/python -m pip install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+        .venv/bin/python -m pip install -q "torch==$TORCH+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
     fi
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
