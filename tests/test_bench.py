@@ -1014,6 +1014,63 @@ def test_model_run_with_one_decode_token_has_no_decode_figure(monkeypatch):
     assert "| - |" in "\n".join(M.table(rows, 1, 1, 4, 16))
 
 
+class _FakeTime:
+    """A perf_counter that moves only when told: the experts below take exactly a quarter second a call."""
+    now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+@pytest.mark.parametrize("prompt", [1, 5])
+def test_model_experts_clock_splits_the_prefill_from_the_decode_steps(monkeypatch, prompt):
+    """The experts' time of each phase, on a 2-layer model whose experts implementation advances the
+    bench's clock by 0.25 s a call: 2 calls a forward, so 500 ms a prefill and a decode token, whatever
+    the prompt's length (one token too: the first forward is the prefill)."""
+    M = _model_cli()
+    import torch
+    import transformers
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    fake = _FakeTime()
+    monkeypatch.setattr(M, "time", fake)
+
+    def quarter_second(self, hidden_states, top_k_index, top_k_weights):
+        fake.now += 0.25
+        return torch.zeros_like(hidden_states)
+    ALL_EXPERTS_FUNCTIONS.register("ktfp8_test_quarter_second", quarter_second)
+    config = transformers.Qwen3MoeConfig(vocab_size=16, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         num_experts=4, num_experts_per_tok=2)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    model.set_experts_implementation("ktfp8_test_quarter_second")
+    best = M.measure(model, list(range(1, prompt + 1)), new_tokens=4, repeats=2)
+    assert best["prefill_experts_ms"] == 500.0 and best["decode_experts_ms"] == 500.0
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_model_goals_give_the_experts_alone_and_the_most_any_experts_could_reach():
+    """Figures chosen to be plain: a 512-token prefill takes 1.28 s with eager (768 ms in its experts) and
+    0.64 s with ktfp8 (128 ms in its experts, so 512 ms in the rest); a decode token 40 ms with eager
+    (30 in its experts) and 16 ms with ktfp8 (6 in its experts, 10 in the rest)."""
+    M = _model_cli()
+    rows = [{"side": "eager", "backend": None, "skipped": None, "prefill": 400.0, "decode": 25.0,
+             "prefill_experts_ms": 768.0, "decode_experts_ms": 30.0},
+            {"side": "ktfp8", "backend": "avx2", "skipped": None, "prefill": 800.0, "decode": 62.5,
+             "prefill_experts_ms": 128.0, "decode_experts_ms": 6.0}]
+    assert M.goals(rows, 512) == [
+        "reached: decode 2.50x the fastest transformers BF16 experts (eager), goal >= 1.8x; the experts alone "
+        "5.00x (6.00 against 30.00 ms a decode token); the rest of the model took 10.00 ms a decode token, so no "
+        "experts implementation could reach more than 4.00x",
+        "reached: prefill 2.00x the fastest transformers BF16 experts (eager), goal >= 2.0x; the experts alone "
+        "6.00x (128.00 against 768.00 ms a prefill); the rest of the model took 512.00 ms a prefill, so no "
+        "experts implementation could reach more than 2.50x"]
+    eager_row, ktfp8_row = M.table(rows, 1, 2, 512, 16)[-2:]
+    assert eager_row.split(" | ")[1:] == ["400.00", "25.00", "768.00", "30.00", "2.00", "2.50", "6.00", "5.00 |"]
+    assert ktfp8_row.split(" | ")[1:] == ["800.00", "62.50", "128.00", "6.00", "-", "-", "-", "- |"]
+    bare = [{k: v for k, v in r.items() if not k.endswith("_experts_ms")} for r in rows]     # JSON of older runs
+    assert [line.split(";")[0] for line in M.goals(bare, 512)] == M.goals(bare, 512)
+
+
 # ---------------------------------------------------------------- pytest bench --bench-layers
 def _collect(*args):
     return subprocess.run([sys.executable, "-m", "pytest", "bench/bench_moe.py", "--benchmark-only", "--collect-only",
