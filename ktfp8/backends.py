@@ -104,10 +104,11 @@ def _named_elsewhere(name, source):
     found = _emulated_variants().get(name)
     if found is not None and found.usable:
         return found
-    usable = usable_variants()
+    twins = [n for n in usable_variants() if n not in _NATIVE]
     why = "is not compiled in this build" if name not in compiled_variants() else \
         "is compiled but this CPU/OS cannot run it"
-    raise ValueError(f"{source}={name!r} {why}; usable backends: {', '.join(usable)}")
+    also = f" (and, for tests, the emulated twins {', '.join(twins)})" if twins else ""
+    raise ValueError(f"{source}={name!r} {why}; usable backends: {', '.join(available_backends())}{also}")
 
 
 def resolve_backend(name=None):

@@ -12,7 +12,7 @@ import ktfp8
 from ktfp8 import backends
 from ktfp8.experts import MAX_SCALE
 from ktfp8.moe import MoE
-from kernel_tester import moe_config
+from kernel_tester import BF16, kernel, moe_config
 from moe_oracle import make_experts, moe_fp64, nmse, random_routing
 
 E, H, I, K = 6, 200, 72, 3  # odd sizes on purpose: no multiple-of-32 anywhere
@@ -163,6 +163,31 @@ def test_packed_fp8_weights_take_one_byte_each():
         assert weights <= moe.nbytes <= weights * 1.05, backend
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tiny", ["x", "h"])
+def test_bf16_backends_read_subnormal_activations_as_zero(backend, tiny):
+    """`vdpbf16ps` / `tdpbf16ps` read BF16 denormals as zero whatever MXCSR says (as the README says), so
+    the BF16 backends (and their emulated twins) give 0 for a token whose x, or whose SiLU product h, is
+    below 2^-126; the FP32 backends compute it.  One expert, every weight 1.0 (code 0x38), H = I = 32:
+    x = 1e-39, gate/up scale 1e30 gives g = u = 3.2e-8 and y = 32 silu(g) u; x = 1, gate/up scale 1.4e-21,
+    down 1e30 gives h about 1e-39 (an FP32 denormal with 20 bits: the FP32 backends keep it)."""
+    n, x_value, in_scale, down_scale = (32, 1e-39, 1e30, 1.0) if tiny == "x" else (32, 1.0, 1.4e-21, 1e30)
+    codes = np.full((1, n, n), 0x38, np.uint8)
+    scale = lambda v: np.full((1, n, 1), v, np.float32)      # noqa: E731
+    experts = ktfp8.ExpertWeights("fp8_per_channel", codes, codes, codes, scale(in_scale), scale(in_scale),
+                                  scale(down_scale))
+    x = np.full((1, n), x_value, np.float32)
+    y = MoE(config("fp8_per_channel", 1, n, n, 1), experts, backend=backend)(
+        x, np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
+    dense = [np.ones((1, n, n)) * s for s in (np.float32(in_scale), np.float32(in_scale), np.float32(down_scale))]
+    expected = moe_fp64(x, np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32), *dense)
+    assert 0 < abs(expected[0, 0]) and np.isfinite(expected).all()
+    if kernel(backend).act == BF16:
+        assert not y.any()
+    else:
+        np.testing.assert_allclose(y, expected, rtol=1e-3)
+
+
 def test_backend_is_best_available_and_env_forces_one(monkeypatch, layer):
     _, cfg, experts, _ = layer
     monkeypatch.delenv("KTFP8_BACKEND", raising=False)
@@ -170,8 +195,11 @@ def test_backend_is_best_available_and_env_forces_one(monkeypatch, layer):
     monkeypatch.setenv("KTFP8_BACKEND", "reference")
     assert MoE(cfg, experts).backend == "reference"
     monkeypatch.setenv("KTFP8_BACKEND", "no_such_kernel")
-    with pytest.raises(ValueError, match="KTFP8_BACKEND.*usable backends: .*reference"):
+    with pytest.raises(ValueError, match="KTFP8_BACKEND.*usable backends: .*reference") as refused:
         MoE(cfg, experts)
+    # the backends available_backends() names, then the test-only twins apart (they were listed among them)
+    listed = str(refused.value).split("usable backends: ")[1]
+    assert listed.split(" (and, for tests, the emulated twins ")[0] == ", ".join(ktfp8.available_backends())
 
 
 def test_unusable_backend_is_refused(layer):
