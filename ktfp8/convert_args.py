@@ -33,8 +33,9 @@ def _unique_keys(pairs):
 
 
 def parse_quant_config(text):
-    """--quant-config JSON -> QuantSpec.  Keys: method ("FP8"), per_channel (bool, default true),
-    group_size (per-channel: 0 or absent; block-wise: the block edge, default 128)."""
+    """--quant-config JSON -> QuantSpec.  Keys: method ("FP8"), per_channel (bool; default true, false where
+    a group_size other than 0 is given), group_size (per-channel: 0 or absent; block-wise: the block edge,
+    default 128)."""
     try:
         raw = json.loads(text, object_pairs_hook=_unique_keys)
     except _DuplicateKey as e:
@@ -49,12 +50,15 @@ def parse_quant_config(text):
                          f"group_size")
     if raw.get("method", "FP8") != "FP8":
         raise ValueError(f"--quant-config: method must be \"FP8\", got {raw.get('method')!r}")
-    per_channel = raw.get("per_channel", True)
+    group = raw.get("group_size")
+    if "group_size" in raw and (isinstance(group, bool) or not isinstance(group, int)):
+        raise ValueError(f"--quant-config: group_size must be an integer, got {group!r}")
+    # a key left out follows the one given, as in ktfp8.QuantConfig: group_size 64 alone is block-wise
+    per_channel = raw.get("per_channel", not group)
     if not isinstance(per_channel, bool):
         raise ValueError(f"--quant-config: per_channel must be true or false, got {per_channel!r}")
-    group = raw.get("group_size", 0 if per_channel else 128)
-    if isinstance(group, bool) or not isinstance(group, int):
-        raise ValueError(f"--quant-config: group_size must be an integer, got {group!r}")
+    if group is None:
+        group = 0 if per_channel else 128
     if per_channel:
         if group != 0:
             raise ValueError(f"--quant-config: per_channel needs group_size 0 (one scale per row), got {group}")

@@ -134,6 +134,22 @@ def test_block_wise_config(qwen, tmp_path):
     assert FP8SafeTensorLoader(out).load_experts(0).block == (64, 64)
 
 
+@pytest.mark.parametrize("given, spec", [('{"group_size": 64}', (False, (64, 64))),
+                                          ('{"group_size": 0}', (True, None)),
+                                          ('{"per_channel": false}', (False, (128, 128))),
+                                          ('{}', (True, None))])
+def test_quant_config_key_left_out_follows_the_one_given_as_in_quant_config(given, spec):
+    """--quant-config '{"group_size": 64}' was refused ("per_channel needs group_size 0": per_channel
+    defaulted to true), where ktfp8.QuantConfig(group_size=64), which the README describes, is block-wise."""
+    from ktfp8 import QuantConfig
+    from ktfp8.convert_args import parse_quant_config
+    got = parse_quant_config(given)
+    assert (got.per_channel, got.block) == spec
+    fields = json.loads(given)
+    expected = QuantConfig(**fields)
+    assert got.per_channel == expected.per_channel and (got.block or (0, 0))[0] == expected.group_size
+
+
 def _shapes(folder):
     out = {}
     for path in Path(folder).glob("*.safetensors"):
