@@ -1,6 +1,9 @@
 /* Repacks Hugging Face [E, out, in] weights into a variant's tile layout (see ktfp8_layout in
  * abi.h), once, at MoE construction.  FP8 stays one byte per weight. */
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h> /* SSE2 is part of x86-64 itself: the baseline these sources are built for */
+#endif
 
 #include "ktfp8/fp8.h"
 #include "ktfp8/fpenv.h"
@@ -113,6 +116,80 @@ static void pairs32_from_rows(uint8_t *out, const uint8_t *rows, size_t row_byte
         }
 }
 
+#ifdef __SSE2__
+/* Interleaves the elements of width w bytes (1, 2, 4 or 8) of a and b: the low halves' (hi = 0) or
+ * the high halves'. */
+static inline __m128i unpack(__m128i a, __m128i b, int w, int hi) {
+    switch (w) {
+    case 1: return hi ? _mm_unpackhi_epi8(a, b) : _mm_unpacklo_epi8(a, b);
+    case 2: return hi ? _mm_unpackhi_epi16(a, b) : _mm_unpacklo_epi16(a, b);
+    case 4: return hi ? _mm_unpackhi_epi32(a, b) : _mm_unpacklo_epi32(a, b);
+    default: return hi ? _mm_unpackhi_epi64(a, b) : _mm_unpacklo_epi64(a, b);
+    }
+}
+
+/* Reverses the low `bits` bits of i. */
+static inline int bit_reversed(int i, int bits) {
+    int r = 0;
+    for (int b = 0; b < bits; b++) r |= ((i >> b) & 1) << (bits - 1 - b);
+    return r;
+}
+
+/* A whole tile of 16 rows, the first `chunks` 16 bytes of each, into natural order [units][16][unit]
+ * (unit 1, 2 or 4 bytes).  Each block of g = 16 / unit rows is a g x g matrix of units, transposed in
+ * log2 g rounds of unpacks of doubling width (v[i] <- pairs 2i, 2i + 1): afterwards v[i] holds unit
+ * bit_reversed(i) of the block's rows.  always_inline, called with a constant unit: the rounds then
+ * unroll and v stays in registers. */
+static inline __attribute__((always_inline)) void natural_from_rows(uint8_t *out, const uint8_t *rows,
+                                                                    size_t row_bytes, int64_t chunks,
+                                                                    const int unit) {
+    const int g = 16 / unit, bits = unit == 1 ? 4 : unit == 2 ? 3 : 2;
+    for (int64_t c = 0; c < chunks; c++)
+        for (int r0 = 0; r0 < 16; r0 += g) {
+            __m128i v[16], t[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < g; i++) v[i] = _mm_loadu_si128((const __m128i *)(rows + (r0 + i) * row_bytes + 16 * c));
+#pragma GCC unroll 4
+            for (int w = unit; w < 16; w *= 2) {
+#pragma GCC unroll 8
+                for (int i = 0; i < g / 2; i++) {
+                    t[i] = unpack(v[2 * i], v[2 * i + 1], w, 0);
+                    t[i + g / 2] = unpack(v[2 * i], v[2 * i + 1], w, 1);
+                }
+#pragma GCC unroll 16
+                for (int i = 0; i < g; i++) v[i] = t[i];
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < g; i++) { /* unit u = c * g + bit_reversed(i) of rows r0 .. r0 + g - 1 */
+                const int64_t u = c * g + bit_reversed(i, bits);
+                _mm_storeu_si128((__m128i *)(out + (u * 16 + r0) * unit), v[i]);
+            }
+        }
+}
+
+/* FP8 pairs (KP 2) of a whole tile of 16 rows, the first `chunks` 16 codes of each, straight into
+ * KTFP8_CODES_VBMI64 order (regroup_codes): lane L of a 64-byte group holds K steps k, k + 1 of rows
+ * 4L .. 4L + 3, then steps k + 2, k + 3 of the same rows.  Of 16 codes of 4 rows, the 16-bit
+ * interleave of rows 0 and 1 (and of 2 and 3) and then the 32-bit interleave of the two give lane L
+ * of the chunk's groups 0 and 1 (low halves) and 2 and 3 (high halves). */
+static void vbmi64_from_rows(uint8_t *out, const uint8_t *rows, size_t row_bytes, int64_t chunks) {
+    for (int64_t c = 0; c < chunks; c++, out += 256)
+        for (int lane = 0; lane < 4; lane++) {
+            const uint8_t *at = rows + 4 * lane * row_bytes + 16 * c;
+            const __m128i r0 = _mm_loadu_si128((const __m128i *)at);
+            const __m128i r1 = _mm_loadu_si128((const __m128i *)(at + row_bytes));
+            const __m128i r2 = _mm_loadu_si128((const __m128i *)(at + 2 * row_bytes));
+            const __m128i r3 = _mm_loadu_si128((const __m128i *)(at + 3 * row_bytes));
+            const __m128i lo01 = _mm_unpacklo_epi16(r0, r1), lo23 = _mm_unpacklo_epi16(r2, r3);
+            const __m128i hi01 = _mm_unpackhi_epi16(r0, r1), hi23 = _mm_unpackhi_epi16(r2, r3);
+            _mm_storeu_si128((__m128i *)(out + 16 * lane), _mm_unpacklo_epi32(lo01, lo23));
+            _mm_storeu_si128((__m128i *)(out + 64 + 16 * lane), _mm_unpackhi_epi32(lo01, lo23));
+            _mm_storeu_si128((__m128i *)(out + 128 + 16 * lane), _mm_unpacklo_epi32(hi01, hi23));
+            _mm_storeu_si128((__m128i *)(out + 192 + 16 * lane), _mm_unpackhi_epi32(hi01, hi23));
+        }
+}
+#endif
+
 /* Units of `unit` bytes (kp weights of one row) of one tile, [units][nb][unit]: unit u of rows
  * 0 .. nb_in - 1 from `from` (row r's unit u at from + r * row_bytes + u * unit), the rows past the
  * matrix zero.  always_inline so that each call site's constant `unit` makes memcpy one move. */
@@ -148,9 +225,10 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
     const int bf16 = s->format == KTFP8_FMT_BF16;
 
     /* weights: [k_pad / kp][nb][kp], zero outside the logical matrix, then each 64-byte group in the
-     * kernel's code order.  A whole avx2 tile's codes go straight into its order up to the last whole
-     * group (u0 units); the rest: whole units of the rows inside copied as such, the units K ends in,
-     * or past it, weight by weight, then regrouped. */
+     * kernel's code order.  A whole tile of 16 rows goes straight into its order up to u0 units: avx2's
+     * codes up to the last whole group, the others' whole 16 bytes of each row by SSE2 transposes.  The
+     * rest: whole units of the rows inside copied as such, the units K ends in, or past it, weight by
+     * weight, then regrouped. */
     const size_t elem = bf16 ? 2 : 1, unit = (size_t)kp * elem, row_bytes = (size_t)p->k * elem;
     const int nb_in = p->n - row0 < nb ? (int)(p->n - row0) : nb;
     const int64_t whole = p->k / kp, units = p->k_pad / kp;
@@ -160,6 +238,20 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
         u0 = p->k / 4 * 4;          /* 4 K steps of 16 rows: one 64-byte group */
         pairs32_from_rows(w_out, rows, row_bytes, u0 / 2);
     }
+#ifdef __SSE2__
+    else if (nb == 16 && nb_in == nb) { /* whole 16-byte chunks of every row, by SSE2 transposes */
+        const int64_t chunks = (int64_t)(row_bytes / 16);
+        if (!bf16 && l->code_order == KTFP8_CODES_VBMI64 && unit == 2) {
+            vbmi64_from_rows(w_out, rows, row_bytes, chunks);
+            u0 = chunks * 8;
+        } else if ((bf16 || l->code_order == KTFP8_CODES_NATURAL) && (unit == 1 || unit == 2 || unit == 4)) {
+            if (unit == 1) natural_from_rows(w_out, rows, row_bytes, chunks, 1);
+            else if (unit == 2) natural_from_rows(w_out, rows, row_bytes, chunks, 2);
+            else natural_from_rows(w_out, rows, row_bytes, chunks, 4);
+            u0 = chunks * (int64_t)(16 / unit);
+        }
+    }
+#endif
     if (nb == 1) {                  /* the tile is one row: its units lie as the row's weights do */
         memcpy(w_out, rows, (size_t)whole * unit);
     } else {
