@@ -167,6 +167,35 @@ static inline __attribute__((always_inline)) void natural_from_rows(uint8_t *out
         }
 }
 
+/* pairs32_from_rows by SSE2, 16 codes of each row (8 K-step pairs) at a time: each row's codes byte
+ * swapped within their 16-bit pairs, the 16-bit interleave of rows d + 8 and d then holds dword d of
+ * pairs 0..3 (low half) and 4..7 (high half), and a 4 x 4 dword transpose of rows 0..3 (4..7) gives
+ * the first (second) 16 bytes of each pair's 32. */
+static void pairs32_chunks(uint8_t *out, const uint8_t *rows, size_t row_bytes, int64_t chunks) {
+    for (int64_t c = 0; c < chunks; c++, out += 256) {
+        __m128i sw[16], dw[2][8];
+        for (int r = 0; r < 16; r++) {
+            const __m128i x = _mm_loadu_si128((const __m128i *)(rows + r * row_bytes + 16 * c));
+            sw[r] = _mm_or_si128(_mm_slli_epi16(x, 8), _mm_srli_epi16(x, 8));
+        }
+        for (int d = 0; d < 8; d++) {
+            dw[0][d] = _mm_unpacklo_epi16(sw[d + 8], sw[d]);
+            dw[1][d] = _mm_unpackhi_epi16(sw[d + 8], sw[d]);
+        }
+        for (int half = 0; half < 2; half++)     /* pairs 4 half .. 4 half + 3 */
+            for (int d0 = 0; d0 < 8; d0 += 4) {  /* dwords d0 .. d0 + 3 of each */
+                const __m128i *v = dw[half] + d0;
+                const __m128i t0 = _mm_unpacklo_epi32(v[0], v[1]), t1 = _mm_unpacklo_epi32(v[2], v[3]);
+                const __m128i t2 = _mm_unpackhi_epi32(v[0], v[1]), t3 = _mm_unpackhi_epi32(v[2], v[3]);
+                uint8_t *at = out + 128 * half + 4 * d0;
+                _mm_storeu_si128((__m128i *)at, _mm_unpacklo_epi64(t0, t1));
+                _mm_storeu_si128((__m128i *)(at + 32), _mm_unpackhi_epi64(t0, t1));
+                _mm_storeu_si128((__m128i *)(at + 64), _mm_unpacklo_epi64(t2, t3));
+                _mm_storeu_si128((__m128i *)(at + 96), _mm_unpackhi_epi64(t2, t3));
+            }
+    }
+}
+
 /* FP8 pairs (KP 2) of a whole tile of 16 rows, the first `chunks` 16 codes of each, straight into
  * KTFP8_CODES_VBMI64 order (regroup_codes): lane L of a 64-byte group holds K steps k, k + 1 of rows
  * 4L .. 4L + 3, then steps k + 2, k + 3 of the same rows.  Of 16 codes of 4 rows, the 16-bit
@@ -236,7 +265,12 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
     int64_t u0 = 0;
     if (!bf16 && l->code_order == KTFP8_CODES_PAIRS32 && nb == 16 && nb_in == nb) {
         u0 = p->k / 4 * 4;          /* 4 K steps of 16 rows: one 64-byte group */
-        pairs32_from_rows(w_out, rows, row_bytes, u0 / 2);
+        int64_t pairs = 0;          /* K-step pairs done by SSE2: 8 for every 16 codes of a row */
+#ifdef __SSE2__
+        pairs = (int64_t)(row_bytes / 16) * 8;
+        pairs32_chunks(w_out, rows, row_bytes, pairs / 8);
+#endif
+        pairs32_from_rows(w_out + 32 * pairs, rows + 2 * pairs, row_bytes, u0 / 2 - pairs);
     }
 #ifdef __SSE2__
     else if (nb == 16 && nb_in == nb) { /* whole 16-byte chunks of every row, by SSE2 transposes */
