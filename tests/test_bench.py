@@ -1037,7 +1037,7 @@ def test_model_experts_clock_splits_the_prefill_from_the_decode_steps(monkeypatc
     def quarter_second(self, hidden_states, top_k_index, top_k_weights):
         fake.now += 0.25
         return torch.zeros_like(hidden_states)
-    ALL_EXPERTS_FUNCTIONS.register("ktfp8_test_quarter_second", quarter_second)
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "ktfp8_test_quarter_second", quarter_second)
     config = transformers.Qwen3MoeConfig(vocab_size=16, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                          num_experts=4, num_experts_per_tok=2)
@@ -1046,6 +1046,16 @@ def test_model_experts_clock_splits_the_prefill_from_the_decode_steps(monkeypatc
     best = M.measure(model, list(range(1, prompt + 1)), new_tokens=4, repeats=2)
     assert best["prefill_experts_ms"] == 500.0 and best["decode_experts_ms"] == 500.0
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    # each repeat starts from zero: a clock over two forwards, reset, then one
+    clock = M.ExpertsClock([layer.mlp.experts for layer in model.model.layers])
+    with torch.no_grad():
+        for _ in range(2):
+            model(input_ids=torch.tensor([[1, 2]]))
+        assert clock.seconds() == {"prefill": 0.5, "decode": 0.5}
+        clock.reset()
+        model(input_ids=torch.tensor([[1, 2]]))
+    assert clock.seconds() == {"prefill": 0.5, "decode": 0.0}
+    clock.remove()
 
 
 def test_model_goals_give_the_experts_alone_and_the_most_any_experts_could_reach():

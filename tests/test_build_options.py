@@ -84,7 +84,8 @@ def test_a_clang_build_passes_the_tests_that_differ_by_compiler(source, tmp_path
     proc = build(source, CC=cc, LDSHARED=f"{cc} -shared")
     assert proc.returncode == 0, proc.stderr[-3000:]
     tests = [str(ROOT / "tests" / name)
-             for name in ("test_vdpbf16ps_emulation.py", "test_tile_pair.py", "test_numa.py", "test_concurrency.py")]
+             for name in ("test_vdpbf16ps_emulation.py", "test_tile_pair.py", "test_packing.py", "test_numa.py",
+                          "test_concurrency.py")]
     env = {k: v for k, v in os.environ.items() if k not in ("KMP_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=source,
                          env=env, capture_output=True, text=True, timeout=600)
