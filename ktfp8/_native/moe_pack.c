@@ -101,21 +101,6 @@ static void regroup_codes(uint8_t *w, size_t bytes, int order) {
     }
 }
 
-/* K steps 0 .. 2 * pairs - 1 of a whole tile of 16 rows straight into avx2's order
- * (KTFP8_CODES_PAIRS32, regroup_codes): steps s, s + 1 of rows d and d + 8 make dword d of a 32-byte
- * run, bytes (d + 8, s + 1), (d + 8, s), (d, s + 1), (d, s), i.e. as a little-endian word the byte
- * swap of row d's two codes below row d + 8's. */
-static void pairs32_from_rows(uint8_t *out, const uint8_t *rows, size_t row_bytes, int64_t pairs) {
-    for (int64_t s = 0; s < pairs; s++, out += 32)
-        for (int d = 0; d < 8; d++) {
-            uint16_t lo, hi;
-            memcpy(&lo, rows + d * row_bytes + 2 * s, 2);
-            memcpy(&hi, rows + (d + 8) * row_bytes + 2 * s, 2);
-            const uint32_t word = __builtin_bswap32((uint32_t)lo | (uint32_t)hi << 16);
-            memcpy(out + 4 * d, &word, 4);
-        }
-}
-
 #ifdef __SSE2__
 /* Interleaves the elements of width w bytes (1, 2, 4 or 8) of a and b: the low halves' (hi = 0) or
  * the high halves'. */
@@ -167,10 +152,12 @@ static inline __attribute__((always_inline)) void natural_from_rows(uint8_t *out
         }
 }
 
-/* pairs32_from_rows by SSE2, 16 codes of each row (8 K-step pairs) at a time: each row's codes byte
- * swapped within their 16-bit pairs, the 16-bit interleave of rows d + 8 and d then holds dword d of
- * pairs 0..3 (low half) and 4..7 (high half), and a 4 x 4 dword transpose of rows 0..3 (4..7) gives
- * the first (second) 16 bytes of each pair's 32. */
+/* FP8 codes of a whole tile of 16 rows, the first `chunks` 16 codes of each, straight into
+ * KTFP8_CODES_PAIRS32 order (regroup_codes): K steps s, s + 1 of rows d and d + 8 make dword d of a
+ * 32-byte run, bytes (d + 8, s + 1), (d + 8, s), (d, s + 1), (d, s).  Each row's codes byte swapped
+ * within their pairs, the 16-bit interleave of rows d + 8 and d holds dword d of the chunk's pairs
+ * 0..3 (low half) and 4..7 (high half), and a 4 x 4 dword transpose of rows 0..3 (4..7) gives the
+ * first (second) 16 bytes of each pair's 32. */
 static void pairs32_chunks(uint8_t *out, const uint8_t *rows, size_t row_bytes, int64_t chunks) {
     for (int64_t c = 0; c < chunks; c++, out += 256) {
         __m128i sw[16], dw[2][8];
@@ -254,28 +241,21 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
     const int bf16 = s->format == KTFP8_FMT_BF16;
 
     /* weights: [k_pad / kp][nb][kp], zero outside the logical matrix, then each 64-byte group in the
-     * kernel's code order.  A whole tile of 16 rows goes straight into its order up to u0 units: avx2's
-     * codes up to the last whole group, the others' whole 16 bytes of each row by SSE2 transposes.  The
-     * rest: whole units of the rows inside copied as such, the units K ends in, or past it, weight by
+     * kernel's code order.  A whole tile of 16 rows goes straight into its order up to u0 units, the
+     * whole 16 bytes of each row, by SSE2 transposes.  The rest: whole units of the rows inside copied as such, the units K ends in, or past it, weight by
      * weight, then regrouped. */
     const size_t elem = bf16 ? 2 : 1, unit = (size_t)kp * elem, row_bytes = (size_t)p->k * elem;
     const int nb_in = p->n - row0 < nb ? (int)(p->n - row0) : nb;
     const int64_t whole = p->k / kp, units = p->k_pad / kp;
     const uint8_t *rows = (const uint8_t *)src->w[e] + (size_t)row0 * row_bytes;
     int64_t u0 = 0;
-    if (!bf16 && l->code_order == KTFP8_CODES_PAIRS32 && nb == 16 && nb_in == nb) {
-        u0 = p->k / 4 * 4;          /* 4 K steps of 16 rows: one 64-byte group */
-        int64_t pairs = 0;          /* K-step pairs done by SSE2: 8 for every 16 codes of a row */
 #ifdef __SSE2__
-        pairs = (int64_t)(row_bytes / 16) * 8;
-        pairs32_chunks(w_out, rows, row_bytes, pairs / 8);
-#endif
-        pairs32_from_rows(w_out + 32 * pairs, rows + 2 * pairs, row_bytes, u0 / 2 - pairs);
-    }
-#ifdef __SSE2__
-    else if (nb == 16 && nb_in == nb) { /* whole 16-byte chunks of every row, by SSE2 transposes */
+    if (nb == 16 && nb_in == nb) { /* whole 16-byte chunks of every row, by SSE2 transposes */
         const int64_t chunks = (int64_t)(row_bytes / 16);
-        if (!bf16 && l->code_order == KTFP8_CODES_VBMI64 && unit == 2) {
+        if (!bf16 && l->code_order == KTFP8_CODES_PAIRS32 && unit == 1) {
+            pairs32_chunks(w_out, rows, row_bytes, chunks);
+            u0 = chunks * 16;
+        } else if (!bf16 && l->code_order == KTFP8_CODES_VBMI64 && unit == 2) {
             vbmi64_from_rows(w_out, rows, row_bytes, chunks);
             u0 = chunks * 8;
         } else if ((bf16 || l->code_order == KTFP8_CODES_NATURAL) && (unit == 1 || unit == 2 || unit == 4)) {
