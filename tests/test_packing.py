@@ -80,22 +80,54 @@ def _regions(packed, sizes):
 @pytest.mark.parametrize("fmt", ["fp8_per_channel", "fp8_block", "bf16"])
 @pytest.mark.parametrize("variant", backends.usable_variants())
 def test_packed_bytes_are_the_layout_the_kernel_reads(variant, fmt, shape):
-    nb, kp, order, scale_mul = LAYOUTS[variant.removesuffix("_emulated")]
     H, I = shape
-    E = 2
     rng = np.random.default_rng(H * 100 + I)
-    cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=1, hidden_size=H, intermediate_size=I)
     dims = [(I, H), (I, H), (H, I)]
     if fmt == "bf16":
+        w = [rng.integers(0, 1 << 16, (2, n, k), dtype=np.uint16) & 0x7F7F for n, k in dims]   # finite bits
+    else:
+        w = [rng.integers(0, 256, (2, n, k), dtype=np.uint8) for n, k in dims]     # NaN codes among them
+    _check_packing(variant, fmt, w, rng)
+
+
+@pytest.mark.parametrize("shape", [(130, 48), (33, 100)], ids=lambda s: f"H{s[0]}xI{s[1]}")
+@pytest.mark.parametrize("fmt", ["fp8_per_channel", "fp8_block"])
+@pytest.mark.parametrize("variant", backends.usable_variants())
+def test_one_nan_code_anywhere_in_a_row_makes_its_scale_nan(variant, fmt, shape):
+    """Every other row holds one NaN code and the rows between none, the NaN at a position that moves
+    on by one from row to row (across the experts too, so each matrix meets every position of its
+    width): a scan that misses a NaN code in some part of a row -- a vector body, its tail, a block's
+    edge -- leaves a finite scale where the layout has NaN, and one that sees NaN where there is none
+    a NaN scale where it has a finite one."""
+    H, I = shape
+    E = 8
+    rng = np.random.default_rng(H + I)
+    w = []
+    for n, k in [(I, H), (I, H), (H, I)]:
+        codes = rng.integers(0, 256, (E * n, k), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] ^= 1               # no NaN code ...
+        rows = np.arange(0, E * n, 2)
+        assert len(rows) >= k
+        codes[rows, rows // 2 % k] |= 0x7F               # ... but one in every other row
+        w.append(codes.reshape(E, n, k))
+    _check_packing(variant, fmt, w, rng)
+
+
+def _check_packing(variant, fmt, w, rng):
+    """MoE construction on gate, up, down = w ([E, I, H], [E, I, H], [E, H, I]: uint16 BF16 bits, or
+    uint8 codes with random scales) against the layout built here from abi.h's description."""
+    nb, kp, order, scale_mul = LAYOUTS[variant.removesuffix("_emulated")]
+    E, I, H = w[0].shape
+    dims = [(I, H), (I, H), (H, I)]
+    cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=1, hidden_size=H, intermediate_size=I)
+    if fmt == "bf16":
         cfg.quant_config.method = "BF16"
-        w = [rng.integers(0, 1 << 16, (E, n, k), dtype=np.uint16) & 0x7F7F for n, k in dims]   # finite bits
         experts = ktfp8.ExpertWeights("bf16", *(a.view(ml_dtypes.bfloat16) for a in w))
         scales, block = [None] * 3, None
     else:
         block = BLOCK if fmt == "fp8_block" else None
         if block:
             cfg.quant_config.per_channel, cfg.quant_config.group_size = False, BLOCK
-        w = [rng.integers(0, 256, (E, n, k), dtype=np.uint8) for n, k in dims]     # NaN codes among them
         scales = [rng.uniform(0.5, 2.0, (E, -(-n // BLOCK), -(-k // BLOCK)) if block else (E, n, 1))
                   .astype(np.float32) for n, k in dims]
         experts = ktfp8.ExpertWeights(fmt, *w, *scales, block=(BLOCK, BLOCK) if block else None)

@@ -219,12 +219,24 @@ static inline __attribute__((always_inline)) void copy_units(uint8_t *out, const
     }
 }
 
-/* Whether any code of row[0 .. len) is a NaN (S.1111.111), eight at a time: a byte's low seven bits
- * plus one reach bit 7 only when they are all ones, and never carry into the next byte. */
+/* Whether any code of row[0 .. len) is a NaN (S.1111.111): sixteen at a time by SSE2 (a byte compare of
+ * the low seven bits with 0x7F), then eight at a time: a byte's low seven bits plus one reach bit 7
+ * only when they are all ones, and never carry into the next byte.  Packing the benchmark layer's
+ * FP8 codes on 1 thread (Zen 4 VM, `avx512` / `avx512_bf16`): 60-62 ms with no scan at all, 70-71
+ * with the eight-byte loop alone, 65-68 with the SSE2 loop (two builds alternated, 9 rounds). */
 static int has_nan_code(const uint8_t *row, int64_t len) {
     const uint64_t low7 = 0x7F7F7F7F7F7F7F7FULL, ones = 0x0101010101010101ULL, top = 0x8080808080808080ULL;
     uint64_t any = 0;
     int64_t i = 0;
+#ifdef __SSE2__
+    const __m128i low7x16 = _mm_set1_epi8(0x7F);
+    __m128i seen = _mm_setzero_si128();
+    for (; i + 16 <= len; i += 16) {
+        const __m128i codes = _mm_and_si128(_mm_loadu_si128((const __m128i *)(row + i)), low7x16);
+        seen = _mm_or_si128(seen, _mm_cmpeq_epi8(codes, low7x16));
+    }
+    any = (uint64_t)_mm_movemask_epi8(seen);
+#endif
     for (; i + 8 <= len; i += 8) {
         uint64_t w;
         memcpy(&w, row + i, 8);
