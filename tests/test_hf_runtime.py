@@ -54,6 +54,37 @@ def test_custom_op_fake_and_real_agree(qwen3):
     assert nmse(ref.float(), y) < 1e-4          # bfloat16 activations: rounding of x and y only
 
 
+def _ops_run(fn):
+    """The names of the torch ops `fn()` dispatched (torch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.name for event in prof.events()}
+
+
+def test_eager_inference_skips_the_op_and_a_gradient_still_meets_it(qwen3):
+    """Eager inference calls the layer straight, without the custom op's dispatch (a fixed cost per
+    layer and token), and gives the op's result bit for bit.  A forward that may need a gradient still
+    goes through the op, so the backward is refused by name rather than silently leaving the experts'
+    share out of the gradient."""
+    model = ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32)
+    experts = experts_module(model, 0)
+    handle = experts._ktfp8_handle
+    x = torch.randn(5, 160)
+    ids = torch.randint(0, 4, (5, 2))
+    weights = torch.rand(5, 2)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            assert "ktfp8::moe" not in _ops_run(lambda: experts(x, ids, weights))
+            assert torch.equal(experts(x, ids, weights), torch.ops.ktfp8.moe(x, ids, weights, handle))
+    assert "ktfp8::moe" not in _ops_run(lambda: experts(x, ids, weights))       # nothing asks for a gradient
+    x.requires_grad_(True)
+    assert "ktfp8::moe" in _ops_run(lambda: experts(x, ids, weights))
+    with pytest.raises(RuntimeError, match="ktfp8.moe"):
+        experts(x, ids, weights).sum().backward()
+    with pytest.raises(RuntimeError, match="ktfp8.moe"):
+        model(PROMPT).logits.sum().backward()   # its parameters want gradients
+
+
 def test_prepare_quantizes_now_and_releases_the_bf16_weights(qwen3):
     model = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)
     want = logits(ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)))

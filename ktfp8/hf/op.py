@@ -3,7 +3,8 @@
 transformers calls an experts module as experts(hidden_states, top_k_index, top_k_weights).  Going
 through a registered custom op (with a fake implementation giving the output's shape) lets
 torch.compile trace a model around our kernels, which it cannot look into.  An op's arguments are
-tensors and plain values, so each layer is registered here once and named by an int handle.
+tensors and plain values, so each layer is registered here once and named by an int handle.  Eager
+inference calls the registered layer itself (experts._needs_the_op says when).
 
 A module holds its layer through a Claim; the layer stays in the table while any claim on its handle
 lives.  copy.deepcopy of a module (or of a whole model) copies the int handle as it is, so the copy's
