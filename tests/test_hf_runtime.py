@@ -85,6 +85,19 @@ def test_eager_inference_skips_the_op_and_a_gradient_still_meets_it(qwen3):
         model(PROMPT).logits.sum().backward()   # its parameters want gradients
 
 
+def test_jit_trace_records_the_op(qwen3):
+    """torch.jit.trace under no_grad records the op, not the layer's NumPy result as a constant: the
+    trace gives the module's own result on activations it did not see."""
+    experts = experts_module(ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32), 0)
+    ids = torch.randint(0, 4, (5, 2))
+    weights = torch.rand(5, 2)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")                 # torch.jit.trace is deprecated
+        traced = torch.jit.trace(experts, (torch.randn(5, 160), ids, weights), check_trace=False)
+        x = torch.randn(5, 160)
+        assert torch.equal(traced(x, ids, weights), experts(x, ids, weights))
+
+
 def test_prepare_quantizes_now_and_releases_the_bf16_weights(qwen3):
     model = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)
     want = logits(ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)))
