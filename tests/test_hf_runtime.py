@@ -98,6 +98,20 @@ def test_jit_trace_records_the_op(qwen3):
         assert torch.equal(traced(x, ids, weights), experts(x, ids, weights))
 
 
+def test_meta_and_fake_tensors_get_the_ops_fake_result(qwen3):
+    """Shapes without data (meta tensors, FakeTensorMode) go through the op's fake implementation, in
+    inference as in training: a tensor of the activations' shape, dtype and kind, no error."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    experts = experts_module(ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32), 0)
+    with torch.no_grad():
+        y = experts(torch.empty(5, 160, device="meta"), torch.zeros(5, 2, dtype=torch.int64, device="meta"),
+                    torch.empty(5, 2, device="meta"))
+        assert y.device.type == "meta" and y.shape == (5, 160) and y.dtype == torch.float32
+        with FakeTensorMode():
+            y = experts(torch.empty(5, 160), torch.zeros(5, 2, dtype=torch.int64), torch.empty(5, 2))
+        assert isinstance(y, FakeTensor) and y.shape == (5, 160)
+
+
 def test_prepare_quantizes_now_and_releases_the_bf16_weights(qwen3):
     model = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)
     want = logits(ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)))
