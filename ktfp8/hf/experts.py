@@ -249,16 +249,16 @@ def prepare(model, quant_config=None, *, threads=None):
 
 
 def _needs_the_op(hidden_states, top_k_weights):
-    """Whether a call goes through the custom op ktfp8::moe rather than straight to the layer: for
-    anything but a plain CPU tensor (meta and fake tensors get their shape from the op's fake
-    implementation; other devices the layer's own copy or refusal), when torch.compile or
-    torch.jit.trace traces it (the op is what they can record; jit.trace would turn the layer's NumPy
-    result into a constant of the trace), and when a gradient may flow through it
-    (the op, which has no autograd formula, then refuses the backward by name, where the layer's tensor
-    would drop that part of the gradient silently).  Eager inference (generate, no_grad,
-    inference_mode) calls the layer: the op's dispatch took 8-18 us of an experts call on a tiny layer
-    (Zen 4 VM, 1 thread: 50 us against 32 with 64 experts, bench_call_overhead.py's median 37-53
-    against 28 with 8), a fixed cost per layer and token."""
+    """Whether a call goes through the custom op ktfp8::moe rather than straight to the layer:
+    - for anything but a plain CPU tensor: meta and fake tensors get their shape from the op's fake
+      implementation, other devices the layer's own copy or refusal;
+    - when torch.compile or torch.jit.trace traces it: the op is what they can record (jit.trace would
+      turn the layer's NumPy result into a constant of the trace);
+    - when a gradient may flow through it: the op, which has no autograd formula, then refuses the
+      backward by name, where the layer's tensor would drop that part of the gradient silently.
+    Eager inference (generate, no_grad, inference_mode) calls the layer: the op's dispatch took 9-25 us
+    of an experts call on a tiny layer (Zen 4 VM, 1 thread: 50 us against 32 with 64 experts;
+    bench_call_overhead.py's median 37-53 against 28 with 8), a fixed cost per layer and token."""
     if type(hidden_states) is not torch.Tensor or not hidden_states.is_cpu:
         return True
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
