@@ -9,8 +9,8 @@ one token over 8 experts.
 Goals on an AMX Xeon (issue 14): MoE <= 10 us, encode <= 5 us, route <= 10 us.  What remains of the
 MoE figure is mostly ktfp8_moe_forward itself (the Python side and the seam take ~1-3 us).  The
 experts module adds transformers' dispatch and the tensors' NumPy views: on the Zen 4 VM its median
-was 28.0-28.7 us against 36.7-53.1 while every call went through the custom op ktfp8::moe (two runs
-of each, alternated), the MoE on NumPy arrays 4.7 us."""
+was 30.4-30.9 us against 37.5-38.3 while every call went through the custom op ktfp8::moe (three
+runs of each, alternated), the MoE on NumPy arrays 4.7 us."""
 import numpy as np
 import pytest
 

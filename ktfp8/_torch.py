@@ -44,6 +44,10 @@ def to_numpy(obj, name, copy_to_cpu=None):
         obj = obj.cpu()
     if obj.layout != torch.strided:
         raise TypeError(f"{name} must be a dense tensor, got layout {obj.layout}")
+    if _is_wrapper(obj, torch):
+        raise TypeError(f"{name} is a tensor wrapped by a torch.func transform (vmap, grad, jvp, functionalize), "
+                        f"whose memory does not hold its values; ktfp8 reads a tensor's memory: call it outside "
+                        f"the transform")
     t = obj.detach() if obj.requires_grad else obj
     dtype_name = _name(t.dtype)
     bits = _BIT_VIEWS.get(dtype_name)
@@ -53,6 +57,22 @@ def to_numpy(obj, name, copy_to_cpu=None):
         except TypeError:       # a dtype NumPy has no equivalent for (float8_e4m3fnuz, qint8, ...)
             raise TypeError(f"{name} has dtype {t.dtype}, which NumPy cannot hold") from None
     return t.view(getattr(torch, bits)).numpy().view(_ML_DTYPES[dtype_name])
+
+
+_wrapper_checks = None   # torch's (private) tests for the wrappers, looked up at the first tensor
+
+
+def _is_wrapper(t, torch):
+    """Whether t is a functorch or functionalization wrapper: type torch.Tensor and on the CPU like a
+    plain tensor, but its storage (if any) is not its values, so its NumPy view would read garbage."""
+    global _wrapper_checks
+    if _wrapper_checks is None:
+        _wrapper_checks = tuple(f for f in (getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                                                    None), getattr(torch, "_is_functional_tensor", None)) if f)
+    for check in _wrapper_checks:
+        if check(t):
+            return True
+    return False
 
 
 def to_tensor(a):

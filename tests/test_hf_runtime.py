@@ -4,6 +4,7 @@ import copy
 import gc
 import json
 import pickle
+import sys
 import warnings
 
 import numpy as np
@@ -54,35 +55,68 @@ def test_custom_op_fake_and_real_agree(qwen3):
     assert nmse(ref.float(), y) < 1e-4          # bfloat16 activations: rounding of x and y only
 
 
-def _ops_run(fn):
-    """The names of the torch ops `fn()` dispatched (torch's profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return {event.name for event in prof.events()}
+def _layer_calls(monkeypatch):
+    """Who called the registered layer, call by call: "ktfp8_experts_forward" (the experts module, on
+    its own) or "moe" (the custom op ktfp8::moe's implementation)."""
+    calls = []
+    real = op.layer_of
+
+    def spy(handle):
+        calls.append(sys._getframe(1).f_code.co_name)
+        return real(handle)
+    monkeypatch.setattr(op, "layer_of", spy)
+    return calls
 
 
-def test_eager_inference_skips_the_op_and_a_gradient_still_meets_it(qwen3):
+def test_eager_inference_skips_the_op_and_a_gradient_still_meets_it(qwen3, monkeypatch):
     """Eager inference calls the layer straight, without the custom op's dispatch (a fixed cost per
     layer and token), and gives the op's result bit for bit.  A forward that may need a gradient still
     goes through the op, so the backward is refused by name rather than silently leaving the experts'
-    share out of the gradient."""
+    share out of the gradient; so does a profiled one, so that the profile names the experts."""
     model = ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32)
     experts = experts_module(model, 0)
     handle = experts._ktfp8_handle
     x = torch.randn(5, 160)
     ids = torch.randint(0, 4, (5, 2))
     weights = torch.rand(5, 2)
+    calls = _layer_calls(monkeypatch)
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
-            assert "ktfp8::moe" not in _ops_run(lambda: experts(x, ids, weights))
-            assert torch.equal(experts(x, ids, weights), torch.ops.ktfp8.moe(x, ids, weights, handle))
-    assert "ktfp8::moe" not in _ops_run(lambda: experts(x, ids, weights))       # nothing asks for a gradient
+            y = experts(x, ids, weights)
+            assert calls[-1] == "ktfp8_experts_forward"
+            assert torch.equal(y, torch.ops.ktfp8.moe(x, ids, weights, handle)) and calls[-1] == "moe"
+    experts(x, ids, weights)                                     # nothing asks for a gradient
+    assert calls[-1] == "ktfp8_experts_forward"
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        experts(x, ids, weights)
+    assert calls[-1] == "moe" and "ktfp8::moe" in {event.name for event in prof.events()}
     x.requires_grad_(True)
-    assert "ktfp8::moe" in _ops_run(lambda: experts(x, ids, weights))
+    y = experts(x, ids, weights)
+    assert calls[-1] == "moe"
     with pytest.raises(RuntimeError, match="ktfp8.moe"):
-        experts(x, ids, weights).sum().backward()
+        y.sum().backward()
     with pytest.raises(RuntimeError, match="ktfp8.moe"):
         model(PROMPT).logits.sum().backward()   # its parameters want gradients
+
+
+def test_torch_func_transforms_and_make_fx_meet_the_op(qwen3, monkeypatch):
+    """Under functionalize, vmap and make_fx (which traces real tensors), the experts give their eager
+    result: their tensors go through the op, which unwraps or records them, and never reach the layer's
+    NumPy views as wrappers (functionalize read another tensor's numbers, vmap failed, make_fx baked
+    the result into its graph as a constant)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    experts = experts_module(ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32), 0)
+    ids = torch.randint(0, 4, (5, 2))
+    weights = torch.rand(5, 2)
+    x, x2 = torch.randn(5, 160), torch.randn(5, 160)
+    calls = _layer_calls(monkeypatch)
+    with torch.no_grad():
+        want = experts(x2, ids, weights)
+        assert torch.equal(torch.func.functionalize(lambda a: experts(a, ids, weights))(x2), want)
+        assert torch.equal(torch.func.vmap(lambda a: experts(a, ids, weights))(torch.stack([x, x2]))[1], want)
+        traced = make_fx(lambda a, b, c: experts(a, b, c))(x, ids, weights)
+        assert torch.equal(traced(x2, ids, weights), want)
+    assert set(calls[1:]) == {"moe"}
 
 
 def test_jit_trace_records_the_op(qwen3):

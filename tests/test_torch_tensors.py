@@ -223,6 +223,21 @@ def test_zero_tokens(setup):
     assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and tuple(y.shape) == (0, H)
 
 
+@pytest.mark.parametrize("transform", ["functionalize", "vmap", "grad"])
+def test_tensors_inside_torch_func_transforms_are_refused(setup, transform):
+    """A torch.func transform hands its function wrappers that look like plain CPU tensors but whose
+    memory is not their values (under functionalize the result came out of other numbers, silently):
+    each is refused, naming the argument."""
+    _, _, _, moe = setup
+    ids, tw = routing()
+    x = torch.randn(T, H)
+    call = {"functionalize": lambda: torch.func.functionalize(lambda a: moe(a, ids, tw))(x),
+            "vmap": lambda: torch.func.vmap(lambda a: moe(a, ids, tw))(x.unsqueeze(0)),
+            "grad": lambda: torch.func.grad(lambda a: moe(a, ids, tw).sum())(x)}[transform]
+    with pytest.raises(TypeError, match="x is a tensor wrapped by a torch.func transform"):
+        call()
+
+
 # ------------------------------------------------------------------------------------ other devices
 
 def test_off_cpu_tensor_is_refused_by_default(setup):

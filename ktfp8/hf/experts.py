@@ -248,20 +248,39 @@ def prepare(model, quant_config=None, *, threads=None):
     return model
 
 
+# What _plain_eager asks torch: private functions, so where one is missing every call takes the op.
+_FUNCTORCH_LEVEL = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_FUNCTION_MODES = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+
+
+def _plain_eager():
+    """Whether nothing of torch's stands between a call and its tensors: no functorch transform (vmap,
+    jvp, functionalize: their wrappers look like plain CPU tensors but hold no data of their own), no
+    dispatch mode (make_fx, FakeTensorMode), no function mode, no profiler (which names the op)."""
+    if _FUNCTORCH_LEVEL is None or _DISPATCH_MODES is None or _FUNCTION_MODES is None:
+        return False
+    return (_FUNCTORCH_LEVEL() is None and _DISPATCH_MODES() == 0 and not _FUNCTION_MODES()
+            and not getattr(torch.autograd.profiler, "_is_profiler_enabled", True))
+
+
 def _needs_the_op(hidden_states, top_k_weights):
     """Whether a call goes through the custom op ktfp8::moe rather than straight to the layer:
     - for anything but a plain CPU tensor: meta and fake tensors get their shape from the op's fake
       implementation, other devices the layer's own copy or refusal;
-    - when torch.compile or torch.jit.trace traces it: the op is what they can record (jit.trace would
-      turn the layer's NumPy result into a constant of the trace);
+    - whenever torch transforms, traces or watches the call (torch.compile, torch.jit.trace, make_fx,
+      vmap, functionalize, dispatch and function modes, the profiler): the op is what they can record
+      and unwrap (jit.trace and make_fx would turn the layer's NumPy result into a constant; a
+      functorch wrapper's memory is not its values);
     - when a gradient may flow through it: the op, which has no autograd formula, then refuses the
       backward by name, where the layer's tensor would drop that part of the gradient silently.
-    Eager inference (generate, no_grad, inference_mode) calls the layer: the op's dispatch took 9-25 us
-    of an experts call on a tiny layer (Zen 4 VM, 1 thread: 50 us against 32 with 64 experts;
-    bench_call_overhead.py's median 37-53 against 28 with 8), a fixed cost per layer and token."""
+    Eager inference (generate, no_grad, inference_mode) calls the layer: the op's dispatch took 7-15 us
+    of an experts call on a tiny layer (Zen 4 VM, 1 thread: 50 us against 34 with 64 experts;
+    bench_call_overhead.py's median 37.5-38.3 against 30.4-30.9 with 8), a fixed cost per layer and
+    token."""
     if type(hidden_states) is not torch.Tensor or not hidden_states.is_cpu:
         return True
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if not _plain_eager() or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return True
     return torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)
 
