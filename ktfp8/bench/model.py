@@ -161,11 +161,16 @@ def _fmt(v, digits=2):
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _phase_ms(row, phase, prompt_tokens):
+    """Milliseconds a prefill (prompt_tokens tokens) or a decode token took in a side's run."""
+    return 1e3 * (prompt_tokens if phase == "prefill" else 1) / row[phase]
+
+
 def rest_ms(row, phase, prompt_tokens):
     """Milliseconds a prefill or a decode token took outside the experts in a side's run."""
     if not row.get(phase) or row.get(phase + "_experts_ms") is None:
         return None
-    return 1e3 * (prompt_tokens if phase == "prefill" else 1) / row[phase] - row[phase + "_experts_ms"]
+    return _phase_ms(row, phase, prompt_tokens) - row[phase + "_experts_ms"]
 
 
 def _ratio(a, b):
@@ -211,14 +216,13 @@ def goals(rows, prompt_tokens):
         line = (f"{'reached' if ratio >= target else 'NOT reached'}: {phase} {ratio:.2f}x the fastest "
                 f"transformers BF16 experts ({best['side']}), goal >= {target}x")
         theirs, mine = best.get(phase + "_experts_ms"), ours.get(phase + "_experts_ms")
-        rest = rest_ms(ours, phase, prompt_tokens)
+        alone, rest = _ratio(theirs, mine), rest_ms(ours, phase, prompt_tokens)
         per = "a prefill" if phase == "prefill" else "a decode token"
-        if theirs and mine:
-            line += f"; the experts alone {theirs / mine:.2f}x ({mine:.2f} against {theirs:.2f} ms {per})"
+        if alone:
+            line += f"; the experts alone {alone:.2f}x ({mine:.2f} against {theirs:.2f} ms {per})"
         if rest and rest > 0:
-            peer_ms = 1e3 * (prompt_tokens if phase == "prefill" else 1) / best[phase]
             line += (f"; the rest of the model took {rest:.2f} ms {per}, so no experts implementation could "
-                     f"reach more than {peer_ms / rest:.2f}x")
+                     f"reach more than {_phase_ms(best, phase, prompt_tokens) / rest:.2f}x")
         out.append(line)
     return out
 
