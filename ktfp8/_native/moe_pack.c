@@ -254,8 +254,8 @@ static void pack_tile(const ktfp8_moe_shape *s, const ktfp8_layout *l, const ktf
 
     /* weights: [k_pad / kp][nb][kp], zero outside the logical matrix, then each 64-byte group in the
      * kernel's code order.  A whole tile of 16 rows goes straight into its order up to u0 units, the
-     * whole 16 bytes of each row, by SSE2 transposes.  The rest: whole units of the rows inside copied as such, the units K ends in, or past it, weight by
-     * weight, then regrouped. */
+     * whole 16 bytes of each row, by SSE2 transposes.  The rest: whole units of the rows inside copied
+     * as such, the units K ends in, or past it, weight by weight, then regrouped. */
     const size_t elem = bf16 ? 2 : 1, unit = (size_t)kp * elem, row_bytes = (size_t)p->k * elem;
     const int nb_in = p->n - row0 < nb ? (int)(p->n - row0) : nb;
     const int64_t whole = p->k / kp, units = p->k_pad / kp;
