@@ -13,6 +13,7 @@ import numbers
 import os
 import warnings
 
+from . import cpu_quota
 from ._native import _ext
 from .config import check_threads
 
@@ -125,10 +126,18 @@ def default_threads(threads=None):
     return threads
 
 
-def usable_cores():
-    """The cores this process may run on (its affinity mask: taskset, cgroups' cpusets), which
-    the default thread count uses; os.cpu_count() counts the machine's."""
+def affinity_cores():
+    """The CPUs in this process's affinity mask (taskset, cgroups' cpusets)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def usable_cores():
+    """The cores this process may run on (affinity_cores), and no more than its cgroup CPU quota
+    allows, rounded up (cpu_quota.py: a container's --cpus, a Kubernetes CPU limit): the default
+    thread count.  os.cpu_count() counts the machine's."""
+    cores = affinity_cores()
+    quota = cpu_quota.quota_cpus()
+    return min(cores, quota) if quota else cores
 
 
 _warned_one_thread = False

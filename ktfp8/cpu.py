@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from . import backends, numa
+from . import backends, cpu_quota, numa
 from ._native._ext import CPU_IDENTITY
 
 # The level whose absence the verdict explains: the native FP8 path (AVX-512-BF16 + VBMI).
@@ -49,6 +49,8 @@ def report():
         "selected_backend": selected,
         "verdict": verdict,
         "numa_nodes": numa.report(),
+        "threads": {"default": backends.usable_cores(), "affinity": backends.affinity_cores(),
+                    "cgroup_cpu_quota": cpu_quota.cpu_quota()},
     }
 
 
@@ -64,6 +66,13 @@ def _selected():
         return backends.resolve_backend(None)
     except ValueError as err:  # MoE() would refuse too: say why
         return f"none: {err}"
+
+
+def _threads_line(t):
+    quota = t["cgroup_cpu_quota"]
+    limit = f"cgroup CPU quota {quota:g}" if quota is not None else "no cgroup CPU quota"
+    return (f"Threads without threads=, $KTFP8_NUM_THREADS or $OMP_NUM_THREADS: {t['default']} "
+            f"({t['affinity']} CPUs in this process's affinity mask, {limit})")
 
 
 def _mark(ok):
@@ -90,7 +99,7 @@ def print_report(r, out=None):
     lines += [f"Compiled variants: {', '.join(r['compiled_variants'])}",
               f"Usable backends (best first): {', '.join(r['usable_backends'])}",
               f"Selected backend: {r['selected_backend']}",
-              numa.format_report(r["numa_nodes"]), r["verdict"]]
+              numa.format_report(r["numa_nodes"]), _threads_line(r["threads"]), r["verdict"]]
     text = "\n".join(lines) + "\n"
     out = out or _stdout()
     if not _encodable(text, out):

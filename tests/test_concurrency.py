@@ -164,7 +164,7 @@ def _probe(env, cfg_threads=None, explicit=None, reassigned=None):
     ({"KTFP8_NUM_THREADS": "1", "OMP_NUM_THREADS": "3"}, None, None, 1),
     ({"KTFP8_NUM_THREADS": "1"}, 3, None, 3),                       # config.threads beats the environment
     ({"KTFP8_NUM_THREADS": "1"}, 3, 2, 2),                          # threads= beats config.threads
-    ({}, None, None, len(os.sched_getaffinity(0))),
+    ({}, None, None, backends.usable_cores()),                      # affinity, within a cgroup CPU quota
 ])
 def test_thread_count_precedence(env, cfg_threads, explicit, want):
     proc = _probe(env, cfg_threads, explicit)

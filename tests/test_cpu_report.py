@@ -1,5 +1,6 @@
 """`python -m ktfp8.cpu` / tools/check_cpu_features.py: the same report, from CPUID, exit status 0."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -36,6 +37,9 @@ def test_json_report_agrees_with_cpuid():
     assert r["flags"]["avx2"] == bool(f["avx2"]) and r["flags"]["avx512f"] == bool(f["avx512f"])
     assert r["usable_backends"] == ktfp8.available_backends()
     assert r["compiled_variants"] == backends.compiled_variants()
+    assert r["threads"]["affinity"] == len(os.sched_getaffinity(0))
+    assert r["threads"]["default"] == min(r["threads"]["affinity"],
+                                          math.ceil(r["threads"]["cgroup_cpu_quota"] or r["threads"]["affinity"]))
 
 
 def test_a_stdout_without_unicode_gets_ascii_marks():
