@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from . import cpu_quota
 from .experts import split_experts
 
 NODE_ROOT = "/sys/devices/system/node"
@@ -194,10 +195,27 @@ def pin(cpus):
         raise ValueError(f"cannot pin to CPUs {sorted(cpus)}: {err.strerror}") from None
 
 
+def team_threads(placements, quota=None):
+    """Each team's thread count: its CPUs, or, where the cgroup CPU quota (`quota`, default this
+    process's: cpu_quota.py) is smaller than all of them together, the quota's CPUs shared in
+    proportion to the teams' CPUs (largest remainders first), at least one each."""
+    cpus = [len(p.cpus) for p in placements]
+    quota = cpu_quota.quota_cpus() if quota is None else quota
+    if quota is None or quota >= sum(cpus):
+        return cpus
+    shares = [quota * c / sum(cpus) for c in cpus]
+    threads = [int(share) for share in shares]
+    by_remainder = sorted(range(len(cpus)), key=lambda i: threads[i] - shares[i])
+    for i in by_remainder[:quota - sum(threads)]:
+        threads[i] += 1
+    return [max(1, t) for t in threads]
+
+
 class NumaMoE:
     """One MoE layer split over NUMA nodes inside one process: per node a thread pinned to that node's
     CPUs packs the node's contiguous share of the experts (first touch: the pages land on the node)
-    and runs it with an OpenMP team of those CPUs; a call sums the teams' float32 partial outputs.
+    and runs it with an OpenMP team of those CPUs (fewer within a cgroup CPU quota: team_threads); a
+    call sums the teams' float32 partial outputs.
     On a one-node machine this is one MoE with extra steps: use MoE there."""
 
     def __init__(self, config, experts, *, nodes=None, allowed_cpus=None, backend=None):
@@ -215,8 +233,8 @@ class NumaMoE:
             # that failed would surface as BrokenThreadPool, hiding which CPUs could not be pinned.
             for f in [team.submit(pin, p.cpus) for team, p in zip(self._teams, self.placements)]:
                 f.result()
-            futures = [team.submit(MoE, config, experts.shard(p.experts), backend=backend, threads=len(p.cpus))
-                       for team, p in zip(self._teams, self.placements)]
+            futures = [team.submit(MoE, config, experts.shard(p.experts), backend=backend, threads=n)
+                       for team, p, n in zip(self._teams, self.placements, team_threads(self.placements))]
             self.moes = [f.result() for f in futures]
         except BaseException:
             self.close()

@@ -213,6 +213,30 @@ def test_numa_moe_teams_are_pinned_and_sum_to_the_layer():
         layer.close()
 
 
+@pytest.mark.parametrize("cpus, quota, want", [
+    ((32, 32), None, [32, 32]),          # no quota (none set on this process either): every CPU
+    ((32, 32), 64, [32, 32]),
+    ((32, 32), 8, [4, 4]),               # a Kubernetes limit of 8 on a two-socket machine
+    ((32, 32), 5, [3, 2]),               # the quota's last CPU to the first largest remainder
+    ((48, 16), 8, [6, 2]),               # in proportion to the teams' CPUs
+    ((4, 4, 4), 2, [1, 1, 1]),           # at least one thread a team, even past the quota
+])
+def test_team_threads_stay_within_the_cpu_quota(monkeypatch, cpus, quota, want):
+    monkeypatch.setattr(numa.cpu_quota, "quota_cpus", lambda: None)
+    placements = [numa.Placement(i, tuple(range(n)), range(0)) for i, n in enumerate(cpus)]
+    assert numa.team_threads(placements, quota) == want
+
+
+def test_numa_moe_teams_take_the_cpu_quota(monkeypatch):
+    nodes, cfg, experts, allowed = _two_node_layer()
+    monkeypatch.setattr(numa.cpu_quota, "quota_cpus", lambda: 1)
+    layer = numa.NumaMoE(cfg, experts, nodes=[numa.NumaNode(0, tuple(allowed))])
+    try:
+        assert [m.threads for m in layer.moes] == [1]
+    finally:
+        layer.close()
+
+
 def test_numa_moe_over_a_shard_splits_the_shard():
     """An expert-parallel rank's shard over its nodes: the shard's experts split between them (it was
     refused: the plan split the whole layer, whose ranges lay outside the shard)."""
