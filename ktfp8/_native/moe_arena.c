@@ -9,6 +9,8 @@
 typedef struct arena {
     void *buf[KTFP8_ARENA_SLOTS];
     size_t cap[KTFP8_ARENA_SLOTS];
+    size_t asked[KTFP8_ARENA_SLOTS];  /* bytes of this call's ktfp8_arena_get */
+    int big_before[KTFP8_ARENA_SLOTS]; /* the call before asked for more than KTFP8_ARENA_KEEP_BYTES */
 } arena;
 
 static pthread_key_t arena_key;
@@ -40,6 +42,7 @@ static arena *this_thread_arena(void) {
 void *ktfp8_arena_get(enum ktfp8_arena_slot slot, size_t bytes) {
     arena *a = this_thread_arena();
     if (!a) return NULL;
+    a->asked[slot] = bytes;
     if (bytes > a->cap[slot]) {
         /* grow geometrically so a slowly rising T does not reallocate on every call */
         size_t cap = a->cap[slot] * 3 / 2 > bytes ? a->cap[slot] * 3 / 2 : bytes;
@@ -55,7 +58,10 @@ void *ktfp8_arena_get(enum ktfp8_arena_slot slot, size_t bytes) {
 void ktfp8_arena_trim(enum ktfp8_arena_slot slot) {
     if (!arena_key_ok) return; /* no ktfp8_arena_get succeeded on any thread: nothing to free */
     arena *a = pthread_getspecific(arena_key);
-    if (!a || a->cap[slot] <= KTFP8_ARENA_KEEP_BYTES) return;
+    if (!a) return;
+    const int big = a->asked[slot] > KTFP8_ARENA_KEEP_BYTES, keep = big && a->big_before[slot];
+    a->big_before[slot] = big;
+    if (a->cap[slot] <= KTFP8_ARENA_KEEP_BYTES || keep) return;
     free(a->buf[slot]);
     a->buf[slot] = NULL;
     a->cap[slot] = 0;

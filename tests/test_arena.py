@@ -1,0 +1,69 @@
+"""A call's buffers (include/ktfp8/arena.h): a run of long calls reuses them, a one-off long call
+gives its memory back.
+
+A call larger than KTFP8_ARENA_KEEP_BYTES (64 MiB) of gathered activations and h used to map fresh
+memory and fault it in on every call; a long prompt prefilled in chunks makes such calls one after
+another.  The page faults a call takes (getrusage) and the process's resident memory (/proc) show
+which buffers were reused and which were freed."""
+import resource
+
+import numpy as np
+import pytest
+
+import ktfp8
+
+KEEP_BYTES = 64 << 20
+E, K, H, I = 8, 8, 4096, 16
+LONG_T = 2048  # 16384 (token, expert) rows of 4096 activations: 128 MiB in BF16, 256 in FP32
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _faults_of(moe, x, ids, w):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    moe(x, ids, w)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.fixture(scope="module")
+def layer():
+    rng = np.random.default_rng(3)
+    cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=I)
+    experts = ktfp8.quantize_experts(rng.standard_normal((E, I, H), dtype=np.float32),
+                                     rng.standard_normal((E, I, H), dtype=np.float32),
+                                     rng.standard_normal((E, H, I), dtype=np.float32), cfg.quant_config)
+    moe = ktfp8.MoE(cfg, experts, threads=1)
+
+    def call(T):
+        ids = np.tile(np.arange(K, dtype=np.int64), (T, 1))  # every token on every expert
+        return rng.standard_normal((T, H)).astype(np.float32), ids, np.full((T, K), 1 / K, np.float32)
+    return moe, call
+
+
+@pytest.mark.skipif(not hasattr(resource, "getrusage"), reason="needs getrusage")
+def test_a_run_of_long_calls_reuses_its_buffers_and_a_short_call_frees_them(layer):
+    moe, call = layer
+    short, long = call(4), call(LONG_T)
+    moe(*short)
+    faults = [_faults_of(moe, *long) for _ in range(3)]
+    page = resource.getpagesize()
+    assert faults[0] * page > KEEP_BYTES // 2, f"the first long call faulted only {faults}: the test lost its point"
+    assert faults[2] * page < KEEP_BYTES // 16, f"page faults of three long calls in a row: {faults}"
+    kept = _rss_bytes()
+    moe(*short)
+    assert kept - _rss_bytes() > KEEP_BYTES, "the short call after the run did not free the long calls' buffer"
+
+
+def test_a_one_off_long_call_gives_its_memory_back(layer):
+    moe, call = layer
+    short, long = call(4), call(LONG_T)
+    moe(*short)
+    moe(*short)
+    before = _rss_bytes()
+    y = moe(*long)
+    assert y.shape == (LONG_T, H) and np.isfinite(y).all()
+    del y  # 32 MiB of output, not the call's buffers
+    assert _rss_bytes() - before < KEEP_BYTES // 4
