@@ -19,6 +19,9 @@ import math
 import os
 import time
 
+_remembered = {"until": float("-inf"), "cpus": None}  # quota_cpus' last answer for this process
+
+
 def cpu_quota(root="/"):
     """CPUs of time per period the tightest cgroup quota over this process allows (a float, > 0), or
     None where none is set or none can be read.  `root`: where / is (tests give a fake tree)."""
@@ -52,9 +55,6 @@ def quota_cpus(root="/"):
     if root == "/":
         _remembered.update(until=now + 1.0, cpus=cpus)
     return cpus
-
-
-_remembered = {"until": float("-inf"), "cpus": None}
 
 
 def _cgroup_mount(line):
