@@ -31,7 +31,8 @@ NATIVE = [v for v in backends.usable_variants() if not v.endswith("_emulated") a
 PAIRING = ("avx2", "avx512_bf16", "amx")  # kernels with a tile_matmul2 (the driver's gate-and-up call)
 AVX2_PLACES_SUBNORMALS = pytest.mark.xfail(
     strict=True, reason="avx2 places a subnormal code's bits as a subnormal float (moe_avx2.c, pair_row); "
-                        "an Intel CPU without AVX-512 would want the fp16 route there")
+                        "the fixes measured so far cost AMD CPUs more than they save Intel's "
+                        "(docs/tuning-notes.md, Zen 4)")
 
 
 def every_code_tile(rng):
