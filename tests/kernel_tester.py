@@ -74,8 +74,21 @@ KERNELS = {
 }
 
 
+# kernels with a tile_matmul2 (the driver's gate-and-up call; amx's hands m < AMX_MIN_M to avx512_bf16's)
+PAIRING = ("avx2", "avx512_bf16", "amx")
+
+
 def kernel(variant):
     return KERNELS[variant.removesuffix("_emulated")]
+
+
+def activation_bytes(variant, a):
+    """float32 activations a as the variant's micro-kernel reads them, raw bytes: bfloat16 bits, or
+    float32 times 2^112 (the scaling the driver applies for the FP32 kernels' FP8 conversion,
+    layout.act_exp)."""
+    if kernel(variant).act is F32:
+        return np.ldexp(a, 112).astype(np.float32).view(np.uint8)
+    return (a.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
 
 
 def token_counts(variant):

@@ -17,7 +17,7 @@ import pytest
 from ktfp8 import backends
 from ktfp8._native import _ext
 from ktfp8.moe import _FORMAT_CODES
-from kernel_tester import F32, kernel, token_counts
+from kernel_tester import PAIRING, activation_bytes, token_counts
 
 _testing = pytest.importorskip("ktfp8._native._testing",
                                reason="the test module is not built (KTFP8_ENABLE_EMULATED=OFF)")
@@ -28,7 +28,6 @@ DAZ_FTZ = 0x0040 | 0x8000
 NB = 16
 K = 256                             # eight 32-K AMX slabs; 16 x 256 codes: each non-NaN code 16 times
 NATIVE = [v for v in backends.usable_variants() if not v.endswith("_emulated") and v != "reference"]
-PAIRING = ("avx2", "avx512_bf16", "amx")  # kernels with a tile_matmul2 (the driver's gate-and-up call)
 AVX2_PLACES_SUBNORMALS = pytest.mark.xfail(
     strict=True, reason="avx2 places a subnormal code's bits as a subnormal float (moe_avx2.c, pair_row); "
                         "the fixes measured so far cost AMD CPUs more than they save Intel's "
@@ -44,12 +43,10 @@ def every_code_tile(rng):
 
 
 def activations(rng, variant, n):
-    """Normal activations as the kernel reads them: bfloat16 bits, or float32 times 2^112 (the
-    driver's scaling for an FP32 kernel, layout.act_exp), so that only the weights can be subnormal."""
+    """Activations of magnitude 0.5 to 2, either sign, as the kernel reads them (activation_bytes),
+    so that only the weights can be subnormal."""
     a = rng.uniform(0.5, 2.0, n).astype(np.float32) * rng.choice([-1.0, 1.0], n).astype(np.float32)
-    if kernel(variant).act is F32:
-        return np.ldexp(a, 112).astype(np.float32).view(np.uint8)
-    return (a.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return activation_bytes(variant, a)
 
 
 def flags_of_one_pair(variant, paired, m, rng):

@@ -16,15 +16,13 @@ import pytest
 
 from ktfp8 import backends
 from ktfp8.moe import _FORMAT_CODES
-from kernel_tester import F32, KERNELS, kernel, token_counts
+from kernel_tester import KERNELS, PAIRING, activation_bytes, token_counts
 
 _testing = pytest.importorskip("ktfp8._native._testing",
                                reason="the test module is not built (KTFP8_ENABLE_EMULATED=OFF)")
 
-# variants whose kernel has a tile_matmul2 (amx's hands m < AMX_MIN_M to avx512_bf16's), native
-# where this CPU runs them, emulated otherwise
-PAIRED = [v for v in ("avx2", "avx512_bf16", "amx", "avx512_bf16_emulated", "amx_emulated")
-          if v in backends.usable_variants()]
+# variants whose kernel has a tile_matmul2, native where this CPU runs them, emulated otherwise
+PAIRED = [v for v in backends.usable_variants() if v.removesuffix("_emulated") in PAIRING]
 NB = 16
 ROW_TILE = 16  # activation rows the tile kernels read at a time (amx: layout.row_pad)
 # 192: six 32-K AMX slabs, 96 pairs; 32: one slab (the smallest padded K: a ring of slabs must not
@@ -50,12 +48,8 @@ def pair_token_counts(variant):
 
 
 def random_activations(rng, variant, n):
-    """n activations as raw bytes of the variant kernel's: bfloat16 bits, or float32 times 2^112
-    (the scaling the driver applies for the FP32 kernels' FP8 conversion, layout.act_exp)."""
-    a = rng.standard_normal(n).astype(np.float32)
-    if kernel(variant).act is F32:
-        return np.ldexp(a, 112).astype(np.float32).view(np.uint8)
-    return (a.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    """n standard normal activations as raw bytes of the variant kernel's (activation_bytes)."""
+    return activation_bytes(variant, rng.standard_normal(n).astype(np.float32))
 
 
 def random_tile(rng, fmt, K):
