@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import ktfp8
+from kernel_tester import kernel
 
 KEEP_BYTES = 64 << 20
 E, K, H, I = 8, 8, 4096, 16
@@ -23,8 +24,10 @@ def _rss_bytes():
 
 
 def _faults_of(moe, x, ids, w):
+    """Page faults of one call into a written output array (a fresh one would add its own)."""
+    out = np.zeros_like(x)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    moe(x, ids, w)
+    moe(x, ids, w, out=out)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
@@ -41,6 +44,12 @@ def layer():
         ids = np.tile(np.arange(K, dtype=np.int64), (T, 1))  # every token on every expert
         return rng.standard_normal((T, H)).astype(np.float32), ids, np.full((T, K), 1 / K, np.float32)
     return moe, call
+
+
+def _tokens_for(moe, mib):
+    """T whose gathered activation rows (K per token, H activations in the backend's dtype) take
+    about `mib` MiB of the call's buffer."""
+    return int((mib << 20) / (K * H * np.dtype(kernel(moe.backend).act).itemsize))
 
 
 @pytest.mark.skipif(not hasattr(resource, "getrusage"), reason="needs getrusage")
@@ -67,3 +76,16 @@ def test_a_one_off_long_call_gives_its_memory_back(layer):
     assert y.shape == (LONG_T, H) and np.isfinite(y).all()
     del y  # 32 MiB of output, not the call's buffers
     assert _rss_bytes() - before < KEEP_BYTES // 4
+
+
+@pytest.mark.skipif(not hasattr(resource, "getrusage"), reason="needs getrusage")
+def test_calls_just_under_the_limit_keep_their_buffer(layer):
+    """Calls of about 48 and 56 MiB in turn: the buffer grows once, to no more than the limit, and
+    then serves both.  Grown by half past the limit (72 MiB), it was freed after every call and
+    faulted in again by the next."""
+    moe, call = layer
+    smaller, larger = call(_tokens_for(moe, 48)), call(_tokens_for(moe, 56))
+    grow = [_faults_of(moe, *smaller), _faults_of(moe, *larger)]
+    assert min(grow) >= 8, f"the first two calls faulted only {grow}: the test lost its point"
+    again = [_faults_of(moe, *args) for args in (smaller, larger, smaller, larger)]
+    assert max(again) * 8 < min(grow), f"page faults of the first two calls {grow}, then {again}"

@@ -4,6 +4,7 @@
 #include "ktfp8/arena.h"
 
 #include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 typedef struct arena {
@@ -44,8 +45,12 @@ void *ktfp8_arena_get(enum ktfp8_arena_slot slot, size_t bytes) {
     if (!a) return NULL;
     a->asked[slot] = bytes;
     if (bytes > a->cap[slot]) {
-        /* grow geometrically so a slowly rising T does not reallocate on every call */
+        if (bytes > SIZE_MAX / 2) return NULL; /* no such memory: keeps the sums below from wrapping */
+        /* grow geometrically so a slowly rising T does not reallocate on every call, but not past the
+         * limit for a request within it: ktfp8_arena_trim would free that buffer after the call, and
+         * calls alternating between 44 and 46 MiB would each get a fresh one */
         size_t cap = a->cap[slot] * 3 / 2 > bytes ? a->cap[slot] * 3 / 2 : bytes;
+        if (bytes <= KTFP8_ARENA_KEEP_BYTES && cap > KTFP8_ARENA_KEEP_BYTES) cap = KTFP8_ARENA_KEEP_BYTES;
         cap = (cap + 63) & ~(size_t)63;
         free(a->buf[slot]);
         a->buf[slot] = aligned_alloc(64, cap);
