@@ -19,7 +19,9 @@ import math
 import os
 import time
 
-_remembered = {"until": float("-inf"), "cpus": None}  # quota_cpus' last answer for this process
+# quota_cpus' last answer for this process and until when it holds: one tuple, replaced whole, so
+# that a thread reading it while another renews it never pairs one answer's time with the other's count
+_remembered = (float("-inf"), None)
 
 
 def cpu_quota(root="/"):
@@ -38,8 +40,9 @@ def cpu_quota(root="/"):
         if not v2 and "cpu" not in controllers.split(","):
             continue
         for mount_root, mount_point, is_v2, mount_controllers in filter(None, mounts):
-            if is_v2 == v2 and (v2 or "cpu" in mount_controllers):
-                quotas += _quotas_up_from(os.path.join(root, mount_point.lstrip("/")), _below(path, mount_root), v2)
+            below = _below(path, mount_root)
+            if is_v2 == v2 and (v2 or "cpu" in mount_controllers) and below is not None:
+                quotas += _quotas_up_from(os.path.join(root, mount_point.lstrip("/")), below, v2)
     return min(quotas) if quotas else None
 
 
@@ -47,13 +50,15 @@ def quota_cpus(root="/"):
     """cpu_quota() rounded up to whole CPUs (at least 1), or None.  This process's answer is read
     again once it is a second old: reading the files takes about 0.1 ms, which a default thread count
     asked for at every codec call should not pay, and a quota may change while a server runs."""
+    global _remembered
     now = time.monotonic()
-    if root == "/" and now < _remembered["until"]:
-        return _remembered["cpus"]
+    until, cpus = _remembered
+    if root == "/" and now < until:
+        return cpus
     quota = cpu_quota(root)
     cpus = None if quota is None else max(1, math.ceil(quota - 1e-9))
     if root == "/":
-        _remembered.update(until=now + 1.0, cpus=cpus)
+        _remembered = (now + 1.0, cpus)
     return cpus
 
 
@@ -65,7 +70,7 @@ def _cgroup_mount(line):
     sep = fields.index("-")
     if len(fields) < sep + 4 or sep < 5 or fields[sep + 1] not in ("cgroup", "cgroup2"):
         return None
-    return fields[3], _unescape(fields[4]), fields[sep + 1] == "cgroup2", fields[sep + 3].split(",")
+    return _unescape(fields[3]), _unescape(fields[4]), fields[sep + 1] == "cgroup2", fields[sep + 3].split(",")
 
 
 def _unescape(path):
@@ -76,12 +81,16 @@ def _unescape(path):
 
 
 def _below(path, mount_root):
-    """The part of the cgroup path under the mounted root (a container may see its own cgroup
-    mounted as the root); the mount point itself where the path lies elsewhere."""
+    """The part of the cgroup path under the mounted root ("/" where the mount is the process's own
+    cgroup, as a container may see it), or None where the path lies outside what is mounted there:
+    that mount shows other cgroups (a sibling's, another subtree's), whose quotas are not this
+    process's."""
     if mount_root == "/":
         return path
     mount_root = mount_root.rstrip("/")
-    return path[len(mount_root):] if path.startswith(mount_root + "/") else "/"
+    if path.rstrip("/") == mount_root:
+        return "/"
+    return path[len(mount_root):] if path.startswith(mount_root + "/") else None
 
 
 def _quotas_up_from(mount_dir, path, v2):

@@ -85,6 +85,24 @@ def test_escaped_mount_point(tmp_path):
     assert cpu_quota.quota_cpus(root) == 2
 
 
+def test_escaped_mount_root(tmp_path):
+    """mountinfo escapes the root field as it does the mount point; /proc/self/cgroup does not."""
+    mount = "41 31 0:41 /my\\040group /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+    root = fake_tree(tmp_path, "0::/my group/job\n", mount, {"sys/fs/cgroup/job/cpu.max": "200000 100000\n"})
+    assert cpu_quota.quota_cpus(root) == 2
+
+
+@pytest.mark.parametrize("mount_root, path", [
+    ("/other.slice/job", "/user.slice/me.service"),    # a second mount of another subtree
+    ("/docker/abc", "/docker/abcdef"),                 # a sibling whose name starts alike
+])
+def test_a_mount_of_cgroups_the_process_is_not_in_is_not_read(tmp_path, mount_root, path):
+    mounts = V2_ROOT_MOUNT + f"42 31 0:26 {mount_root} /mnt/other rw - cgroup2 cgroup2 rw\n"
+    files = {"mnt/other/cpu.max": "100000 100000\n", f"sys/fs/cgroup{path}/cpu.max": "max 100000\n"}
+    root = fake_tree(tmp_path, f"0::{path}\n", mounts, files)
+    assert cpu_quota.cpu_quota(root) is None
+
+
 def _quota_cgroup_dir():
     """A new cgroup with a quota of one CPU, for a real process, or None where this machine does not
     let the tests make one."""
@@ -143,8 +161,8 @@ print(json.dumps({{"cores": backends.usable_cores(), "moe": ktfp8.MoE(cfg, exper
 def test_this_process_reads_its_quota_at_most_once_a_second(monkeypatch):
     reads, clock = [], [1000.0]
     monkeypatch.setattr(cpu_quota, "cpu_quota", lambda root="/": reads.append(root) or 2.5)
-    monkeypatch.setattr(cpu_quota.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(cpu_quota, "_remembered", {"until": float("-inf"), "cpus": None})
+    monkeypatch.setattr(cpu_quota, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(cpu_quota, "_remembered", (float("-inf"), None))
     assert cpu_quota.quota_cpus() == 3 and cpu_quota.quota_cpus() == 3 and len(reads) == 1
     clock[0] += 1.5
     assert cpu_quota.quota_cpus() == 3 and len(reads) == 2
