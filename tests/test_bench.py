@@ -66,6 +66,19 @@ def test_walk_copies_cover_the_target_within_memory_and_the_cap():
     assert l3 is None or l3 >= 2**20
 
 
+@pytest.mark.parametrize("l3_mib, read_mib", [(300, 1200), (32, 256), (None, 256)])
+def test_the_tables_read_probe_covers_four_times_the_l3(monkeypatch, l3_mib, read_mib):
+    """--quick's 256 MiB probe buffer, grown to 4x the L3 where that is more (the Xeon's 300 MiB)."""
+    from ktfp8.bench import run
+    monkeypatch.setattr(L, "l3_bytes", lambda: l3_mib and l3_mib << 20)
+    probed = []
+    monkeypatch.setattr(roofline, "measure", lambda threads, nbytes: probed.append(nbytes) or f"limits {nbytes}")
+    monkeypatch.setattr(roofline, "best_of", lambda a, b: b)
+    assert run.measure_limits([1, 2], 256 << 20, log=lambda msg: None) == {n: f"limits {read_mib << 20}"
+                                                                            for n in (1, 2)}
+    assert probed == [read_mib << 20] * (2 * run.LIMIT_PASSES)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_per_channel", "bf16"])
 def test_copied_experts_hold_the_same_values_in_memory_of_their_own(fmt):
     w = L.random_experts(TINY, fmt)
