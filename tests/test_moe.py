@@ -94,6 +94,31 @@ def test_runs_of_tiles_do_not_change_results(backend, fmt):
         np.testing.assert_array_equal(moe(x, ids, w), want, err_msg=f"{n} threads")
 
 
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_long_call_in_token_blocks(backend, fmt):
+    """A call long enough that phase 2 runs in token blocks (moe_driver.c, phase2_blocks: with L2
+    caches of 256 KiB to 2 MiB, 2 to 16 blocks here, where one would leave a group's y accumulator
+    room for less than the layer's two items), each expert's pairs cut at the blocks' edges: equal
+    to the float64 MoE, the same bits on 1, 2 and 3 threads, and out= / accumulate= through every
+    block."""
+    e, h, i, T = 6, 40, 32, 4999
+    experts, dense = make_experts(fmt, e, h, i, seed=17)
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((T, h)).astype(np.float32)
+    ids, w = random_routing(T, e, K, seed=17, skip_fraction=0.1)
+    moe = MoE(config(fmt, experts=e, hidden=h, inter=i), experts, backend=backend, threads=1)
+    want = moe(x, ids, w)
+    assert nmse(want, moe_fp64(x, ids, w, *dense)) <= 2e-5
+    for n in (2, 3):
+        moe.threads = n
+        np.testing.assert_array_equal(moe(x, ids, w), want, err_msg=f"{n} threads")
+    base = rng.standard_normal((T, h)).astype(np.float32)
+    acc = base.copy()
+    moe(x, ids, w, out=acc, accumulate=True)
+    np.testing.assert_allclose(acc, base + want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", ["fp8_per_channel", "fp8_block"])
 def test_scales_up_to_the_limit_compute_and_larger_ones_are_refused(backend, fmt):

@@ -117,9 +117,9 @@ typedef struct ktfp8_epilogue_ops {
      * rows of g and u ([m][nb] FP32; g is overwritten); h rows h_stride elements apart. */
     void (*silu_mul_store)(float *g, const float *u, int64_t m, int64_t nb, int64_t cols, void *h,
                            int64_t h_stride, int act);
-    /* Phase 2: acc[token[i]][0, cols) += weight[i] * z[i][0, cols) for i < m; rows acc_stride
-     * (acc) and z_stride (z) floats apart.  Pairs of one token accumulate in i order. */
-    void (*scatter_add)(float *acc, int64_t acc_stride, const int64_t *token, const float *weight,
+    /* Phase 2: acc[token[i] - token0][0, cols) += weight[i] * z[i][0, cols) for i < m; rows
+     * acc_stride (acc) and z_stride (z) floats apart.  Pairs of one token accumulate in i order. */
+    void (*scatter_add)(float *acc, int64_t acc_stride, const int64_t *token, int64_t token0, const float *weight,
                         const float *z, int64_t z_stride, int64_t m, int64_t cols);
 } ktfp8_epilogue_ops;
 

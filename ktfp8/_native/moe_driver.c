@@ -6,13 +6,14 @@
  *   1. items (expert, intermediate tile): gate and up tiles over all of the expert's tokens, then
  *      h = silu(g) * u in FP32, rounded once to the activation dtype for the down projection;
  *   2. items (hidden tile, or two adjacent ones when the kernel has tile_matmul2), handed out in
- *      groups of adjacent items: for every active expert in id order, for every item of the group,
+ *      groups of adjacent items (of one token block's tokens: a long call's phase 2 runs in token
+ *      blocks, phase2_blocks): for every active expert in id order, for every item of the group,
  *      z = h @ down_tile^T, and y[token] += weight * z, accumulated in FP32 in a contiguous
- *      [T][group x DW x NB] block of the thread (y's own rows are H floats apart: one page per
+ *      [block's tokens][group x DW x NB] block of the thread (y's own rows are H floats apart: one page per
  *      token) and written to y once.  Two tiles per item give the kernel two weight streams over
  *      the same h rows (AMX: 2 A x 2 B -> 4 C tiles, as for gate and up); a group makes each
  *      expert's read one contiguous run of tiles and reuses its h rows from cache (group_size).
- *      Each group owns its columns of y and visits the experts of each column in id order, so no
+ *      Each group owns its tokens x columns of y and visits the experts of each in id order, so no
  *      atomics are needed and the result does not depend on the thread count or the schedule.
  * Kernels whose FP8 conversion leaves the weights times a power of two (layout.act_exp) get x and h
  * times its inverse: phase 0 scales the rows as it gathers them, and a pass after phase 1 scales h,
@@ -65,6 +66,8 @@
  * 0.97x, T = 1 0.97x-1.00x; T = 512 on BF16 weights 0.99x, block-wise 1.01x.  A quarter as many runs
  * as phase 1 (16 items, 16 down tiles a group at T = 512): 1.02x the time of half as many. */
 #define PHASE2_RUNS_PER_THREAD 4
+/* Most token blocks phase 2 cuts a call into (phase2_blocks). */
+#define PHASE2_MAX_BLOCKS 32
 /* Lines of a job's weights requested before the kernel runs it.  The kernels prefetch a fixed
  * distance ahead within a tile, so without this each tile starts on demand misses; with it the
  * first lines are in flight together, and the scales (read after the K loop) arrive early too.
@@ -80,9 +83,19 @@ typedef struct call_buffers {
     float *pair_weight;    /* [n_pairs] */
     void *xa;              /* [n_pairs][x_stride] gathered token rows, activation dtype, K padded to Hp */
     void *h;               /* [n_pairs][h_stride] silu(gate) * up, activation dtype, K padded to Ip */
+    int64_t *block_start;  /* [n_blocks + 1][n_active]: first pair of active expert a whose token is in
+                            * phase-2 token block tb or later (block_starts) */
     int64_t x_stride, h_stride; /* elements */
     int64_t n_pairs, n_active, max_m;
+    int64_t block_tokens, n_blocks; /* phase 2's token blocks (phase2_blocks) */
 } call_buffers;
+
+/* What phase 2's token blocks are chosen by (phase2_blocks). */
+typedef struct phase2_shape {
+    int64_t items, item_cols; /* phase-2 items of one token block, y columns per item */
+    double expert_bytes;      /* one expert's packed down weights and scales */
+    double h_row_bytes;       /* one pair's row of h */
+} phase2_shape;
 
 /* Pairs with an expert (ids >= 0), or EINVAL on an id >= E. */
 static int64_t routed_pairs(const ktfp8_moe_call *c) {
@@ -118,21 +131,38 @@ static void group_pairs(const ktfp8_moe_call *c, call_buffers *b) {
     }
 }
 
-/* Carves every per-call buffer out of one arena allocation, then groups the pairs.  The gathered
- * rows and h get row_pad - 1 rows of zeros after the last pair's: a kernel that reads row_pad rows at
- * a time (layout.row_pad) may read that far past its last expert's rows. */
+/* block_start for every active expert: its pairs are in token order (group_pairs is stable), so each
+ * token block's pairs of an expert are one run of them. */
+static void block_starts(call_buffers *b) {
+    for (int64_t a = 0; a < b->n_active; a++) {
+        const int64_t e = b->active[a], end = b->offset[e + 1];
+        int64_t q = b->offset[e];
+        for (int64_t tb = 0; tb <= b->n_blocks; tb++) {
+            while (q < end && b->pair_token[q] < tb * b->block_tokens) q++;
+            b->block_start[tb * b->n_active + a] = tb == b->n_blocks ? end : q;
+        }
+    }
+}
+
+static void phase2_blocks(const ktfp8_moe_call *c, call_buffers *b, const phase2_shape *p);
+
+/* Carves every per-call buffer out of one arena allocation, groups the pairs and cuts phase 2's
+ * token blocks.  The gathered rows and h get row_pad - 1 rows of zeros after the last pair's: a
+ * kernel that reads row_pad rows at a time (layout.row_pad) may read that far past its last
+ * expert's rows. */
 static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t esz, int64_t row_pad,
-                        call_buffers *b) {
+                        phase2_shape p2, call_buffers *b) {
     const int64_t E = c->shape->experts;
     const int64_t routed = routed_pairs(c);
     if (routed < 0) return (int)routed;
     const size_t n = (size_t)routed, pad = (size_t)(row_pad > 1 ? row_pad - 1 : 0);
     b->x_stride = ktfp8_row_stride(Hp, esz);
     b->h_stride = ktfp8_row_stride(Ip, esz);
+    const int64_t most_blocks = c->tokens < PHASE2_MAX_BLOCKS ? c->tokens : PHASE2_MAX_BLOCKS;
     const size_t sizes[] = {
         sizeof(int64_t) * (size_t)(E + 1), sizeof(int64_t) * (size_t)E, sizeof(int64_t) * (size_t)E,
         sizeof(int64_t) * n, sizeof(float) * n, esz * (n + pad) * (size_t)b->x_stride,
-        esz * (n + pad) * (size_t)b->h_stride};
+        esz * (n + pad) * (size_t)b->h_stride, sizeof(int64_t) * (size_t)(most_blocks + 1) * (size_t)E};
     enum { N_BUFS = sizeof(sizes) / sizeof(sizes[0]) };
     size_t total = 0;
     for (int i = 0; i < N_BUFS; i++) total += ALIGN64(sizes[i]);
@@ -150,10 +180,14 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     b->pair_weight = at[4];
     b->xa = at[5];
     b->h = at[6];
+    b->block_start = at[7];
     memset((char *)b->xa + esz * n * (size_t)b->x_stride, 0, esz * pad * (size_t)b->x_stride);
     memset((char *)b->h + esz * n * (size_t)b->h_stride, 0, esz * pad * (size_t)b->h_stride);
     b->n_pairs = routed;
     group_pairs(c, b);
+    p2.h_row_bytes = (double)(esz * (size_t)b->h_stride);
+    phase2_blocks(c, b, &p2);
+    block_starts(b);
     return 0;
 }
 
@@ -243,11 +277,57 @@ static int64_t group_acc_bytes(void) {
     return l2_kib ? (int64_t)l2_kib * 1024 / 2 : 256 * 1024;
 }
 
-/* Phase-2 items per group: a run of them, as far as group_acc_bytes() of y accumulator allows. */
-static int64_t group_size(int64_t items, int threads, int64_t tokens, int64_t item_cols) {
-    const int64_t row_bytes = (int64_t)sizeof(float) * (tokens > 0 ? tokens : 1) * item_cols;
-    const int64_t fit = group_acc_bytes() / row_bytes, run = run_length(items, threads, PHASE2_RUNS_PER_THREAD);
-    return fit < 1 ? 1 : fit < run ? fit : run;
+/* Phase-2 items of a group that group_acc_bytes() of y accumulator holds for `tokens` (at least 1). */
+static int64_t group_fit(int64_t tokens, int64_t item_cols) {
+    const int64_t fit = group_acc_bytes() / ((int64_t)sizeof(float) * (tokens > 0 ? tokens : 1) * item_cols);
+    return fit > 1 ? fit : 1;
+}
+
+/* Phase-2 items per group: a run of the items of all `blocks` token blocks, at most one block's
+ * `items`, as far as group_fit allows. */
+static int64_t group_size(int64_t items, int64_t blocks, int threads, int64_t tokens, int64_t item_cols) {
+    int64_t run = run_length(items * blocks, threads, PHASE2_RUNS_PER_THREAD), fit = group_fit(tokens, item_cols);
+    run = run < items ? run : items;
+    return fit < run ? fit : run;
+}
+
+/* Phase 2's token blocks (b->block_tokens, b->n_blocks): T cut evenly into the count of blocks, 1 to
+ * PHASE2_MAX_BLOCKS, for which phase 2 moves the fewest bytes by this model: every active expert's
+ * down weights once a block, and all of a block's h once for each of its groups, a group as many
+ * items as group_fit allows for a block's tokens.  One block unless that saves a tenth.
+ * Why blocks: a group's y accumulator holds all of its tokens, so a long call's groups shrink (to one
+ * item at T = 4096 on the benchmark layer), and each group reads all of h again (52 MB at T = 4096,
+ * past this VM's L3, 64 times a call); a block's groups are 8 items again, and its h rows (6.5 MB)
+ * are read by the threads working on it together.  The price is the down weights once a block: the
+ * model weighs it (DeepSeek-V3's layer at T = 4096: 3.8 GB of down weights against 136 MB of h).
+ * Measured on the Zen 4 VM (tools/ab_builds.py, FP8 per-channel, 2 threads), new / old time, the
+ * benchmark layer (blocks of 512 tokens): T = 4096 0.888x-0.897x (1 thread 0.888x), 2048 0.952x-0.961x
+ * (block-wise 0.950x, BF16 weights 0.986x, avx2 0.959x), 1024 0.999x (one block by the model; blocks
+ * of 512 took 0.984x), 512 1.002x-1.005x, 64 0.996x, 1 1.003x (one block); a DeepSeek-V3-shaped layer
+ * of 32 experts: T = 2048 0.975x, 1024 0.919x.
+ * The model leaves out the thread count, as a block's pairs of an expert are the rows of one kernel
+ * call, whose passes, and so the sums' rounding, follow from its row count: the results must not
+ * depend on the threads.  It leaves out the caches too. */
+static void phase2_blocks(const ktfp8_moe_call *c, call_buffers *b, const phase2_shape *p) {
+    const int64_t T = c->tokens > 0 ? c->tokens : 1;
+    const double weights = p->expert_bytes * (double)b->n_active, h = p->h_row_bytes * (double)b->n_pairs;
+    double one = 0.0, best = 0.0;
+    int64_t best_tokens = T;
+    /* a group of every item already fits (decode, short prefills): one block */
+    for (int64_t n = 1; n <= PHASE2_MAX_BLOCKS && n <= T && group_fit(T, p->item_cols) < p->items; n++) {
+        const int64_t tokens = (T + n - 1) / n, blocks = (T + tokens - 1) / tokens;
+        int64_t group = group_fit(tokens, p->item_cols);
+        group = group < p->items ? group : p->items;
+        const double bytes = weights * (double)blocks + h * (double)((p->items + group - 1) / group);
+        if (n == 1) one = best = bytes;
+        if (bytes < best) {
+            best = bytes;
+            best_tokens = tokens;
+        }
+    }
+    if (best > 0.9 * one) best_tokens = T;
+    b->block_tokens = best_tokens;
+    b->n_blocks = (c->tokens + best_tokens - 1) / best_tokens;
 }
 
 /* The magnitude of the FP32 number with these bits, as an int32 that orders like magnitudes do; 0
@@ -318,25 +398,35 @@ static void gather_row(const ktfp8_moe_call *c, const call_buffers *b, int64_t p
     memset((char *)b->h + esz * (size_t)(p * b->h_stride + I), 0, esz * (size_t)(Ip - I));
 }
 
-/* Phase 2 prologue / epilogue: the columns [n0, n0 + cols) of y that one item owns, to and from
- * its FP32 accumulator acc[T][acc_stride]. */
-static void y_columns_load(const ktfp8_moe_call *c, int64_t n0, int64_t cols, float *acc, int64_t acc_stride) {
+/* Phase 2 prologue / epilogue: the block of y that one item owns, tokens [t0, t1) x columns [n0, n0 +
+ * cols), to and from its FP32 accumulator acc[t1 - t0][acc_stride]. */
+static void y_columns_load(const ktfp8_moe_call *c, int64_t t0, int64_t t1, int64_t n0, int64_t cols, float *acc,
+                           int64_t acc_stride) {
     const int64_t H = c->shape->hidden;
-    for (int64_t t = 0; t < c->tokens; t++) {
+    for (int64_t t = t0; t < t1; t++) {
+        float *row = acc + (t - t0) * acc_stride;
         if (!c->accumulate)
-            memset(acc + t * acc_stride, 0, sizeof(float) * (size_t)cols);
+            memset(row, 0, sizeof(float) * (size_t)cols);
         else if (c->x_dtype == KTFP8_F32)
-            memcpy(acc + t * acc_stride, (const float *)c->y + t * H + n0, sizeof(float) * (size_t)cols);
+            memcpy(row, (const float *)c->y + t * H + n0, sizeof(float) * (size_t)cols);
         else /* BF16 y: widened into the FP32 accumulator */
-            ktfp8_load_row(acc + t * acc_stride, (const uint16_t *)c->y + t * H + n0, c->x_dtype, cols);
+            ktfp8_load_row(row, (const uint16_t *)c->y + t * H + n0, c->x_dtype, cols);
     }
 }
 
-static void y_columns_store(const ktfp8_moe_call *c, int64_t n0, int64_t cols, const float *acc, int64_t acc_stride) {
+static void y_columns_store(const ktfp8_moe_call *c, int64_t t0, int64_t t1, int64_t n0, int64_t cols,
+                            const float *acc, int64_t acc_stride) {
     const int64_t H = c->shape->hidden;
     const size_t ysz = c->x_dtype == KTFP8_F32 ? 4 : 2;
-    for (int64_t t = 0; t < c->tokens; t++)
-        ktfp8_store_row((char *)c->y + ysz * (size_t)(t * H + n0), c->x_dtype, acc + t * acc_stride, cols);
+    for (int64_t t = t0; t < t1; t++)
+        ktfp8_store_row((char *)c->y + ysz * (size_t)(t * H + n0), c->x_dtype, acc + (t - t0) * acc_stride, cols);
+}
+
+/* The first active expert from index a on with pairs in token block tb (n_active if none). */
+static int64_t next_in_block(const call_buffers *b, int64_t tb, int64_t a) {
+    const int64_t *start = b->block_start + tb * b->n_active, *end = start + b->n_active;
+    while (a < b->n_active && start[a] == end[a]) a++;
+    return a;
 }
 
 int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
@@ -354,18 +444,23 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     ktfp8_packed_views(s, l, c->packed, proj);
     const int64_t Hp = proj[KTFP8_GATE].k_pad, Ip = proj[KTFP8_DOWN].k_pad;
 
+    const int dw = kern->tile_matmul2 ? 2 : 1; /* down tiles per phase-2 item */
+    const int64_t dcols = dw * nb;              /* y columns per phase-2 item: row stride of yacc and zbuf */
+    const ktfp8_packed_proj *down = &proj[KTFP8_DOWN];
+    const int64_t tiles2 = down->n_tiles, items2 = (tiles2 + dw - 1) / dw;
+    const phase2_shape p2 = {
+        .items = items2, .item_cols = dcols,
+        .expert_bytes = (double)tiles2 * (double)(down->tile_w_bytes + sizeof(float) * down->tile_scale_floats)};
     call_buffers b;
-    int rc = prepare_call(c, Hp, Ip, esz, kern->layout.row_pad, &b);
+    int rc = prepare_call(c, Hp, Ip, esz, kern->layout.row_pad, p2, &b);
     if (rc) return rc;
 
     const size_t scratch_bytes = kern->tile_scratch_bytes ? kern->tile_scratch_bytes(Hp > Ip ? Hp : Ip) : 0;
-    const int dw = kern->tile_matmul2 ? 2 : 1; /* down tiles per phase-2 item */
-    const int64_t dcols = dw * nb;              /* y columns per phase-2 item: row stride of yacc and zbuf */
     const size_t gu_bytes = ALIGN64(sizeof(float) * (size_t)(b.max_m * nb));
-    const int64_t tiles2 = proj[KTFP8_DOWN].n_tiles, items2 = (tiles2 + dw - 1) / dw;
-    const int64_t group = group_size(items2, threads, c->tokens, dcols), groups2 = (items2 + group - 1) / group;
+    const int64_t group = group_size(items2, b.n_blocks, threads, b.block_tokens, dcols);
+    const int64_t groups2 = (items2 + group - 1) / group;
     const int64_t gcols = group * dcols; /* y columns per phase-2 group: row stride of yacc */
-    const size_t yacc_bytes = ALIGN64(sizeof(float) * (size_t)(c->tokens * gcols));
+    const size_t yacc_bytes = ALIGN64(sizeof(float) * (size_t)(b.block_tokens * gcols));
     int failed = 0;
     float x_amax = 0.0f, h_amax = 0.0f; /* largest finite |x| and |h|, where act_exp scales them */
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -435,16 +530,20 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
             for (int64_t p = 0; p < b.n_pairs; p++) scale_row((float *)b.h + p * b.h_stride, I, h_exp);
         }
 
-        /* phase 2: y[token, columns] += weight * (h @ down_tiles^T), experts in id order */
+        /* phase 2: y[token, columns] += weight * (h @ down_tiles^T), experts in id order; an item is a
+         * group of a token block, the blocks outer, so that the threads share a block's h rows */
         float *zbuf = gbuf; /* [max_m][dcols]: gbuf and ubuf are adjacent */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t g = 0; g < groups2; g++) {
+        for (int64_t w = 0; w < b.n_blocks * groups2; w++) {
             if (!ok) continue;
+            const int64_t tb = w / groups2, g = w % groups2;
+            const int64_t t0 = tb * b.block_tokens, t1 = t0 + b.block_tokens < c->tokens ? t0 + b.block_tokens : c->tokens;
+            const int64_t *start = b.block_start + tb * b.n_active, *end = start + b.n_active;
             const int64_t it0 = g * group, it1 = it0 + group < items2 ? it0 + group : items2;
             const int64_t g0 = it0 * dcols, gc = H - g0 < (it1 - it0) * dcols ? H - g0 : (it1 - it0) * dcols;
-            y_columns_load(c, g0, gc, yacc, gcols);
-            for (int64_t a = 0; a < b.n_active; a++) {
-                const int64_t e = b.active[a], p0 = b.offset[e], m = b.offset[e + 1] - p0;
+            y_columns_load(c, t0, t1, g0, gc, yacc, gcols);
+            for (int64_t a = next_in_block(&b, tb, 0), first = a; a < b.n_active;) {
+                const int64_t e = b.active[a], p0 = start[a], m = end[a] - p0, a_next = next_in_block(&b, tb, a + 1);
                 const void *hrows = (const char *)b.h + esz * (size_t)(p0 * b.h_stride);
                 for (int64_t it = it0; it < it1; it++) {
                     const int64_t tile = it * dw, n0 = tile * nb, cols = H - n0 < dcols ? H - n0 : dcols;
@@ -456,22 +555,23 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                         jobs[d].c_stride = dcols;
                         /* this stream goes on with the group's next tile, or the next expert's first */
                         const int64_t next = it + 1 < it1 ? (it + 1) * dw + d : it0 * dw + d;
-                        const int64_t e_next = it + 1 < it1 ? e : a + 1 < b.n_active ? b.active[a + 1] : -1;
+                        const int64_t e_next = it + 1 < it1 ? e : a_next < b.n_active ? b.active[a_next] : -1;
                         jobs[d].w_next = e_next >= 0 && next < tiles2 ? tile_w(&proj[KTFP8_DOWN], e_next, next) : NULL;
                         if (it > it0) continue; /* the group's later tiles follow in the same stream */
-                        if (a == 0) prefetch_tile(&proj[KTFP8_DOWN], e, tile + d);
-                        if (a + 1 < b.n_active) /* the next expert's first tile: a short read, far from this one */
-                            prefetch_tile(&proj[KTFP8_DOWN], b.active[a + 1], tile + d);
+                        if (a == first) prefetch_tile(&proj[KTFP8_DOWN], e, tile + d);
+                        if (a_next < b.n_active) /* the next expert's first tile: a short read, far from this one */
+                            prefetch_tile(&proj[KTFP8_DOWN], b.active[a_next], tile + d);
                     }
                     if (pair)
                         kern->tile_matmul2(&jobs[0], &jobs[1]);
                     else
                         kern->tile_matmul(&jobs[0]);
-                    kern->epilogue->scatter_add(yacc + (it - it0) * dcols, gcols, b.pair_token + p0, b.pair_weight + p0,
-                                                zbuf, dcols, m, cols);
+                    kern->epilogue->scatter_add(yacc + (it - it0) * dcols, gcols, b.pair_token + p0, t0,
+                                                b.pair_weight + p0, zbuf, dcols, m, cols);
                 }
+                a = a_next;
             }
-            y_columns_store(c, g0, gc, yacc, gcols);
+            y_columns_store(c, t0, t1, g0, gc, yacc, gcols);
         }
         ktfp8_arena_trim(KTFP8_ARENA_TILE);
         ktfp8_fpenv_restore(csr);
