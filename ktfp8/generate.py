@@ -113,20 +113,18 @@ def load(folder, threads):
     from transformers import AutoConfig, AutoTokenizer
 
     import ktfp8.hf
-    from ktfp8.hf.checkpoint import text_model_class
+    from ktfp8.hf.checkpoint import check_loading_info, text_model_class
 
     if _is_ktfp8_fp8(folder) or _holds_fp8_weights(folder):
         model = ktfp8.hf.from_pretrained(folder, threads=threads, dtype=torch.bfloat16)
     else:
         auto_class = text_model_class(AutoConfig.from_pretrained(folder))   # else transformers lists 200 classes
         try:
-            model, info = auto_class.from_pretrained(
-                folder, dtype=torch.bfloat16, experts_implementation="ktfp8", output_loading_info=True)
+            model, info = auto_class.from_pretrained(folder, dtype=torch.bfloat16, experts_implementation="ktfp8",
+                                                     output_loading_info=True, ignore_mismatched_sizes=True)
         except RuntimeError as e:       # its weight conversion failed, e.g. an expert tensor is missing
             raise _cannot_load(folder, e) from None
-        if info["missing_keys"]:        # transformers would fill them with random values and go on
-            missing = sorted(info["missing_keys"])
-            raise ValueError(f"the checkpoint lacks {len(missing)} of the model's weights, e.g. {missing[0]!r}")
+        check_loading_info(folder, model, info)
         ktfp8.hf.prepare(model, threads=threads)
     tokenizer = None
     if any((folder / f).is_file() for f in TOKENIZER_FILES):

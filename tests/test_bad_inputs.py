@@ -6,6 +6,7 @@ prints it); test_readme_table_is_current keeps the two in step."""
 import json
 import math
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +83,6 @@ class Ctx:
         return folder
 
     def copy(self, name):
-        import shutil
         return Path(shutil.copytree(self.ckpt, self.tmp / name))
 
     def odd_block_experts(self):
@@ -299,6 +299,23 @@ def _tiny_qwen3_moe():
                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                          num_experts=4, num_experts_per_tok=2)
     return transformers.Qwen3MoeForCausalLM(config)
+
+
+def _vocab_changed(c, fp8):
+    """A whole tiny Qwen3-MoE folder, as saved in BF16 or converted to FP8 per-channel, whose
+    config.json then says vocab_size 12 where its embeddings and lm_head hold 16 rows."""
+    import torch
+    source = c.tmp / "whole_bf16"
+    if not source.exists():
+        _tiny_qwen3_moe().to(torch.bfloat16).save_pretrained(source)
+    folder = c.tmp / ("whole_fp8" if fp8 else "whole_bf16_vocab")
+    if fp8:
+        convert_main(["--input-type", "bf16", "--input-path", str(source), "--output-path", str(folder)])
+    else:
+        shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 12}))
+    return folder
 
 
 def _prepared_qwen3_moe():
@@ -752,6 +769,10 @@ CASES = [
          "dtype must be torch.bfloat16 or torch.float32"),
     Case("ktfp8.hf.from_pretrained", "key_mapping= (set by ktfp8.hf)",
          lambda c: _hf().from_pretrained(c.ckpt, key_mapping={}), TypeError, "sets key_mapping= itself"),
+    Case("ktfp8.hf.from_pretrained", "a config.json whose vocab_size is not the checkpoint's",
+         lambda c: _hf().from_pretrained(_vocab_changed(c, fp8=True)), ValueError,
+         "weight(s) of another shape than config.json gives, e.g. lm_head.weight (16, 16) in the checkpoint, "
+         "(12, 16) in Qwen3MoeForCausalLM"),
     Case("ktfp8.hf.prepare", "not a transformers model", lambda c: _hf().prepare("model"), TypeError,
          "model must be a transformers PreTrainedModel"),
     Case("ktfp8.hf.prepare", "a model type without supported experts", lambda c: _hf().prepare(_tiny_llama()),
@@ -774,7 +795,10 @@ CASES = [
          lambda c: _generate(c, "--model", str(c.tmp / "absent"), "--prompt-ids", "1"), 1, "no such model folder"),
     Case("python -m ktfp8.generate", "a checkpoint lacking the model's other weights",
          lambda c: _generate(c, "--model", str(c.ckpt), "--prompt-ids", "1"), 1,
-         "checkpoint does not fit Qwen3MoeForCausalLM: missing"),
+         "the checkpoint does not fit its config.json:"),
+    Case("python -m ktfp8.generate", "a BF16 folder whose config.json gives another vocab_size",
+         lambda c: _generate(c, "--model", str(_vocab_changed(c, fp8=False)), "--prompt-ids", "1"), 1,
+         "weight(s) of another shape than config.json gives, e.g. lm_head.weight (16, 16) in the checkpoint"),
     Case("python -m ktfp8.generate", "--prompt-ids not integers",
          lambda c: _generate(c, "--model", str(c.ckpt), "--prompt-ids", "1,a"), 2,
          "expected comma-separated token ids"),

@@ -23,7 +23,7 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FP8_FORMATS = ("fp8_per_channel", "fp8_block")
 # transformers from_pretrained arguments that from_pretrained sets itself
 _SET_HERE = ("config", "key_mapping", "experts_implementation", "quantization_config", "device_map",
-             "output_loading_info")
+             "output_loading_info", "ignore_mismatched_sizes")
 
 
 @contextlib.contextmanager
@@ -151,18 +151,36 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
         hf_logging.set_verbosity_error()          # the report lists the experts we skip on purpose
         try:
             with _expert_weights_left_empty():
+                # mismatched sizes come back in `info` (transformers' own error points at a report
+                # that the verbosity above hides), and check_loading_info names them
                 model, info = auto_class.from_pretrained(
                     path, config=config, dtype=dtype, key_mapping=_KEY_MAPPING, output_loading_info=True,
-                    experts_implementation=hf_experts.implementation_name(quant_config), **kwargs)
+                    ignore_mismatched_sizes=True, experts_implementation=hf_experts.implementation_name(quant_config),
+                    **kwargs)
         finally:
             hf_logging.set_verbosity(verbosity)
-        missing = [k for k in info["missing_keys"] if k.rpartition(".")[2] not in hf_experts.RELEASED]
-        if missing or info["mismatched_keys"]:
-            raise ValueError(f"{path}: checkpoint does not fit {type(model).__name__}: missing "
-                             f"{sorted(missing)[:5]}, mismatched {sorted(info['mismatched_keys'])[:5]}")
+        check_loading_info(path, model, info, released=hf_experts.RELEASED)
 
         _attach_experts(model, loader, quant_config, threads, path)
         return model
+
+
+def check_loading_info(path, model, info, released=()):
+    """ValueError naming what of a checkpoint does not fit `model` (its config.json), from transformers'
+    output_loading_info: weights the checkpoint lacks (transformers would fill them with random values
+    and go on), or holds with another shape; `released`: the names of parameters ktfp8 leaves out."""
+    missing = sorted(k for k in info["missing_keys"] if k.rpartition(".")[2] not in released)
+    mismatched = sorted(info["mismatched_keys"])
+    if not (missing or mismatched):
+        return
+    found = []
+    if mismatched:
+        key, held, wanted = mismatched[0]
+        found.append(f"{len(mismatched)} weight(s) of another shape than config.json gives, e.g. {key} "
+                     f"{tuple(held)} in the checkpoint, {tuple(wanted)} in {type(model).__name__}")
+    if missing:
+        found.append(f"{len(missing)} of the model's weight(s) missing, e.g. {missing[0]}")
+    raise ValueError(f"{path}: the checkpoint does not fit its config.json: " + "; ".join(found))
 
 
 def _attach_experts(model, loader, quant_config, threads, path):
