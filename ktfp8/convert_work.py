@@ -5,7 +5,6 @@ import math
 import threading
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from . import fp8
@@ -98,25 +97,6 @@ class ShardSet:
             self._open.clear()
 
 
-# (signed view, unsigned view, bits of +inf) of each float dtype the converter quantizes: NaN and Inf are
-# the values whose exponent bits are all ones, i.e. whose bits with the sign cleared are >= those of +inf
-_INF_BITS = {np.dtype(ml_dtypes.bfloat16): (np.int16, np.uint16, 0x7F80),
-             np.dtype(np.float16): (np.int16, np.uint16, 0x7C00),
-             np.dtype(np.float32): (np.int32, np.uint32, 0x7F800000)}
-
-
-def _all_finite(values):
-    """Whether a BF16 / F16 / F32 array holds no NaN or Inf.  Two max reductions over its bits, no
-    temporary array: a positive NaN or Inf is the largest as a signed integer, a negative one as an
-    unsigned integer (sign bit set); cheap next to reading the chunk."""
-    signed, unsigned, inf = _INF_BITS[values.dtype]
-    bits = np.ascontiguousarray(values).reshape(-1)
-    if not bits.size:
-        return True
-    sign = 1 << (8 * values.dtype.itemsize - 1)
-    return bits.view(signed).max() < inf and bits.view(unsigned).max() < (sign | inf)
-
-
 def _source_index(chunk, row, col):
     """The index in the input tensor of the chunk's value [row, col] (a fused stack: [expert, ., .])."""
     part, row = chunk.item.fused, chunk.start + row
@@ -128,7 +108,7 @@ def _source_index(chunk, row, col):
 def _check_weights(chunk, weights):
     """Refuses a NaN or Inf among the values to quantize: E4M3 has no infinity (Inf would be saturated to
     448 x the row's scale, a finite wrong weight) and a NaN weight turns every output of its row NaN."""
-    if _all_finite(weights):
+    if fp8.all_finite(weights):
         return
     item = chunk.item
     row, col = (int(i) for i in np.argwhere(~np.isfinite(weights.astype(np.float32)))[0])

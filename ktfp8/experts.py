@@ -225,6 +225,22 @@ def _validate(w):
                              f"{MAX_SCALE:.4g} (FLT_MAX / 256)")
 
 
+def _check_finite(w, name):
+    """ValueError at the first NaN or Inf of weights `w`, as python -m ktfp8.convert refuses them: E4M3
+    has no infinity (an Inf would become 448 x its row's scale, a finite wrong weight), and a NaN weight
+    makes every output of its row NaN.  One expert at a time, so that a strided stack is copied one
+    expert's worth at a time at most."""
+    from . import fp8
+
+    for e, matrix in enumerate(w if w.ndim == 3 else [w]):
+        if not fp8.all_finite(matrix):
+            at = [int(i) for i in np.argwhere(~np.isfinite(matrix.astype(np.float32)))[0]]
+            where = [e, *at] if w.ndim == 3 else at
+            raise ValueError(f"{name} holds {float(matrix[tuple(at)])} at {where}; only finite weights can be "
+                             f"quantized (FP8 E4M3 has no infinity, and a NaN weight makes every output of its "
+                             f"row NaN)")
+
+
 @accepts_tensors(main=None)
 def quantize_experts(gate, up, down, quant_config, experts=None):
     """Quantizes float experts (float32 / bfloat16 / float16 arrays or CPU tensors, HF layout) as
@@ -239,6 +255,7 @@ def quantize_experts(gate, up, down, quant_config, experts=None):
         raise ValueError(f"quant_config.method must be 'FP8' or 'BF16', got {method!r}")
     for name, a in (("gate", gate), ("up", up), ("down", down)):   # BF16 too: one rule for both methods
         fp8.check_float_array(a, name)
+        _check_finite(a, name)
     shard = {}
     if experts is not None:
         total = {len(a) for a in (gate, up, down) if getattr(a, "ndim", 0) == 3}

@@ -114,6 +114,25 @@ def _c_order(a):
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
+# (signed view, unsigned view, bits of +inf) of each float input dtype: NaN and Inf are the values whose
+# exponent bits are all ones, i.e. whose bits with the sign cleared are >= those of +inf
+_INF_BITS = {np.dtype(ml_dtypes.bfloat16): (np.int16, np.uint16, 0x7F80),
+             np.dtype(np.float16): (np.int16, np.uint16, 0x7C00),
+             np.dtype(np.float32): (np.int32, np.uint32, 0x7F800000)}
+
+
+def all_finite(values):
+    """Whether a BF16 / F16 / F32 array holds no NaN or Inf.  Two max reductions over its bits, no
+    temporary array for a contiguous one: a positive NaN or Inf is the largest as a signed integer, a
+    negative one as an unsigned integer (sign bit set)."""
+    signed, unsigned, inf = _INF_BITS[values.dtype]
+    bits = np.ascontiguousarray(values).reshape(-1)
+    if not bits.size:
+        return True
+    sign = 1 << (8 * values.dtype.itemsize - 1)
+    return bits.view(signed).max() < inf and bits.view(unsigned).max() < (sign | inf)
+
+
 def check_float_array(a, name):
     """The C side's code for a's dtype; TypeError naming `name` unless `a` is a float32, bfloat16 or
     float16 array (what encode and quantize take)."""

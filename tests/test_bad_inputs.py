@@ -239,6 +239,13 @@ ROUTER = lambda c: np.zeros((3, E), F32)  # noqa: E731
 cfg = Ctx.config
 
 # ktfp8.hf and python -m ktfp8.generate need torch and transformers: imported by the cases that use them
+def _spoilt(w, index, value):
+    """A copy of `w` with `value` at `index`."""
+    w = w.copy()
+    w[index] = value
+    return w
+
+
 def _hf():
     import ktfp8.hf
     return ktfp8.hf
@@ -528,6 +535,14 @@ CASES = [
          lambda c: ktfp8.quantize_experts(c.w["gate"].astype(np.int32), c.w["up"], c.w["down"],
                                           ktfp8.QuantConfig("BF16")), TypeError,
          "gate must have dtype float32, bfloat16 or float16, got int32"),
+    Case("quantize_experts", "an Inf among the weights, FP8",
+         lambda c: ktfp8.quantize_experts(c.w["gate"], _spoilt(c.w["up"], (1, 2, 3), np.inf), c.w["down"],
+                                          c.cfg.quant_config), ValueError,
+         "up holds inf at [1, 2, 3]; only finite weights can be quantized"),
+    Case("quantize_experts", "a NaN among bfloat16 weights, BF16",
+         lambda c: ktfp8.quantize_experts(_spoilt(c.w["gate"], (3, 0, 5), np.nan).astype(BF16), c.w["up"],
+                                          c.w["down"], ktfp8.QuantConfig("BF16")), ValueError,
+         "gate holds nan at [3, 0, 5]; only finite weights can be quantized"),
     Case("quantize_experts", "down a list",
          lambda c: ktfp8.quantize_experts(c.w["gate"], c.w["up"], c.w["down"].tolist(), ktfp8.QuantConfig("BF16")),
          TypeError, "down must be a numpy array or a torch tensor (float32, bfloat16 or float16), got list"),
