@@ -163,6 +163,21 @@ def test_prepare_quantizes_now_and_releases_the_bf16_weights(qwen3):
     np.testing.assert_array_equal(got, want)
 
 
+def test_prepare_sets_the_thread_count_of_layers_already_prepared(qwen3):
+    """from_pretrained's model (and one prepared before) takes prepare(model, threads=n) as its layers'
+    new thread count; a bad count is refused before any layer changes."""
+    model = ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32, threads=1)
+    layers = [op.layer_of(experts_module(model, i)._ktfp8_handle) for i in (0, 1)]
+    want = logits(model)
+    assert ktfp8.hf.prepare(model, threads=2) is model
+    assert [layer.threads for layer in layers] == [2, 2]
+    np.testing.assert_array_equal(logits(model), want)      # the same bits on any thread count
+    for bad in (0, "2", True):
+        with pytest.raises(ValueError, match="threads must be a positive int"):
+            ktfp8.hf.prepare(model, threads=bad)
+        assert [layer.threads for layer in layers] == [2, 2]
+
+
 def test_set_experts_implementation_switches_a_loaded_model(qwen3):
     model = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)
     model.set_experts_implementation("ktfp8_block")

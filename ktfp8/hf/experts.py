@@ -10,6 +10,7 @@ import warnings
 
 import torch
 
+from ..backends import default_threads
 from ..config import MoeConfig, QuantConfig
 from ..experts import quantize_experts
 from . import op
@@ -160,9 +161,12 @@ def _check_weight(t, name):
 
 
 def prepare_module(module, quant_config, top_k, threads=None):
-    """Quantizes one experts module's weights as `quant_config` says, once; no-op when already done.
-    top_k: experts its router picks a token (layer_top_k)."""
+    """Quantizes one experts module's weights as `quant_config` says, once; when already done, only
+    sets its layer's thread count to `threads` (unless None).  top_k: experts its router picks a token
+    (layer_top_k)."""
     if getattr(module, "_ktfp8_handle", None) is not None:
+        if threads is not None:
+            op.layer_of(module._ktfp8_handle).threads = threads
         return
     check_supported(module)
     inter = module.intermediate_dim
@@ -222,10 +226,13 @@ def prepare(model, quant_config=None, *, threads=None):
 
     quant_config: a ktfp8.QuantConfig (e.g. block-wise with group_size=64) or an implementation name
     ("ktfp8", "ktfp8_block", "ktfp8_bf16"); default: the model's ktfp8 implementation, else "ktfp8".
-    threads: kernel threads of these layers (default: KTFP8_NUM_THREADS, OMP_NUM_THREADS, all cores).
+    threads: kernel threads of these layers (default: KTFP8_NUM_THREADS, OMP_NUM_THREADS, all cores); on
+    layers already prepared (ktfp8.hf.from_pretrained's, an earlier prepare), their new thread count.
     Experts already quantized in another format raise ValueError: the format is chosen once."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if threads is not None:
+        default_threads(threads)      # refused before anything changes, prepared layers or not
     check_model_type(model.config)
     check_activation_dtype(model.dtype)
     spec = quant_config

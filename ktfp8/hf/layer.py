@@ -19,6 +19,18 @@ class TorchMoE:
     def __init__(self, moe):
         self.moe = moe
 
+    @property
+    def threads(self):
+        """The kernel threads of each call (the MoE's, or this rank's shard's)."""
+        return self._kernel_moe().threads
+
+    @threads.setter
+    def threads(self, threads):
+        self._kernel_moe().threads = threads
+
+    def _kernel_moe(self):
+        return self.moe if isinstance(self.moe, MoE) else self.moe.moe   # ExpertParallelMoE: its shard
+
     def __call__(self, hidden_states, topk_ids, topk_weights):
         # transformers routers hand back weights in the model's dtype; the kernels take float32 weights
         if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype in (torch.bfloat16, torch.float16):
