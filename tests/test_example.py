@@ -14,3 +14,15 @@ def test_example_runs_and_matches_the_reference():
     assert proc.stdout.rstrip().endswith("OK")
     nmse = float(proc.stdout.split("NMSE vs float64 reference:")[1].split()[0])
     assert nmse < 2e-5
+
+
+def test_readme_quick_start_runs_as_written():
+    """The README's Quick start, pasted into Python as it stands: it defines what it uses and runs."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```python", readme.index("## Quick start")) + len("```python")
+    code = readme[start:readme.index("```", start)]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    backend, nbytes = proc.stdout.split()
+    assert backend in ("amx", "avx512_bf16", "avx512", "avx2", "reference") and int(nbytes) > 64 * 3 * 2048 * 768
