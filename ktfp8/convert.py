@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -165,6 +166,7 @@ def convert(args):
     threads = default_threads(args.threads)
     checkpoint = Checkpoint(src)
     plan = build_plan(checkpoint, args.input_type, args.quant_config, args.all_linear, args.max_shard_size)
+    _check_writable(dst.parent, Path(args.output_path))
     total_in = sum(input_nbytes(i, checkpoint) for i in plan.items)
     log.info("%s: %d tensors (%d FP8 weights out, %s), %.2f GB -> %d shard(s), %d threads",
              src, len(plan.items), len(plan.quantized) + _passthrough_count(plan),
@@ -234,8 +236,19 @@ def _check_paths(src, dst, overwrite):
             raise ConvertError(f"output {dst} exists and is not a directory")
         if any(d.iterdir()) and not overwrite:
             raise ConvertError(f"output folder {dst} is not empty; pass --overwrite to replace it")
-    d.parent.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def _check_writable(parent, dst):
+    """Makes the folder the output goes into (as mkdir -p) and tries a folder in it, as the run's own
+    temporary folder will be made there: a folder it cannot write into is refused by its name before
+    any work, not by the temporary folder's name.  After the input's checks, so that a refused input
+    leaves no new folders behind."""
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{dst.name}.ktfp8-probe-", dir=parent))
+    except OSError as e:
+        raise ConvertError(f"cannot write the output {dst} into {parent}: {e.strerror or e}") from None
 
 
 def _remove_stale_partials(dst):

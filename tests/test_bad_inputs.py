@@ -149,9 +149,14 @@ def _convert(c, *args, input_type="fp8", out="out"):
     return convert_main([a for a in argv if a is not None] + list(args))
 
 
-def _convert_bf16(c, name, edit):
+def _under_a_file(c):
+    (c.tmp / "a_file").write_text("not a folder")
+    return _convert_bf16(c, "bf16_under_a_file", lambda tensors, config: None, out="a_file/sub/out")
+
+
+def _convert_bf16(c, name, edit, out="o"):
     """Converts a BF16 checkpoint of the catalogue's experts (layer 0) after edit(tensors, config) changed
-    its {name: (dtype, array)} and config.json dict."""
+    its {name: (dtype, array)} and config.json dict, into c.tmp / out."""
     folder = c.tmp / name
     folder.mkdir()
     tensors = {_expert(e, role): ("BF16", c.w[role][e].astype(BF16)) for e in range(E) for role in c.w}
@@ -160,7 +165,7 @@ def _convert_bf16(c, name, edit):
     edit(tensors, config)
     write_file(folder / "model.safetensors", tensors)
     (folder / "config.json").write_text(json.dumps(config))
-    return convert_main(["--input-type", "bf16", "--input-path", str(folder), "--output-path", str(c.tmp / "o")])
+    return convert_main(["--input-type", "bf16", "--input-path", str(folder), "--output-path", str(c.tmp / out)])
 
 
 def _convert_block_fp8(c, name, bad_scale):
@@ -724,6 +729,11 @@ CASES = [
          lambda c: _convert(c, out="ckpt/inner"), 1, "must be outside the input"),
     Case("python -m ktfp8.convert", "--output-path . (the working directory)", _into_working_dir, 1,
          "is (or contains) the current directory; run from outside it"),
+    Case("python -m ktfp8.convert", "an output in a folder nothing can be written into (/proc)",
+         lambda c: _convert_bf16(c, "bf16_into_proc", lambda tensors, config: None, out="/proc/out"), 1,
+         "cannot write the output /proc/out into /proc:"),
+    Case("python -m ktfp8.convert", "an output under a file", _under_a_file, 1,
+         "cannot write the output"),
     Case("python -m ktfp8.convert", "--input-type not matching the weights",
          lambda c: _convert(c, input_type="bf16"), 1, "already F8_E4M3; use --input-type fp8"),
     Case("python -m ktfp8.convert", "an expert weight of another shape than config.json says",
