@@ -123,9 +123,9 @@ def main(argv=None):
     try:
         convert(args)
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         log.error("interrupted; nothing was written to %s", args.output_path)
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)      # the shell's status for a signal
     except (ConvertError, SafetensorsError, ValueError, OSError) as e:
         log.error("error: %s", e)
         return 1
@@ -134,8 +134,13 @@ def main(argv=None):
             signal.signal(signal.SIGTERM, previous)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, unwound like Ctrl-C so that the same cleanup runs."""
+    signum = signal.SIGTERM
+
+
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise _Terminated
 
 
 class _StderrHandler(logging.StreamHandler):

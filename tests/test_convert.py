@@ -446,7 +446,7 @@ def test_next_run_removes_a_dead_runs_partial_folder(qwen, tmp_path, marker):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name])
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])   # 128 + the signal
 def test_interrupted_conversion_cleans_up(big_input, tmp_path, sig, code):
     dst = tmp_path / "out"
     proc = _start(big_input, dst, stderr=subprocess.PIPE, text=True)
