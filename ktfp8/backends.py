@@ -121,7 +121,7 @@ def default_threads(threads=None):
     """Thread count: `threads`, else $KTFP8_NUM_THREADS, else OpenMP's $OMP_NUM_THREADS (its first,
     outermost level), else the cores this process may use.  A set but invalid variable raises
     ValueError naming it (a typo should not silently mean "all cores")."""
-    threads = _requested_threads(threads)
+    threads = requested_threads(threads)
     warn_if_one_thread(threads)
     return threads
 
@@ -155,7 +155,8 @@ def warn_if_one_thread(threads):
                       RuntimeWarning, stacklevel=3)
 
 
-def _requested_threads(threads):
+def requested_threads(threads):
+    """default_threads without its one-thread warning."""
     if threads is None:
         for var in (ENV_THREADS, ENV_OMP_THREADS):
             env = (_getenv(var) or "").strip()

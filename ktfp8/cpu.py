@@ -50,7 +50,7 @@ def report():
         "verdict": verdict,
         "numa_nodes": numa.report(),
         "threads": {"default": backends.usable_cores(), "affinity": backends.affinity_cores(),
-                    "cgroup_cpu_quota": cpu_quota.cpu_quota()},
+                    "cgroup_cpu_quota": cpu_quota.cpu_quota(), "selected": _threads_selected()},
     }
 
 
@@ -68,11 +68,24 @@ def _selected():
         return f"none: {err}"
 
 
+def _threads_selected():
+    """The thread count MoE() takes now without threads= ($KTFP8_NUM_THREADS or $OMP_NUM_THREADS where
+    set), or "none: why" where it refuses what they say."""
+    try:
+        return backends.requested_threads(None)
+    except ValueError as err:
+        return f"none: {err}"
+
+
 def _threads_line(t):
     quota = t["cgroup_cpu_quota"]
     limit = f"cgroup CPU quota {quota:g}" if quota is not None else "no cgroup CPU quota"
-    return (f"Threads without threads=, $KTFP8_NUM_THREADS or $OMP_NUM_THREADS: {t['default']} "
+    line = (f"Threads without threads=, ${backends.ENV_THREADS} or ${backends.ENV_OMP_THREADS}: {t['default']} "
             f"({t['affinity']} CPUs in this process's affinity mask, {limit})")
+    selected = t["selected"]
+    if isinstance(selected, str):
+        return line + f"; MoE() refuses this environment's count: {selected[len('none: '):]}"
+    return line if selected == t["default"] else line + f"; this environment sets {selected}"
 
 
 def _mark(ok):

@@ -42,6 +42,20 @@ def test_json_report_agrees_with_cpuid():
                                           math.ceil(r["threads"]["cgroup_cpu_quota"] or r["threads"]["affinity"]))
 
 
+@pytest.mark.parametrize("value, line_end, selected", [
+    ("3", "; this environment sets 3", 3),
+    ("abc", "; MoE() refuses this environment's count: KTFP8_NUM_THREADS='abc' is not an integer",
+     "none: KTFP8_NUM_THREADS='abc' is not an integer"),
+])
+def test_the_thread_count_this_environment_sets(value, line_end, selected):
+    """What KTFP8_NUM_THREADS makes of MoE()'s thread count, or why MoE() refuses it: the report said
+    nothing, and a typo only surfaced at the first MoE."""
+    env = {**os.environ, "KTFP8_NUM_THREADS": value}
+    lines = [line for line in run("-m", "ktfp8.cpu", env=env).splitlines() if line.startswith("Threads")]
+    assert len(lines) == 1 and lines[0].endswith(line_end)
+    assert json.loads(run("-m", "ktfp8.cpu", "--json", env=env))["threads"]["selected"] == selected
+
+
 def test_a_stdout_without_unicode_gets_ascii_marks():
     """PYTHONIOENCODING=ascii (a pipe or terminal that cannot take the check marks) used to end in a
     UnicodeEncodeError; the same report comes out with words for the marks, the JSON with escapes."""
