@@ -182,7 +182,8 @@ class MoE:
         ids = self._local_ids(topk_ids)
         backends.warn_if_one_thread(self._threads)
         # expert ids >= expert_num are refused there, before anything is written
-        self._kernel.forward(x, ids, topk_weights, out, bool(accumulate), self._act_dtype, self._threads)
+        self._kernel.forward(x, ids, topk_weights, out, bool(accumulate), self._act_dtype, self._threads,
+                             cfg.expert_num)
         return out
 
     def _local_ids(self, topk_ids):

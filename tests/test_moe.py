@@ -97,11 +97,10 @@ def test_runs_of_tiles_do_not_change_results(backend, fmt):
 @pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_long_call_in_token_blocks(backend, fmt):
-    """A call long enough that phase 2 runs in token blocks (moe_driver.c, phase2_blocks: with L2
-    caches of 256 KiB to 2 MiB, 2 to 16 blocks here, where one would leave a group's y accumulator
-    room for less than the layer's two items), each expert's pairs cut at the blocks' edges: equal
-    to the float64 MoE, the same bits on 1, 2 and 3 threads, and out= / accumulate= through every
-    block."""
+    """A call long enough that phase 2 runs in token blocks (moe_driver.c, phase2_blocks: 3 blocks
+    here for the kernels with two down tiles an item, 2 for those with one, on any machine), each
+    expert's pairs cut at the blocks' edges: equal to the float64 MoE, the same bits on 1, 2 and 3
+    threads, and out= / accumulate= through every block."""
     e, h, i, T = 6, 40, 32, 4999
     experts, dense = make_experts(fmt, e, h, i, seed=17)
     rng = np.random.default_rng(17)

@@ -156,6 +156,9 @@ typedef struct ktfp8_moe_call {
     int32_t accumulate;            /* 1: add into y */
     int32_t threads;               /* > 0 */
     int32_t act_dtype;             /* activations given to tile_matmul; normally moe->act_dtype */
+    int64_t layer_experts;         /* the whole layer's expert count, of which shape->experts may be a
+                                    * shard (0: shape->experts); sets phase 2's token blocks alike for
+                                    * every shard (moe_driver.c, phase2_blocks) */
 } ktfp8_moe_call;
 
 #ifdef __cplusplus

@@ -25,6 +25,7 @@ cdef extern from "ktfp8/abi.h":
         int32_t accumulate
         int32_t threads
         int32_t act_dtype
+        int64_t layer_experts
 
 cdef extern from "ktfp8/moe.h":
     int ktfp8_shape_check(const ktfp8_moe_shape *shape)
@@ -103,9 +104,11 @@ cdef class PackedMoE:
         with nogil:
             ktfp8_pack(&self.s, &self.v.moe.layout, src, dst, threads)
 
-    def forward(self, x, topk_ids, topk_weights, y, bint accumulate, int act_dtype, int threads):
+    def forward(self, x, topk_ids, topk_weights, y, bint accumulate, int act_dtype, int threads,
+                int64_t layer_experts=0):
         """y (+)= MoE(x) on `threads` threads.  x, y: float32 or bfloat16 (any 2-byte dtype holding its bits) [T, H] C-contiguous; topk_ids int64,
-        topk_weights float32, both [T, k] C-contiguous."""
+        topk_weights float32, both [T, k] C-contiguous.  layer_experts: the whole layer's expert count
+        where these experts are a shard of it (0: theirs)."""
         if not isinstance(x, cnp.ndarray) or cnp.PyArray_NDIM(<cnp.ndarray>x) != 2 or \
                 not isinstance(topk_ids, cnp.ndarray) or cnp.PyArray_NDIM(<cnp.ndarray>topk_ids) != 2:
             raise ValueError("x and topk_ids must be 2-D numpy arrays")
@@ -125,6 +128,7 @@ cdef class PackedMoE:
         c.accumulate = accumulate
         c.threads = threads
         c.act_dtype = act_dtype
+        c.layer_experts = layer_experts
         if T == 0:
             return
         cdef int rc

@@ -277,24 +277,32 @@ static int64_t group_acc_bytes(void) {
     return l2_kib ? (int64_t)l2_kib * 1024 / 2 : 256 * 1024;
 }
 
-/* Phase-2 items of a group that group_acc_bytes() of y accumulator holds for `tokens` (at least 1). */
-static int64_t group_fit(int64_t tokens, int64_t item_cols) {
-    const int64_t fit = group_acc_bytes() / ((int64_t)sizeof(float) * (tokens > 0 ? tokens : 1) * item_cols);
+/* The accumulator bytes phase2_blocks' model gives a group: half a 1 MiB L2 whatever this CPU's, as
+ * the blocks set the sums' rounding (below) and must come out the same on every machine, and on
+ * every core of a hybrid CPU whose cores report L2s of different sizes. */
+#define PHASE2_MODEL_ACC_BYTES (512 * 1024)
+
+/* Phase-2 items of a group that acc_bytes of y accumulator hold for `tokens` (at least 1). */
+static int64_t group_fit(int64_t acc_bytes, int64_t tokens, int64_t item_cols) {
+    const int64_t fit = acc_bytes / ((int64_t)sizeof(float) * (tokens > 0 ? tokens : 1) * item_cols);
     return fit > 1 ? fit : 1;
 }
 
 /* Phase-2 items per group: a run of the items of all `blocks` token blocks, at most one block's
- * `items`, as far as group_fit allows. */
+ * `items`, as far as group_acc_bytes() of y accumulator holds for `tokens`. */
 static int64_t group_size(int64_t items, int64_t blocks, int threads, int64_t tokens, int64_t item_cols) {
-    int64_t run = run_length(items * blocks, threads, PHASE2_RUNS_PER_THREAD), fit = group_fit(tokens, item_cols);
+    int64_t run = run_length(items * blocks, threads, PHASE2_RUNS_PER_THREAD);
+    const int64_t fit = group_fit(group_acc_bytes(), tokens, item_cols);
     run = run < items ? run : items;
     return fit < run ? fit : run;
 }
 
 /* Phase 2's token blocks (b->block_tokens, b->n_blocks): T cut evenly into the count of blocks, 1 to
- * PHASE2_MAX_BLOCKS, for which phase 2 moves the fewest bytes by this model: every active expert's
- * down weights once a block, and all of a block's h once for each of its groups, a group as many
- * items as group_fit allows for a block's tokens.  One block unless that saves a tenth.
+ * PHASE2_MAX_BLOCKS, for which phase 2 moves the fewest bytes by this model: the down weights of the
+ * experts T tokens can reach (all of the layer's, or T x top_k) once a block, and the h rows of all
+ * T x top_k pairs once for each group of their block, a group as many items as
+ * PHASE2_MODEL_ACC_BYTES of accumulator hold for a block's tokens.  One block unless that saves a
+ * tenth.
  * Why blocks: a group's y accumulator holds all of its tokens, so a long call's groups shrink (to one
  * item at T = 4096 on the benchmark layer), and each group reads all of h again (52 MB at T = 4096,
  * past this VM's L3, 64 times a call); a block's groups are 8 items again, and its h rows (6.5 MB)
@@ -305,18 +313,24 @@ static int64_t group_size(int64_t items, int64_t blocks, int threads, int64_t to
  * (block-wise 0.950x, BF16 weights 0.986x, avx2 0.959x), 1024 0.999x (one block by the model; blocks
  * of 512 took 0.984x), 512 1.002x-1.005x, 64 0.996x, 1 1.003x (one block); a DeepSeek-V3-shaped layer
  * of 32 experts: T = 2048 0.975x, 1024 0.919x.
- * The model leaves out the thread count, as a block's pairs of an expert are the rows of one kernel
- * call, whose passes, and so the sums' rounding, follow from its row count: the results must not
- * depend on the threads.  It leaves out the caches too. */
+ * A block's pairs of an expert are the rows of one kernel call, whose passes, and so the sums'
+ * rounding, follow from its row count.  So the model reads T and the layer's shape only: not the
+ * thread count, not this CPU's L2, not the routing (what a call's ids route where, or skip), nor
+ * which experts a shard holds (the layer's expert count, c->layer_experts), so that a token whose
+ * experts all live in one shard gets the same bits from it as from the whole layer.  It leaves out
+ * the caches too. */
 static void phase2_blocks(const ktfp8_moe_call *c, call_buffers *b, const phase2_shape *p) {
-    const int64_t T = c->tokens > 0 ? c->tokens : 1;
-    const double weights = p->expert_bytes * (double)b->n_active, h = p->h_row_bytes * (double)b->n_pairs;
+    const int64_t T = c->tokens > 0 ? c->tokens : 1, pairs = T * c->top_k;
+    const int64_t experts = c->layer_experts > 0 ? c->layer_experts : c->shape->experts;
+    const double weights = p->expert_bytes * (double)(experts < pairs ? experts : pairs);
+    const double h = p->h_row_bytes * (double)pairs;
     double one = 0.0, best = 0.0;
     int64_t best_tokens = T;
     /* a group of every item already fits (decode, short prefills): one block */
-    for (int64_t n = 1; n <= PHASE2_MAX_BLOCKS && n <= T && group_fit(T, p->item_cols) < p->items; n++) {
+    for (int64_t n = 1; n <= PHASE2_MAX_BLOCKS && n <= T && group_fit(PHASE2_MODEL_ACC_BYTES, T, p->item_cols) < p->items;
+         n++) {
         const int64_t tokens = (T + n - 1) / n, blocks = (T + tokens - 1) / tokens;
-        int64_t group = group_fit(tokens, p->item_cols);
+        int64_t group = group_fit(PHASE2_MODEL_ACC_BYTES, tokens, p->item_cols);
         group = group < p->items ? group : p->items;
         const double bytes = weights * (double)blocks + h * (double)((p->items + group - 1) / group);
         if (n == 1) one = best = bytes;
@@ -467,7 +481,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     {
         const unsigned csr = ktfp8_fpenv_ieee();
         /* this thread's gate / up results [max_m][NB] (together the down results [max_m][DW * NB]),
-         * its y accumulator [T][group * DW * NB] and the kernel's scratch */
+         * its y accumulator [block_tokens][group * DW * NB] and the kernel's scratch */
         char *tbuf = ktfp8_arena_get(KTFP8_ARENA_TILE, 2 * gu_bytes + yacc_bytes + ALIGN64(scratch_bytes));
         float *gbuf = (float *)tbuf, *ubuf = (float *)(tbuf + gu_bytes), *yacc = (float *)(tbuf + 2 * gu_bytes);
         void *scratch = scratch_bytes && tbuf ? tbuf + 2 * gu_bytes + yacc_bytes : NULL;
