@@ -104,7 +104,10 @@ def _config_errors():
 
 
 def _cannot_load(folder, error):
-    return _Failure(f"{folder}: cannot load the model: {error}", 1)
+    text = str(error)
+    if text.startswith(f"{folder}: "):       # from_pretrained's own errors name the folder first too
+        text = text[len(f"{folder}: "):]
+    return _Failure(f"{folder}: cannot load the model: {text}", 1)
 
 
 def load(folder, threads):

@@ -823,7 +823,8 @@ CASES = [
          "the checkpoint does not fit its config.json:"),
     Case("python -m ktfp8.generate", "a BF16 folder whose config.json gives another vocab_size",
          lambda c: _generate(c, "--model", str(_vocab_changed(c, fp8=False)), "--prompt-ids", "1"), 1,
-         "weight(s) of another shape than config.json gives, e.g. lm_head.weight (16, 16) in the checkpoint"),
+         "whole_bf16_vocab: cannot load the model: the checkpoint does not fit its config.json: 2 weight(s) of "
+         "another shape than config.json gives, e.g. lm_head.weight (16, 16) in the checkpoint"),
     Case("python -m ktfp8.generate", "--prompt-ids not integers",
          lambda c: _generate(c, "--model", str(c.ckpt), "--prompt-ids", "1,a"), 2,
          "expected comma-separated token ids"),
