@@ -9,8 +9,8 @@
  *      groups of adjacent items (of one token block's tokens: a long call's phase 2 runs in token
  *      blocks, phase2_blocks): for every active expert in id order, for every item of the group,
  *      z = h @ down_tile^T, and y[token] += weight * z, accumulated in FP32 in a contiguous
- *      [block's tokens][group x DW x NB] block of the thread (y's own rows are H floats apart: one page per
- *      token) and written to y once.  Two tiles per item give the kernel two weight streams over
+ *      [block's tokens][group x DW x NB] block of the thread (y's own rows are H floats apart: one
+ *      page per token) and written to y once.  Two tiles per item give the kernel two weight streams over
  *      the same h rows (AMX: 2 A x 2 B -> 4 C tiles, as for gate and up); a group makes each
  *      expert's read one contiguous run of tiles and reuses its h rows from cache (group_size).
  *      Each group owns its tokens x columns of y and visits the experts of each in id order, so no
@@ -327,8 +327,8 @@ static void phase2_blocks(const ktfp8_moe_call *c, call_buffers *b, const phase2
     double one = 0.0, best = 0.0;
     int64_t best_tokens = T;
     /* a group of every item already fits (decode, short prefills): one block */
-    for (int64_t n = 1; n <= PHASE2_MAX_BLOCKS && n <= T && group_fit(PHASE2_MODEL_ACC_BYTES, T, p->item_cols) < p->items;
-         n++) {
+    const int all_fit = group_fit(PHASE2_MODEL_ACC_BYTES, T, p->item_cols) >= p->items;
+    for (int64_t n = 1; !all_fit && n <= PHASE2_MAX_BLOCKS && n <= T; n++) {
         const int64_t tokens = (T + n - 1) / n, blocks = (T + tokens - 1) / tokens;
         int64_t group = group_fit(PHASE2_MODEL_ACC_BYTES, tokens, p->item_cols);
         group = group < p->items ? group : p->items;
@@ -551,7 +551,8 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
         for (int64_t w = 0; w < b.n_blocks * groups2; w++) {
             if (!ok) continue;
             const int64_t tb = w / groups2, g = w % groups2;
-            const int64_t t0 = tb * b.block_tokens, t1 = t0 + b.block_tokens < c->tokens ? t0 + b.block_tokens : c->tokens;
+            const int64_t t0 = tb * b.block_tokens;
+            const int64_t t1 = t0 + b.block_tokens < c->tokens ? t0 + b.block_tokens : c->tokens;
             const int64_t *start = b.block_start + tb * b.n_active, *end = start + b.n_active;
             const int64_t it0 = g * group, it1 = it0 + group < items2 ? it0 + group : items2;
             const int64_t g0 = it0 * dcols, gc = H - g0 < (it1 - it0) * dcols ? H - g0 : (it1 - it0) * dcols;
