@@ -65,7 +65,7 @@ def test_partial_outputs_sum_to_the_whole(layer, backend, n):
 def test_tokens_routed_inside_one_shard_are_bit_identical(layer, backend, T):
     """When all of a token's experts live in one shard, its row is that shard's row, bit for bit
     (the other shards add exact zeros), in float32 and bfloat16.  T = 1500 runs phase 2 in token
-    blocks (moe_driver.c, phase2_blocks), which must come out the same for a shard as for the whole
+    blocks (moe_driver.c, phase2_block_tokens), which must come out the same for a shard as for the whole
     layer: the first shard gets a twentieth of the tokens, the others the rest in turn."""
     fmt, cfg, experts, _ = layer
     parts = SPLITS[3]

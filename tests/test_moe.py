@@ -97,7 +97,7 @@ def test_runs_of_tiles_do_not_change_results(backend, fmt):
 @pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_long_call_in_token_blocks(backend, fmt):
-    """A call long enough that phase 2 runs in token blocks (moe_driver.c, phase2_blocks: 3 blocks
+    """A call long enough that phase 2 runs in token blocks (moe_driver.c, phase2_block_tokens: 3 blocks
     here for the kernels with two down tiles an item, 2 for those with one, on any machine), each
     expert's pairs cut at the blocks' edges: equal to the float64 MoE, the same bits on 1, 2 and 3
     threads, and out= / accumulate= through every block."""

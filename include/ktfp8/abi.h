@@ -158,7 +158,7 @@ typedef struct ktfp8_moe_call {
     int32_t act_dtype;             /* activations given to tile_matmul; normally moe->act_dtype */
     int64_t layer_experts;         /* the whole layer's expert count, of which shape->experts may be a
                                     * shard (0: shape->experts); sets phase 2's token blocks alike for
-                                    * every shard (moe_driver.c, phase2_blocks) */
+                                    * every shard (moe_driver.c, phase2_block_tokens) */
 } ktfp8_moe_call;
 
 #ifdef __cplusplus

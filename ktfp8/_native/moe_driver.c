@@ -7,7 +7,8 @@
  *      h = silu(g) * u in FP32, rounded once to the activation dtype for the down projection;
  *   2. items (hidden tile, or two adjacent ones when the kernel has tile_matmul2), handed out in
  *      groups of adjacent items (of one token block's tokens: a long call's phase 2 runs in token
- *      blocks, phase2_blocks): for every active expert in id order, for every item of the group,
+ *      blocks, phase2_block_tokens): for every active expert in id order, for every item of the
+ *      group,
  *      z = h @ down_tile^T, and y[token] += weight * z, accumulated in FP32 in a contiguous
  *      [block's tokens][group x DW x NB] block of the thread (y's own rows are H floats apart: one
  *      page per token) and written to y once.  Two tiles per item give the kernel two weight streams over
@@ -66,7 +67,7 @@
  * 0.97x, T = 1 0.97x-1.00x; T = 512 on BF16 weights 0.99x, block-wise 1.01x.  A quarter as many runs
  * as phase 1 (16 items, 16 down tiles a group at T = 512): 1.02x the time of half as many. */
 #define PHASE2_RUNS_PER_THREAD 4
-/* Most token blocks phase 2 cuts a call into (phase2_blocks). */
+/* Most token blocks phase 2 cuts a call into (phase2_block_tokens). */
 #define PHASE2_MAX_BLOCKS 32
 /* Lines of a job's weights requested before the kernel runs it.  The kernels prefetch a fixed
  * distance ahead within a tile, so without this each tile starts on demand misses; with it the
@@ -87,10 +88,10 @@ typedef struct call_buffers {
                             * phase-2 token block tb or later (block_starts) */
     int64_t x_stride, h_stride; /* elements */
     int64_t n_pairs, n_active, max_m;
-    int64_t block_tokens, n_blocks; /* phase 2's token blocks (phase2_blocks) */
+    int64_t block_tokens, n_blocks; /* phase 2's token blocks (phase2_block_tokens) */
 } call_buffers;
 
-/* What phase 2's token blocks are chosen by (phase2_blocks). */
+/* What phase 2's token blocks are chosen by (phase2_block_tokens). */
 typedef struct phase2_shape {
     int64_t items, item_cols; /* phase-2 items of one token block, y columns per item */
     double expert_bytes;      /* one expert's packed down weights and scales */
@@ -144,25 +145,24 @@ static void block_starts(call_buffers *b) {
     }
 }
 
-static void phase2_blocks(const ktfp8_moe_call *c, call_buffers *b, const phase2_shape *p);
-
-/* Carves every per-call buffer out of one arena allocation, groups the pairs and cuts phase 2's
- * token blocks.  The gathered rows and h get row_pad - 1 rows of zeros after the last pair's: a
- * kernel that reads row_pad rows at a time (layout.row_pad) may read that far past its last
- * expert's rows. */
+/* Carves every per-call buffer out of one arena allocation, groups the pairs and finds where each
+ * phase-2 token block of block_tokens tokens starts in each expert's pairs.  The gathered rows and h
+ * get row_pad - 1 rows of zeros after the last pair's: a kernel that reads row_pad rows at a time
+ * (layout.row_pad) may read that far past its last expert's rows. */
 static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t esz, int64_t row_pad,
-                        phase2_shape p2, call_buffers *b) {
+                        int64_t block_tokens, call_buffers *b) {
     const int64_t E = c->shape->experts;
     const int64_t routed = routed_pairs(c);
     if (routed < 0) return (int)routed;
     const size_t n = (size_t)routed, pad = (size_t)(row_pad > 1 ? row_pad - 1 : 0);
     b->x_stride = ktfp8_row_stride(Hp, esz);
     b->h_stride = ktfp8_row_stride(Ip, esz);
-    const int64_t most_blocks = c->tokens < PHASE2_MAX_BLOCKS ? c->tokens : PHASE2_MAX_BLOCKS;
+    b->block_tokens = block_tokens;
+    b->n_blocks = (c->tokens + block_tokens - 1) / block_tokens;
     const size_t sizes[] = {
         sizeof(int64_t) * (size_t)(E + 1), sizeof(int64_t) * (size_t)E, sizeof(int64_t) * (size_t)E,
         sizeof(int64_t) * n, sizeof(float) * n, esz * (n + pad) * (size_t)b->x_stride,
-        esz * (n + pad) * (size_t)b->h_stride, sizeof(int64_t) * (size_t)(most_blocks + 1) * (size_t)E};
+        esz * (n + pad) * (size_t)b->h_stride, sizeof(int64_t) * (size_t)(b->n_blocks + 1) * (size_t)E};
     enum { N_BUFS = sizeof(sizes) / sizeof(sizes[0]) };
     size_t total = 0;
     for (int i = 0; i < N_BUFS; i++) total += ALIGN64(sizes[i]);
@@ -185,8 +185,6 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     memset((char *)b->h + esz * n * (size_t)b->h_stride, 0, esz * pad * (size_t)b->h_stride);
     b->n_pairs = routed;
     group_pairs(c, b);
-    p2.h_row_bytes = (double)(esz * (size_t)b->h_stride);
-    phase2_blocks(c, b, &p2);
     block_starts(b);
     return 0;
 }
@@ -277,9 +275,9 @@ static int64_t group_acc_bytes(void) {
     return l2_kib ? (int64_t)l2_kib * 1024 / 2 : 256 * 1024;
 }
 
-/* The accumulator bytes phase2_blocks' model gives a group: half a 1 MiB L2 whatever this CPU's, as
- * the blocks set the sums' rounding (below) and must come out the same on every machine, and on
- * every core of a hybrid CPU whose cores report L2s of different sizes. */
+/* The accumulator bytes phase2_block_tokens' model gives a group: half a 1 MiB L2 whatever this
+ * CPU's, as the blocks set the sums' rounding (below) and must come out the same on every machine,
+ * and on every core of a hybrid CPU whose cores report L2s of different sizes. */
 #define PHASE2_MODEL_ACC_BYTES (512 * 1024)
 
 /* Phase-2 items of a group that acc_bytes of y accumulator hold for `tokens` (at least 1). */
@@ -297,7 +295,7 @@ static int64_t group_size(int64_t items, int64_t blocks, int threads, int64_t to
     return fit < run ? fit : run;
 }
 
-/* Phase 2's token blocks (b->block_tokens, b->n_blocks): T cut evenly into the count of blocks, 1 to
+/* Tokens per phase-2 token block (T: one block): T cut evenly into the count of blocks, 1 to
  * PHASE2_MAX_BLOCKS, for which phase 2 moves the fewest bytes by this model: the down weights of the
  * experts T tokens can reach (all of the layer's, or T x top_k) once a block, and the h rows of all
  * T x top_k pairs once for each group of their block, a group as many items as
@@ -319,7 +317,7 @@ static int64_t group_size(int64_t items, int64_t blocks, int threads, int64_t to
  * which experts a shard holds (the layer's expert count, c->layer_experts), so that a token whose
  * experts all live in one shard gets the same bits from it as from the whole layer.  It leaves out
  * the caches too. */
-static void phase2_blocks(const ktfp8_moe_call *c, call_buffers *b, const phase2_shape *p) {
+static int64_t phase2_block_tokens(const ktfp8_moe_call *c, const phase2_shape *p) {
     const int64_t T = c->tokens > 0 ? c->tokens : 1, pairs = T * c->top_k;
     const int64_t experts = c->layer_experts > 0 ? c->layer_experts : c->shape->experts;
     const double weights = p->expert_bytes * (double)(experts < pairs ? experts : pairs);
@@ -339,9 +337,7 @@ static void phase2_blocks(const ktfp8_moe_call *c, call_buffers *b, const phase2
             best_tokens = tokens;
         }
     }
-    if (best > 0.9 * one) best_tokens = T;
-    b->block_tokens = best_tokens;
-    b->n_blocks = (c->tokens + best_tokens - 1) / best_tokens;
+    return best > 0.9 * one ? T : best_tokens;
 }
 
 /* The magnitude of the FP32 number with these bits, as an int32 that orders like magnitudes do; 0
@@ -436,10 +432,10 @@ static void y_columns_store(const ktfp8_moe_call *c, int64_t t0, int64_t t1, int
         ktfp8_store_row((char *)c->y + ysz * (size_t)(t * H + n0), c->x_dtype, acc + (t - t0) * acc_stride, cols);
 }
 
-/* The first active expert from index a on with pairs in token block tb (n_active if none). */
-static int64_t next_in_block(const call_buffers *b, int64_t tb, int64_t a) {
-    const int64_t *start = b->block_start + tb * b->n_active, *end = start + b->n_active;
-    while (a < b->n_active && start[a] == end[a]) a++;
+/* The first of n active experts from index a on with pairs in a token block, whose pairs of active
+ * expert i are start[i] .. end[i] - 1 (n if none). */
+static int64_t next_in_block(const int64_t *start, const int64_t *end, int64_t n, int64_t a) {
+    while (a < n && start[a] == end[a]) a++;
     return a;
 }
 
@@ -464,9 +460,10 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     const int64_t tiles2 = down->n_tiles, items2 = (tiles2 + dw - 1) / dw;
     const phase2_shape p2 = {
         .items = items2, .item_cols = dcols,
-        .expert_bytes = (double)tiles2 * (double)(down->tile_w_bytes + sizeof(float) * down->tile_scale_floats)};
+        .expert_bytes = (double)tiles2 * (double)(down->tile_w_bytes + sizeof(float) * down->tile_scale_floats),
+        .h_row_bytes = (double)(esz * (size_t)ktfp8_row_stride(Ip, esz))};
     call_buffers b;
-    int rc = prepare_call(c, Hp, Ip, esz, kern->layout.row_pad, p2, &b);
+    int rc = prepare_call(c, Hp, Ip, esz, kern->layout.row_pad, phase2_block_tokens(c, &p2), &b);
     if (rc) return rc;
 
     const size_t scratch_bytes = kern->tile_scratch_bytes ? kern->tile_scratch_bytes(Hp > Ip ? Hp : Ip) : 0;
@@ -557,8 +554,9 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
             const int64_t it0 = g * group, it1 = it0 + group < items2 ? it0 + group : items2;
             const int64_t g0 = it0 * dcols, gc = H - g0 < (it1 - it0) * dcols ? H - g0 : (it1 - it0) * dcols;
             y_columns_load(c, t0, t1, g0, gc, yacc, gcols);
-            for (int64_t a = next_in_block(&b, tb, 0), first = a; a < b.n_active;) {
-                const int64_t e = b.active[a], p0 = start[a], m = end[a] - p0, a_next = next_in_block(&b, tb, a + 1);
+            for (int64_t a = next_in_block(start, end, b.n_active, 0), first = a; a < b.n_active;) {
+                const int64_t e = b.active[a], p0 = start[a], m = end[a] - p0;
+                const int64_t a_next = next_in_block(start, end, b.n_active, a + 1);
                 const void *hrows = (const char *)b.h + esz * (size_t)(p0 * b.h_stride);
                 for (int64_t it = it0; it < it1; it++) {
                     const int64_t tile = it * dw, n0 = tile * nb, cols = H - n0 < dcols ? H - n0 : dcols;
