@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from ..backends import default_threads
+from ..backends import requested_threads
 from ..config import MoeConfig, QuantConfig
 from ..experts import quantize_experts
 from . import op
@@ -232,7 +232,7 @@ def prepare(model, quant_config=None, *, threads=None):
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     if threads is not None:
-        default_threads(threads)      # refused before anything changes, prepared layers or not
+        requested_threads(threads)    # refused before anything changes, prepared layers or not
     check_model_type(model.config)
     check_activation_dtype(model.dtype)
     spec = quant_config
