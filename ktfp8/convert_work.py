@@ -108,16 +108,15 @@ def _source_index(chunk, row, col):
 def _check_weights(chunk, weights):
     """Refuses a NaN or Inf among the values to quantize: E4M3 has no infinity (Inf would be saturated to
     448 x the row's scale, a finite wrong weight) and a NaN weight turns every output of its row NaN."""
-    if fp8.all_finite(weights):
+    at = fp8.first_non_finite(weights)
+    if at is None:
         return
+    row, col = at
     item = chunk.item
-    row, col = (int(i) for i in np.argwhere(~np.isfinite(weights.astype(np.float32)))[0])
-    value = float(weights[row, col])
     where = f"tensor {item.src!r}" + (f" dequantized with {item.src_scale!r}" if item.src_scale else "")
     whose = f" ({item.out})" if item.fused else ""
-    raise SafetensorsError(f"{where} holds {value} at {_source_index(chunk, row, col)}{whose}; only finite "
-                           f"weights can be quantized (FP8 E4M3 has no infinity, and a NaN weight makes every "
-                           f"output of its row NaN)")
+    raise SafetensorsError(f"{where} holds {float(weights[row, col])} at {_source_index(chunk, row, col)}{whose}; "
+                           f"{fp8.NON_FINITE_WEIGHTS}")
 
 
 def _check_scales(name, scale, first_row=0):

@@ -233,12 +233,10 @@ def _check_finite(w, name):
     from . import fp8
 
     for e, matrix in enumerate(w if w.ndim == 3 else [w]):
-        if not fp8.all_finite(matrix):
-            at = [int(i) for i in np.argwhere(~np.isfinite(matrix.astype(np.float32)))[0]]
+        at = fp8.first_non_finite(matrix)
+        if at is not None:
             where = [e, *at] if w.ndim == 3 else at
-            raise ValueError(f"{name} holds {float(matrix[tuple(at)])} at {where}; only finite weights can be "
-                             f"quantized (FP8 E4M3 has no infinity, and a NaN weight makes every output of its "
-                             f"row NaN)")
+            raise ValueError(f"{name} holds {float(matrix[tuple(at)])} at {where}; {fp8.NON_FINITE_WEIGHTS}")
 
 
 @accepts_tensors(main=None)

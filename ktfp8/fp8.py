@@ -133,6 +133,19 @@ def all_finite(values):
     return bits.view(signed).max() < inf and bits.view(unsigned).max() < (sign | inf)
 
 
+def first_non_finite(values):
+    """The index (a list of ints) of the first NaN or Inf of a BF16 / F16 / F32 array in C order, or
+    None where all_finite: the quick test first, the search only where it fails."""
+    if all_finite(values):
+        return None
+    return [int(i) for i in np.argwhere(~np.isfinite(values.astype(np.float32)))[0]]
+
+
+# Why quantize_experts and python -m ktfp8.convert refuse a NaN or Inf weight: the end of their message.
+NON_FINITE_WEIGHTS = ("only finite weights can be quantized (FP8 E4M3 has no infinity, and a NaN weight makes "
+                      "every output of its row NaN)")
+
+
 def check_float_array(a, name):
     """The C side's code for a's dtype; TypeError naming `name` unless `a` is a float32, bfloat16 or
     float16 array (what encode and quantize take)."""
