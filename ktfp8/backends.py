@@ -13,7 +13,7 @@ import numbers
 import os
 import warnings
 
-from . import cpu_quota
+from . import cpu_quota, numa
 from ._native import _ext
 from .config import check_threads
 
@@ -119,7 +119,7 @@ def resolve_backend(name=None):
 
 def default_threads(threads=None):
     """Thread count: `threads`, else $KTFP8_NUM_THREADS, else OpenMP's $OMP_NUM_THREADS (its first,
-    outermost level), else the cores this process may use.  A set but invalid variable raises
+    outermost level), else the cores this process may use (usable_cores).  A set but invalid variable raises
     ValueError naming it (a typo should not silently mean "all cores")."""
     threads = requested_threads(threads)
     warn_if_one_thread(threads)
@@ -127,14 +127,18 @@ def default_threads(threads=None):
 
 
 def affinity_cores():
-    """The CPUs in this process's affinity mask (taskset, cgroups' cpusets)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The cores that hold the CPUs in this process's affinity mask (taskset, cgroups' cpusets): an SMT
+    core's two hardware threads are two CPUs and one core (numa.cores_of)."""
+    return len(numa.cores_of_affinity())
 
 
 def usable_cores():
     """The cores this process may run on (affinity_cores), and no more than its cgroup CPU quota
     allows, rounded up (cpu_quota.py: a container's --cpus, a Kubernetes CPU limit): the default
-    thread count.  os.cpu_count() counts the machine's."""
+    thread count.  One thread per core, as PyTorch's and llama.cpp's defaults: a core's second hardware
+    thread adds no multiply units or AMX unit for a prefill, and shares the core's L1 miss buffers, which
+    bound its decode stream (docs/tuning-notes.md); $KTFP8_NUM_THREADS sets any other count.
+    os.cpu_count() counts the machine's CPUs."""
     cores = affinity_cores()
     quota = cpu_quota.quota_cpus()
     return min(cores, quota) if quota else cores

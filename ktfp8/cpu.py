@@ -49,7 +49,8 @@ def report():
         "selected_backend": selected,
         "verdict": verdict,
         "numa_nodes": numa.report(),
-        "threads": {"default": backends.usable_cores(), "affinity": backends.affinity_cores(),
+        "threads": {"default": backends.usable_cores(), "affinity": len(numa.affinity_cpus()),
+                    "affinity_cores": backends.affinity_cores(),
                     "cgroup_cpu_quota": cpu_quota.cpu_quota(), "selected": _threads_selected()},
     }
 
@@ -81,7 +82,8 @@ def _threads_line(t):
     quota = t["cgroup_cpu_quota"]
     limit = f"cgroup CPU quota {quota:g}" if quota is not None else "no cgroup CPU quota"
     line = (f"Threads without threads=, ${backends.ENV_THREADS} or ${backends.ENV_OMP_THREADS}: {t['default']} "
-            f"({t['affinity']} CPUs in this process's affinity mask, {limit})")
+            f"(one per core: {t['affinity_cores']} cores hold the {t['affinity']} CPUs in this process's "
+            f"affinity mask; {limit})")
     selected = t["selected"]
     if isinstance(selected, str):
         return line + f"; MoE() refuses this environment's count: {selected[len('none: '):]}"

@@ -1,11 +1,13 @@
 """NUMA placement: which CPUs and memory each node has, which experts each node's thread team (or
-rank) holds, and pinning so that a team's packed experts are first-touched on its own node.
+rank) holds, and pinning so that a team's packed experts are first-touched on its own node; and
+which cores hold a set of CPUs, since a thread team takes one thread per core (cores_of).
 
 On a two-socket server a thread reading the other socket's memory gets a fraction of the bandwidth,
 and decode is bandwidth-bound.  Linux places an anonymous page on the node of the CPU that first
 writes it, so a thread team pinned to a node *before* it packs (MoE.__init__ writes the packed copy)
 keeps its experts local, without libnuma.  The topology comes from /sys/devices/system/node (the root
 is a parameter, so tests can fake a machine); without it, the machine is one node."""
+import functools
 import numbers
 import os
 import re
@@ -21,6 +23,7 @@ from . import cpu_quota
 from .experts import split_experts
 
 NODE_ROOT = "/sys/devices/system/node"
+CPU_ROOT = "/sys/devices/system/cpu"        # cpuN/topology: the core of each CPU (cores_of)
 _NODE_DIR = re.compile(r"^node(\d+)$")
 _MEM_TOTAL = re.compile(r"MemTotal:\s*(\d+)\s*kB")
 # The highest CPU number taken (in a cpulist, a node, pin).  Linux is built for at most 8192 CPUs (NR_CPUS;
@@ -69,7 +72,7 @@ def topology(root=NODE_ROOT):
     root = Path(root)
     dirs = sorted((int(m[1]), p) for p in root.glob("node*") if (m := _NODE_DIR.match(p.name)))
     if not root.is_dir() or not dirs:
-        return [NumaNode(0, tuple(sorted(_allowed_cpus())))]
+        return [NumaNode(0, tuple(sorted(affinity_cpus())))]
     nodes = []
     for node_id, path in dirs:
         cpulist = path / "cpulist"
@@ -80,8 +83,51 @@ def topology(root=NODE_ROOT):
     return nodes
 
 
-def _allowed_cpus():
+def affinity_cpus():
+    """The CPUs this process may run on: its affinity mask (taskset, cgroups' cpusets)."""
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def cores_of(cpus, root=None):
+    """`cpus` grouped by the core that holds them: a tuple of cores, each the tuple of its CPUs among
+    `cpus`, in CPU order.  Linux numbers an SMT core's hardware threads (Intel's Hyper-Threading, AMD's
+    SMT) as CPUs of their own, sharing the core's execution units, its L1 and L2 and its AMX unit, and
+    usually far apart (CPUs 0-55 the first threads of a 56-core socket, 56-111 their siblings).  A
+    core's CPUs come from <root>/cpuN/topology/core_cpus_list (thread_siblings_list before Linux 5.7),
+    root defaulting to CPU_ROOT; a CPU whose topology cannot be read is a core of its own."""
+    return _cores_of(frozenset(_cpu_set("cpus", cpus)), root or CPU_ROOT)
+
+
+def cores_of_affinity():
+    """cores_of(affinity_cpus()), the CPU numbers from the kernel taken as they are: the default thread
+    count asks on every codec call."""
+    return _cores_of(frozenset(affinity_cpus()), CPU_ROOT)
+
+
+@functools.lru_cache(maxsize=32)
+def _cores_of(cpus, root):
+    """cores_of, remembered per CPU set: sysfs costs tens of microseconds per CPU, and the default thread
+    count asks on every codec call."""
+    cores = {}
+    for cpu in sorted(cpus):
+        cores.setdefault(_core_cpus(root, cpu), []).append(cpu)
+    return tuple(tuple(core) for core in cores.values())
+
+
+def _core_cpus(root, cpu):
+    """Every CPU of the core holding `cpu` (online or not, allowed or not), as sysfs lists them."""
+    topology = Path(root) / f"cpu{cpu}" / "topology"
+    for name in ("core_cpus_list", "thread_siblings_list"):
+        try:
+            siblings = parse_cpulist((topology / name).read_text(), str(topology / name))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):       # unreadable or garbled: the CPU counts as a core
+            break
+        if cpu in siblings:
+            return frozenset(siblings)
+        break
+    return frozenset((cpu,))
 
 
 def plan(expert_num, nodes=None, allowed_cpus=None):
@@ -95,7 +141,8 @@ def plan(expert_num, nodes=None, allowed_cpus=None):
 def rank_cpus(local_rank, local_world_size, nodes=None, allowed_cpus=None):
     """(node ids, CPUs) of rank `local_rank` of the `local_world_size` ranks on this machine.
     As many ranks as nodes (the intended layout): one node each.  Fewer ranks: each takes a contiguous
-    group of nodes.  More: the ranks on a node split its CPUs into contiguous, even parts."""
+    group of nodes.  More: the ranks on a node split its cores (cores_of; its CPUs where it has fewer
+    cores than ranks) into contiguous, even parts."""
     for name, v in (("local_rank", local_rank), ("local_world_size", local_world_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
@@ -111,8 +158,10 @@ def rank_cpus(local_rank, local_world_size, nodes=None, allowed_cpus=None):
     sharing = [r for r in range(local_world_size) if r * len(teams) // local_world_size == index]
     if len(sharing) > len(cpus):
         raise ValueError(f"{len(sharing)} ranks on NUMA node {node} but it has only {len(cpus)} usable CPUs")
-    share = split_experts(len(cpus), len(sharing), name="ranks on the node")[sharing.index(local_rank)]
-    return (node,), cpus[share.start:share.stop]
+    cores = cores_of(cpus)     # whole cores to each rank where there are enough: no two ranks on one core
+    units = cores if len(cores) >= len(sharing) else tuple((cpu,) for cpu in cpus)
+    share = split_experts(len(units), len(sharing), name="ranks on the node")[sharing.index(local_rank)]
+    return (node,), tuple(sorted(cpu for unit in units[share.start:share.stop] for cpu in unit))
 
 
 def pin_local_rank(nodes=None):
@@ -135,7 +184,7 @@ def pin_local_rank(nodes=None):
 def _usable(nodes, allowed_cpus):
     """[(node id, its CPUs this process may use)] for the nodes that have any."""
     nodes = topology() if nodes is None else _check_nodes(nodes)
-    allowed = _allowed_cpus() if allowed_cpus is None else _cpu_set("allowed_cpus", allowed_cpus)
+    allowed = affinity_cpus() if allowed_cpus is None else _cpu_set("allowed_cpus", allowed_cpus)
     teams = [(n.id, tuple(c for c in n.cpus if c in allowed)) for n in nodes]
     teams = [(node, cpus) for node, cpus in teams if cpus]
     if not teams:
@@ -196,16 +245,16 @@ def pin(cpus):
 
 
 def team_threads(placements, quota=None):
-    """Each team's thread count: its CPUs, or, where the cgroup CPU quota (`quota`, default this
-    process's: cpu_quota.py) is smaller than all of them together, the quota's CPUs shared in
-    proportion to the teams' CPUs (largest remainders first), at least one each."""
-    cpus = [len(p.cpus) for p in placements]
+    """Each team's thread count: one per core of its CPUs (cores_of), or, where the cgroup CPU quota
+    (`quota`, default this process's: cpu_quota.py) is smaller than all of them together, the quota's
+    CPUs shared in proportion to the teams' cores (largest remainders first), at least one each."""
+    cores = [len(cores_of(p.cpus)) for p in placements]
     quota = cpu_quota.quota_cpus() if quota is None else quota
-    if quota is None or quota >= sum(cpus):
-        return cpus
-    shares = [quota * c / sum(cpus) for c in cpus]
+    if quota is None or quota >= sum(cores):
+        return cores
+    shares = [quota * c / sum(cores) for c in cores]
     threads = [int(share) for share in shares]
-    by_remainder = sorted(range(len(cpus)), key=lambda i: threads[i] - shares[i])
+    by_remainder = sorted(range(len(cores)), key=lambda i: threads[i] - shares[i])
     for i in by_remainder[:quota - sum(threads)]:
         threads[i] += 1
     return [max(1, t) for t in threads]
@@ -214,7 +263,7 @@ def team_threads(placements, quota=None):
 class NumaMoE:
     """One MoE layer split over NUMA nodes inside one process: per node a thread pinned to that node's
     CPUs packs the node's contiguous share of the experts (first touch: the pages land on the node)
-    and runs it with an OpenMP team of those CPUs (fewer within a cgroup CPU quota: team_threads); a
+    and runs it with an OpenMP team of a thread per core (fewer within a cgroup CPU quota: team_threads); a
     call sums the teams' float32 partial outputs.
     On a one-node machine this is one MoE with extra steps: use MoE there."""
 
@@ -268,7 +317,7 @@ class NumaMoE:
 def report(root=NODE_ROOT):
     """The NUMA layout for `python -m ktfp8.cpu`: nodes with CPUs and memory, and the CPUs this
     process may use on each."""
-    allowed = _allowed_cpus()
+    allowed = affinity_cpus()
     return [{"node": n.id, "cpus": format_cpulist(n.cpus), "usable_cpus": format_cpulist(
         [c for c in n.cpus if c in allowed]), "memory_bytes": n.memory_bytes} for n in topology(root)]
 

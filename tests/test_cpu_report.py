@@ -38,7 +38,8 @@ def test_json_report_agrees_with_cpuid():
     assert r["usable_backends"] == ktfp8.available_backends()
     assert r["compiled_variants"] == backends.compiled_variants()
     assert r["threads"]["affinity"] == len(os.sched_getaffinity(0))
-    assert r["threads"]["default"] == min(r["threads"]["affinity"],
+    assert r["threads"]["affinity_cores"] == backends.affinity_cores() <= r["threads"]["affinity"]
+    assert r["threads"]["default"] == min(r["threads"]["affinity_cores"],
                                           math.ceil(r["threads"]["cgroup_cpu_quota"] or r["threads"]["affinity"]))
 
 
