@@ -92,3 +92,13 @@ def test_numa_teams_take_one_thread_per_core(smt_machine):
     assert numa.team_threads(numa.plan(8, nodes)) == [4, 4]
     assert numa.team_threads(numa.plan(8, nodes), quota=4) == [2, 2]
     assert numa.team_threads(numa.plan(8, nodes, allowed_cpus={0, 8, 4})) == [1, 1]
+
+
+def test_the_bench_times_the_default_beside_one_thread_per_cpu(smt_machine, monkeypatch):
+    from ktfp8.bench.__main__ import default_thread_counts
+    assert default_thread_counts() == [1, 8, 16]
+    monkeypatch.setattr(numa.cpu_quota, "quota_cpus", lambda: 4)      # a quota below the cores: one count
+    assert default_thread_counts() == [1, 4]
+    monkeypatch.setattr(numa, "affinity_cpus", lambda: {0, 1})          # no SMT in the mask
+    monkeypatch.setattr(numa.cpu_quota, "quota_cpus", lambda: None)
+    assert default_thread_counts() == [1, 2]

@@ -18,7 +18,7 @@ import platform
 import sys
 import tempfile
 
-from .. import __version__, backends, cpu
+from .. import __version__, backends, cpu, cpu_quota, numa
 from ..config import check_threads
 from . import layers as L
 from . import backend_choice, interleaved, peer_rounds, report
@@ -72,7 +72,8 @@ def parse_args(argv):
                         "or E,top_k,hidden,intermediate; repeatable")
     p.add_argument("--tokens", type=_int_list, help="token counts T, e.g. 1,4,16,64,512,2048")
     p.add_argument("--threads", type=_int_list,
-                   help=f"thread counts (default 1 and all this process may use: 1,{backends.usable_cores()})")
+                   help=f"thread counts (default 1, one per core and, on an SMT machine, one per CPU: "
+                        f"{','.join(map(str, default_thread_counts()))})")
     p.add_argument("--formats", type=lambda s: s.split(","), help=f"subset of {','.join(L.FORMATS)}")
     p.add_argument("--backends", type=lambda s: s.split(","),
                    help="ktfp8 backends (default: every usable one but the scalar 'reference')")
@@ -150,13 +151,20 @@ def _does_not_fit(args):
     return None
 
 
+def default_thread_counts():
+    """1, the default count (one thread per core) and, where SMT gives the cores more CPUs, one thread
+    per CPU, so that the default is timed beside the count it leaves out (each within the CPU quota)."""
+    quota = cpu_quota.quota_cpus()
+    cpus = len(numa.affinity_cpus())
+    return sorted({1, backends.usable_cores(), min(cpus, quota) if quota else cpus})
+
+
 def make_plan(args):
     preset = QUICK if args.quick else FULL
-    cores = backends.usable_cores()
     formats = tuple(args.formats or L.FORMATS)
     return Plan(layers=args.layers or [_layer(s) for s in preset["layers"]],
                 tokens=sorted(set(args.tokens or preset["tokens"])),
-                threads=sorted(set(args.threads or [1, cores])),
+                threads=sorted(set(args.threads or default_thread_counts())),
                 formats=formats,
                 backends=args.backends or _default_backends(),
                 other_backend_formats=formats if args.formats else preset["other_backend_formats"],

@@ -38,7 +38,7 @@ def parse_args(argv):
     p.add_argument("--tokens", type=_int_list, default=DEFAULT_TOKENS,
                    help=f"tokens per expert m (default {','.join(map(str, DEFAULT_TOKENS))})")
     p.add_argument("--threads", type=_int_list,
-                   help=f"thread counts (default 1 and all this process may use: 1,{backends.usable_cores()})")
+                   help=f"thread counts (default 1 and the default count, one per core: 1,{backends.usable_cores()})")
     p.add_argument("--backends", type=lambda s: s.split(","),
                    help="ktfp8 backends (default: every usable one but the scalar 'reference')")
     p.add_argument("--format", default="fp8_per_channel", choices=L.FORMATS, help="weight format")
