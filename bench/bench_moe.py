@@ -13,7 +13,6 @@ test_decode_goals_interleaved, as in `python -m ktfp8.bench`.
 The summary at the end prints the same tables as `python -m ktfp8.bench`."""
 import dataclasses
 import gc
-import os
 import statistics
 
 import pytest
@@ -29,7 +28,7 @@ from ktfp8.bench.sides import PeerUnavailable
 TOKENS = [1, 4, 16, 64, 512, 2048]
 MAX_CALL_SECONDS = 30.0  # a side whose call would take longer is skipped at larger T
 _PLAN = Plan(layers=[], tokens=[], threads=[])  # only for its walk sizes (4x L3, memory-bounded)
-THREADS = sorted({1, os.cpu_count() or 1})
+THREADS = sorted({1, backends.usable_cores()})
 SIDES = {fmt: [(f"ktfp8 {b}", _ktfp8_factory(b)) for b in ktfp8.available_backends()] + PEERS[fmt]
          for fmt in L.FORMATS}
 

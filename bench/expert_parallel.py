@@ -191,12 +191,14 @@ def report(results):
 
 
 def main(argv=None):
+    from ktfp8 import backends
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="1,2", help="comma-separated rank counts (default 1,2)")
     p.add_argument("--tokens", default="1,8,64,512", help="comma-separated T (default 1,8,64,512)")
     p.add_argument("--rounds", type=int, default=9, help="timed calls per T (default 9)")
     p.add_argument("--repeat", type=int, default=2, help="alternate the configurations this often (default 2)")
-    p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="cores shared by the ranks")
+    p.add_argument("--cores", type=int, default=backends.usable_cores(),
+                   help="cores shared by the ranks (default: one per core this process may use)")
     p.add_argument("--model-layers", type=int, default=0, help="run the model with this many layers instead")
     p.add_argument("--prompt-tokens", type=int, default=256, help="model: prompt length (default 256)")
     p.add_argument("--decode-tokens", type=int, default=16, help="model: generated tokens (default 16)")

@@ -106,8 +106,7 @@ def cores_of_affinity():
 
 @functools.lru_cache(maxsize=32)
 def _cores_of(cpus, root):
-    """cores_of, remembered per CPU set: sysfs costs tens of microseconds per CPU, and the default thread
-    count asks on every codec call."""
+    """cores_of, remembered per CPU set and root: sysfs costs tens of microseconds per CPU."""
     cores = {}
     for cpu in sorted(cpus):
         cores.setdefault(_core_cpus(root, cpu), []).append(cpu)
@@ -247,17 +246,19 @@ def pin(cpus):
 def team_threads(placements, quota=None):
     """Each team's thread count: one per core of its CPUs (cores_of), or, where the cgroup CPU quota
     (`quota`, default this process's: cpu_quota.py) is smaller than all of them together, the quota's
-    CPUs shared in proportion to the teams' cores (largest remainders first), at least one each."""
+    CPUs shared in proportion to the teams' cores (largest remainders first), at least one each (past
+    the quota only where it has fewer CPUs than there are teams)."""
     cores = [len(cores_of(p.cpus)) for p in placements]
     quota = cpu_quota.quota_cpus() if quota is None else quota
     if quota is None or quota >= sum(cores):
         return cores
     shares = [quota * c / sum(cores) for c in cores]
-    threads = [int(share) for share in shares]
-    by_remainder = sorted(range(len(cores)), key=lambda i: threads[i] - shares[i])
-    for i in by_remainder[:quota - sum(threads)]:
-        threads[i] += 1
-    return [max(1, t) for t in threads]
+    threads = [max(1, int(share)) for share in shares]
+    while sum(threads) < quota:       # the rest to the teams furthest below their share
+        threads[max(range(len(threads)), key=lambda i: shares[i] - threads[i])] += 1
+    while sum(threads) > quota and max(threads) > 1:   # what a team's first thread took from the others
+        threads[max((i for i in range(len(threads)) if threads[i] > 1), key=lambda i: threads[i] - shares[i])] -= 1
+    return threads
 
 
 class NumaMoE:

@@ -96,9 +96,10 @@ def test_numa_teams_take_one_thread_per_core(smt_machine):
 
 def test_the_bench_times_the_default_beside_one_thread_per_cpu(smt_machine, monkeypatch):
     from ktfp8.bench.__main__ import default_thread_counts
-    assert default_thread_counts() == [1, 8, 16]
+    assert default_thread_counts(quick=False) == [1, 8, 16]
+    assert default_thread_counts(quick=True) == [1, 8]                  # --quick keeps to its ~5 minutes
     monkeypatch.setattr(numa.cpu_quota, "quota_cpus", lambda: 4)      # a quota below the cores: one count
-    assert default_thread_counts() == [1, 4]
+    assert default_thread_counts(quick=False) == [1, 4]
     monkeypatch.setattr(numa, "affinity_cpus", lambda: {0, 1})          # no SMT in the mask
     monkeypatch.setattr(numa.cpu_quota, "quota_cpus", lambda: None)
-    assert default_thread_counts() == [1, 2]
+    assert default_thread_counts(quick=False) == [1, 2]

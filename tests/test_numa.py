@@ -220,6 +220,8 @@ def test_numa_moe_teams_are_pinned_and_sum_to_the_layer():
     ((32, 32), 5, [3, 2]),               # the quota's last CPU to the first largest remainder
     ((48, 16), 8, [6, 2]),               # in proportion to the teams' CPUs
     ((4, 4, 4), 2, [1, 1, 1]),           # at least one thread a team, even past the quota
+    ((1, 18), 2, [1, 1]),                # the small team's first thread comes out of the large one's share
+    ((2, 30, 32), 8, [1, 3, 4]),         # (it was [1, 4, 4]: one past a quota that fits every team)
 ])
 def test_team_threads_stay_within_the_cpu_quota(monkeypatch, cpus, quota, want):
     monkeypatch.setattr(numa.cpu_quota, "quota_cpus", lambda: None)

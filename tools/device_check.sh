@@ -44,7 +44,8 @@ step bench 330 "$PY" -m ktfp8.bench --quick --out "$OUT"
 # its native variant, amx's included (the SDM's TDPBF16PS against an AMX core)
 step tests 150 env KTFP8_COMPARE_AMX_TWIN=1 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
     tests/test_moe_amx.py tests/test_moe.py tests/test_tile_pair.py
-# each backend's speed against the tokens per expert, on all cores: where the kernels' thresholds
-# (DECODE_M, KEEP_M, MR, AMX_MIN_M) and the default backend stand on this CPU
-step tokens 120 "$PY" -m ktfp8.bench.tokens_per_expert --threads "$(nproc)" --rounds 2 \
+# each backend's speed against the tokens per expert, one thread per core (the default count): where
+# the kernels' thresholds (DECODE_M, KEEP_M, MR, AMX_MIN_M) and the default backend stand on this CPU
+step tokens 120 "$PY" -m ktfp8.bench.tokens_per_expert \
+    --threads "$("$PY" -c 'from ktfp8 import backends; print(backends.usable_cores())')" --rounds 2 \
     --tokens 1,2,4,6,8,12,16,24,32

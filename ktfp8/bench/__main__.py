@@ -72,8 +72,8 @@ def parse_args(argv):
                         "or E,top_k,hidden,intermediate; repeatable")
     p.add_argument("--tokens", type=_int_list, help="token counts T, e.g. 1,4,16,64,512,2048")
     p.add_argument("--threads", type=_int_list,
-                   help=f"thread counts (default 1, one per core and, on an SMT machine, one per CPU: "
-                        f"{','.join(map(str, default_thread_counts()))})")
+                   help=f"thread counts (default 1, one per core and, on an SMT machine but for --quick, one "
+                        f"per CPU: {','.join(map(str, default_thread_counts(quick=False)))})")
     p.add_argument("--formats", type=lambda s: s.split(","), help=f"subset of {','.join(L.FORMATS)}")
     p.add_argument("--backends", type=lambda s: s.split(","),
                    help="ktfp8 backends (default: every usable one but the scalar 'reference')")
@@ -151,12 +151,16 @@ def _does_not_fit(args):
     return None
 
 
-def default_thread_counts():
+def default_thread_counts(quick):
     """1, the default count (one thread per core) and, where SMT gives the cores more CPUs, one thread
-    per CPU, so that the default is timed beside the count it leaves out (each within the CPU quota)."""
-    quota = cpu_quota.quota_cpus()
-    cpus = len(numa.affinity_cpus())
-    return sorted({1, backends.usable_cores(), min(cpus, quota) if quota else cpus})
+    per CPU, so that the default is timed beside the count it leaves out (each within the CPU quota);
+    --quick keeps to its ~5 minutes with the first two."""
+    counts = {1, backends.usable_cores()}
+    if not quick:
+        quota = cpu_quota.quota_cpus()
+        cpus = len(numa.affinity_cpus())
+        counts.add(min(cpus, quota) if quota else cpus)
+    return sorted(counts)
 
 
 def make_plan(args):
@@ -164,7 +168,7 @@ def make_plan(args):
     formats = tuple(args.formats or L.FORMATS)
     return Plan(layers=args.layers or [_layer(s) for s in preset["layers"]],
                 tokens=sorted(set(args.tokens or preset["tokens"])),
-                threads=sorted(set(args.threads or default_thread_counts())),
+                threads=sorted(set(args.threads or default_thread_counts(args.quick))),
                 formats=formats,
                 backends=args.backends or _default_backends(),
                 other_backend_formats=formats if args.formats else preset["other_backend_formats"],
@@ -180,9 +184,14 @@ def _default_backends():
     return [b for b in backends.available_backends() if b != "reference" or b == default]
 
 
+def cores_and_cpus(cores, cpus):
+    """'8 cores' or, on an SMT machine, '8 cores (16 CPUs)': this process's, for a report's header."""
+    return f"{cores} cores" + (f" ({cpus} CPUs)" if cpus != cores else "")
+
+
 def _machine():
     info = cpu.report()
-    return dict(cpu=cpu.describe(info), cores=os.cpu_count(), ram_gb=round(L.ram_bytes() / 2**30, 1),
+    return dict(cpu=cpu.describe(info), cores=backends.affinity_cores(), cpus=len(numa.affinity_cpus()), ram_gb=round(L.ram_bytes() / 2**30, 1),
                 l3_mib=round((L.l3_bytes() or 0) / 2**20, 1),
                 flags=[k for k, v in info["flags"].items() if v], usable_backends=info["usable_backends"],
                 python=platform.python_version(), platform=platform.platform())
@@ -267,7 +276,7 @@ def _run(args, written):
         backend_choice=choice, peer_rounds=against_peers,
         goals=goal_rows)
     machine = results["machine"]
-    header = (f"{machine['cpu']}: {machine['cores']} cores, L3 {machine['l3_mib']:.0f} MiB, {machine['ram_gb']} GiB; "
+    header = (f"{machine['cpu']}: {cores_and_cpus(machine['cores'], machine['cpus'])}, L3 {machine['l3_mib']:.0f} MiB, {machine['ram_gb']} GiB; "
               f"ktfp8 {__version__}, {results['date']}")
     text = "\n\n".join(part for part in (
         header, report.results_table(rows, limits, default), report.scaling_table(rows),

@@ -15,16 +15,15 @@ readings), because a shared machine's bus drifts over minutes: on a Zen 4 VM the
 readings before a table gave 44-58 GB/s on 2 threads where probes a minute later read 32-35."""
 import argparse
 import dataclasses
-import os
 import statistics
 import time
 
 import numpy as np
 
-from .. import backends, cpu, roofline
+from .. import backends, cpu, numa, roofline
 from ..generate import _positive  # the command lines' positive-integer check
 from . import layers as L
-from .__main__ import _default_backends, _int_list
+from .__main__ import _default_backends, _int_list, cores_and_cpus
 from .interleaved import PROBE_REPEATS
 from .run import Plan, _ktfp8_factory, build_walk, measure_limits
 
@@ -117,7 +116,7 @@ def main(argv=None):
     thread_counts = sorted(set(args.threads or [1, backends.usable_cores()]))
     plan = Plan(layers=[layer], tokens=args.tokens, threads=thread_counts,
                 backends=args.backends or _default_backends())  # the bench's walk sizes
-    print(f"{cpu.describe(cpu.report())}: {os.cpu_count()} cores, L3 {(L.l3_bytes() or 0) / 2**20:.0f} MiB")
+    print(f"{cpu.describe(cpu.report())}: {cores_and_cpus(backends.affinity_cores(), len(numa.affinity_cpus()))}, L3 {(L.l3_bytes() or 0) / 2**20:.0f} MiB")
     print(f"layer {layer.name}, {args.format}; default backend {backends.resolve_backend(None)}", flush=True)
     measured = measure_limits(thread_counts, max(1 << 28, plan.walk_bytes), log=lambda msg: print(msg, flush=True))
     limits = {n: dataclasses.asdict(lim) for n, lim in measured.items()}
