@@ -69,6 +69,8 @@ def test_wheel_built_from_the_sdist_runs_outside_the_source_tree(sdist, tmp_path
     (wheel,) = wheels.glob("ktfp8-*.whl")
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
+        sources = [n for n in z.namelist() if n.endswith((".c", ".pyx", ".pxi", ".h"))]
+        assert sources == [], "a wheel runs its compiled extensions: the sources belong to the sdist"
         z.extractall(site)
     # every backend this CPU runs against the portable reference, from the wheel's own modules
     script = """
