@@ -8,6 +8,7 @@ bf16 / fp16 / fp32."""
 import json
 import numbers
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,15 +171,29 @@ def stacks_by_prefix(names):
 
 def expert_stacks(names):
     """{layer: ExpertStack} for the routed-expert tensors among `names`: the loader addresses experts by
-    layer, so a layer whose experts sit under two prefixes is refused."""
+    layer.  Where one layer number has experts under two roots (what comes before 'layers.<n>'), the
+    root with more layers is the model's decoder: Qwen3-Next and Qwen3.5 checkpoints keep the experts of
+    their multi-token-prediction block under 'mtp.layers.0', beside 'model.layers.0', and transformers
+    leaves 'mtp.' out of the model too.  Two prefixes of one layer under roots of as many layers (or
+    under one root) are refused: which to load is not clear."""
+    stacks = list(stacks_by_prefix(names).values())
+    root_layers = Counter(_root(s) for s in stacks)
+    by_layer = {}
+    for stack in stacks:
+        by_layer.setdefault(stack.layer, []).append(stack)
     layers = {}
-    for stack in stacks_by_prefix(names).values():
-        other = layers.setdefault(stack.layer, stack)
-        if other is not stack:
-            first, second = sorted((other.prefix, stack.prefix))
-            raise SafetensorsError(f"layer {stack.layer} has experts under two prefixes: {first!r} and "
-                                   f"{second!r}")
+    for layer, candidates in by_layer.items():
+        candidates.sort(key=lambda s: (-root_layers[_root(s)], s.prefix))
+        if len(candidates) > 1 and root_layers[_root(candidates[0])] == root_layers[_root(candidates[1])]:
+            first, second = sorted(s.prefix for s in candidates[:2])
+            raise SafetensorsError(f"layer {layer} has experts under two prefixes: {first!r} and {second!r}")
+        layers[layer] = candidates[0]
     return layers
+
+
+def _root(stack):
+    """'mtp.' of 'mtp.layers.0.mlp.experts', 'model.' of 'model.layers.3.mlp.experts'."""
+    return stack.prefix[:stack.prefix.rindex(f"layers.{stack.layer}.")]
 
 
 def block_size_of(hf_config, source="config.json"):

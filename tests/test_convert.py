@@ -856,21 +856,27 @@ def test_a_scale_named_twice_is_refused(tiny, tmp_path, capsys):
 
 def test_two_expert_stacks_in_one_layer_both_convert(tiny, tmp_path):
     """A multimodal checkpoint may hold a text and a vision MoE with the same layer index: the converter
-    quantizes both stacks (ktfp8's loader, which addresses experts by layer, refuses the result)."""
+    quantizes both stacks.  ktfp8's loader, which addresses experts by layer, takes the stack of the root
+    with more layers (the decoder's: see test_loader's Qwen3-Next MTP test), and refuses two of as many."""
     kind = "qwen3_moe"
     layer = moe_layers(kind)[-1]
     stack = expert_name(kind, layer, 0, "gate").split(".0.gate_proj.")[0]
     vision = "vision_" + stack
-    src = _edited(tiny[kind], tmp_path / "in", lambda t: t.update(
-        {vision + n[len(stack):]: t[n] for n in list(t) if n.startswith(stack + ".")}))
+    src = _edited(tiny[kind], tmp_path / "in", lambda t: t.update(   # the vision experts all zero: scales 0
+        {vision + n[len(stack):]: (t[n][0], np.zeros_like(t[n][1])) for n in list(t) if n.startswith(stack + ".")}))
     assert run(src, tmp_path / "o", "--quant-config", PER_CHANNEL) == 0
     written = _tensors(tmp_path / "o")
     for prefix in (stack, vision):
         name = f"{prefix}.0.down_proj.weight"
         assert written[name][0] == "F8_E4M3" and written[name + "_scale"][0] == "F32"
-    with pytest.raises(SafetensorsError, match=re.escape(f"layer {layer} has experts under two prefixes: "
-                                                         f"{stack!r} and {vision!r}")):
-        FP8SafeTensorLoader(tmp_path / "o")
+    with FP8SafeTensorLoader(tmp_path / "o") as loader:   # the text root has more layers: its experts
+        assert loader.moe_layers() == moe_layers(kind)
+        assert (np.asarray(loader.load_experts(layer).down_scale) > 0).all()
+    first = expert_name(kind, moe_layers(kind)[0], 0, "gate").split(".0.gate_proj.")[0]
+    more = _edited(tmp_path / "o", tmp_path / "in2", lambda t: t.update(   # now as many layers under each
+        {"vision_" + n: t[n] for n in list(t) if n.startswith(first + ".")}))
+    with pytest.raises(SafetensorsError, match=r"layer \d+ has experts under two prefixes: 'model\.layers"):
+        FP8SafeTensorLoader(more)
 
 
 def test_experts_of_their_own_width_convert(tiny, tmp_path):

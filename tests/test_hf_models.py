@@ -56,6 +56,28 @@ def test_fp8_folder_loaded_memory_mapped(folders):
         assert experts_module(model, layer).gate_up_proj.numel() == 0
 
 
+def test_the_multi_token_prediction_block_is_left_out(tmp_path_factory, tmp_path):
+    """Qwen3-Next and Qwen3.5 checkpoints hold a multi-token-prediction block under 'mtp.', its experts
+    as mtp.layers.0.mlp.experts.<e>.*, beside the decoder's layer 0.  transformers leaves 'mtp.' out of
+    the model, and so does the loader: it refused the converted folder (layer 0 under two prefixes).
+    The MTP experts here are zeros, so that loading them instead would change the logits."""
+    from safetensors.torch import load_file, save_file
+    folders = model_folders("qwen3_next", tmp_path_factory)
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    for f in folders["bf16"].iterdir():
+        (bf16 / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(bf16 / "model.safetensors")
+    stack = expert_name("qwen3_next", 0, 0, "gate").split(".0.gate_proj.")[0]
+    tensors.update({"mtp." + n[len("model."):]: torch.zeros_like(t) for n, t in tensors.items()
+                    if n.startswith(stack + ".")})
+    save_file(tensors, bf16 / "model.safetensors", metadata={"format": "pt"})
+    assert convert(["--input-type", "bf16", "--input-path", str(bf16), "--output-path", str(tmp_path / "fp8")]) == 0
+    assert ktfp8.loader.FP8SafeTensorLoader(tmp_path / "fp8").moe_layers() == moe_layers("qwen3_next")
+    _check_against(ktfp8.hf.from_pretrained(tmp_path / "fp8", dtype=torch.float32),
+                   eager_model(folders["bf16"], "qwen3_next", fp8_folder=folders["fp8"]))
+
+
 @pytest.mark.parametrize("kind", sorted(BLOCK_TOO))
 def test_block_wise_both_paths(kind, tmp_path_factory):
     folders = model_folders(kind, tmp_path_factory)
