@@ -6,6 +6,7 @@ transformers 5 keeps a MoE block's routed experts in one module (fused `gate_up_
 after its own router: exactly what ktfp8.MoE computes, so routing stays in transformers."""
 import copy
 import functools
+import threading
 import warnings
 
 import torch
@@ -160,22 +161,29 @@ def _check_weight(t, name):
     return t.detach()
 
 
+# Taken while a module's experts are quantized: a model called from several Python threads before its
+# first forward would otherwise quantize a layer once per thread, each attach freeing the layer another
+# thread was about to run ("no layer registered under handle").
+_PREPARING = threading.Lock()
+
+
 def prepare_module(module, quant_config, top_k, threads=None):
     """Quantizes one experts module's weights as `quant_config` says, once; when already done, only
     sets its layer's thread count to `threads` (unless None).  top_k: experts its router picks a token
     (layer_top_k)."""
-    if getattr(module, "_ktfp8_handle", None) is not None:
-        if threads is not None:
-            op.layer_of(module._ktfp8_handle).threads = threads
-        return
-    check_supported(module)
-    inter = module.intermediate_dim
-    gate_up = _check_weight(module.gate_up_proj, "gate_up_proj")
-    down = _check_weight(module.down_proj, "down_proj")
-    experts = quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, quant_config,
-                               experts=local_experts(module.num_experts))
-    layer = build_layer(layer_config(module, quant_config, top_k, threads), experts, threads=threads)
-    attach(module, layer, quant_config)
+    with _PREPARING:
+        if getattr(module, "_ktfp8_handle", None) is not None:
+            if threads is not None:
+                op.layer_of(module._ktfp8_handle).threads = threads
+            return
+        check_supported(module)
+        inter = module.intermediate_dim
+        gate_up = _check_weight(module.gate_up_proj, "gate_up_proj")
+        down = _check_weight(module.down_proj, "down_proj")
+        experts = quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, quant_config,
+                                   experts=local_experts(module.num_experts))
+        layer = build_layer(layer_config(module, quant_config, top_k, threads), experts, threads=threads)
+        attach(module, layer, quant_config)
 
 
 def _quant_config(spec):
