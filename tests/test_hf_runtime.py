@@ -194,6 +194,22 @@ def test_threads_calling_a_model_before_its_first_forward_quantize_each_layer_on
         np.testing.assert_array_equal(r, results[0])
 
 
+def test_a_failed_prepare_names_the_layer_and_leaves_the_model_consistent(qwen3):
+    """An Inf weight in the second layer: prepare names that layer, and the first layer, already quantized
+    (its transformers weights released), still runs on ktfp8; the model's next forward meets the same
+    error.  It said only "down holds inf", and left the model on its old implementation, whose first
+    layer then had no weights ("ktfp8 released its transformers expert weights")."""
+    model = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)
+    bad = experts_module(model, 1)
+    with torch.no_grad():
+        bad.down_proj[2, 5, 7] = float("inf")
+    with pytest.raises(ValueError, match=r"^model\.layers\.1\.mlp\.experts: down holds inf at \[2, 5, 7\]"):
+        ktfp8.hf.prepare(model)
+    assert experts_module(model, 0).gate_up_proj.numel() == 0 and model.config._experts_implementation == "ktfp8"
+    with pytest.raises(ValueError, match=r"down holds inf at \[2, 5, 7\]"):
+        logits(model)
+
+
 def test_prepare_sets_the_thread_count_of_layers_already_prepared(qwen3):
     """from_pretrained's model (and one prepared before) takes prepare(model, threads=n) as its layers'
     new thread count; a bad count is refused before any layer changes."""

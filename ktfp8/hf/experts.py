@@ -257,9 +257,19 @@ def prepare(model, quant_config=None, *, threads=None):
         check_supported(m)
         check_held_as(m, wanted)
         top_ks.append(layer_top_k(m, block))
-    for (_, m, _), top_k in zip(modules, top_ks):
-        prepare_module(m, quant_config, top_k, threads)
-    model.set_experts_implementation(implementation_name(quant_config))
+    try:
+        for (name, m, _), top_k in zip(modules, top_ks):
+            try:
+                prepare_module(m, quant_config, top_k, threads)
+            except ValueError as err:
+                if type(err) is not ValueError:
+                    raise
+                raise ValueError(f"{name}: {err}") from None    # which layer holds the weight it names
+    finally:
+        # the layers quantized before an error released their weights: they run on ktfp8 (and the model's
+        # next forward meets the same error at the layer that raised it, not an unusable model)
+        if any(getattr(m, "_ktfp8_handle", None) is not None for _, m, _ in modules):
+            model.set_experts_implementation(implementation_name(quant_config))
     return model
 
 
