@@ -210,6 +210,19 @@ def test_a_failed_prepare_names_the_layer_and_leaves_the_model_consistent(qwen3)
         logits(model)
 
 
+def test_from_pretrained_applies_config_overrides(qwen3, monkeypatch):
+    """Keyword arguments naming config attributes change the config, as transformers' from_pretrained
+    does when it loads the config itself; they went to the model's constructor ("unexpected keyword
+    argument 'use_cache'").  A bad threads= is refused before the model loads."""
+    model = ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32, use_cache=False, output_router_logits=True,
+                                     attn_implementation="eager")
+    assert model.config.use_cache is False and model.config.output_router_logits is True
+    assert model.config._attn_implementation == "eager"
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", None)    # nothing may load
+    with pytest.raises(ValueError, match="threads must be a positive int or None, got 0"):
+        ktfp8.hf.from_pretrained(qwen3["fp8"], threads=0)
+
+
 def test_prepare_sets_the_thread_count_of_layers_already_prepared(qwen3):
     """from_pretrained's model (and one prepared before) takes prepare(model, threads=n) as its layers'
     new thread count; a bad count is refused before any layer changes."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..loader import CONVERT_SPLITS_FUSED, EXPERT_RE, PER_EXPERT_NAMES, FP8SafeTensorLoader, fused_experts_tensor
+from ..backends import requested_threads
 from . import experts as hf_experts
 from .layer import build_layer, local_experts
 
@@ -24,6 +25,9 @@ _FP8_FORMATS = ("fp8_per_channel", "fp8_block")
 # transformers from_pretrained arguments that from_pretrained sets itself
 _SET_HERE = ("config", "key_mapping", "experts_implementation", "quantization_config", "device_map",
              "output_loading_info", "ignore_mismatched_sizes")
+# from_pretrained arguments that the config's own loading takes too, and the model's still needs
+_ALSO_FOR_THE_MODEL = ("attn_implementation", "cache_dir", "force_download", "proxies", "token", "revision",
+                       "local_files_only", "subfolder")
 
 
 @contextlib.contextmanager
@@ -132,15 +136,20 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
 
     threads: kernel threads of the MoE layers (default: KTFP8_NUM_THREADS, OMP_NUM_THREADS, all cores);
     dtype: of everything transformers holds (activations too): torch.bfloat16 or torch.float32;
-    kwargs: passed on to that class's from_pretrained (e.g. attn_implementation)."""
+    kwargs: passed on to that class's from_pretrained (e.g. attn_implementation), those naming config
+    attributes (use_cache=False, output_router_logits=True) applied to the config, as transformers does."""
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     if dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype!r}")
+    if threads is not None:
+        requested_threads(threads)          # refused before the model loads; the layers apply it
     _check_kwargs(kwargs)
     with _check_folder(path) as loader:      # closed once every layer has packed its experts
-        config = AutoConfig.from_pretrained(path)
+        # transformers' from_pretrained applies such overrides only where it loads the config itself
+        config, model_kwargs = AutoConfig.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+        model_kwargs.update((k, kwargs[k]) for k in _ALSO_FOR_THE_MODEL if k in kwargs)
         hf_experts.check_model_type(config)
         auto_class = text_model_class(config)
         if hasattr(config, "quantization_config"):
@@ -156,7 +165,7 @@ def from_pretrained(path, *, threads=None, dtype=torch.bfloat16, **kwargs):
                 model, info = auto_class.from_pretrained(
                     path, config=config, dtype=dtype, key_mapping=_KEY_MAPPING, output_loading_info=True,
                     ignore_mismatched_sizes=True, experts_implementation=hf_experts.implementation_name(quant_config),
-                    **kwargs)
+                    **model_kwargs)
         finally:
             hf_logging.set_verbosity(verbosity)
         check_loading_info(path, model, info, released=hf_experts.RELEASED)
