@@ -10,6 +10,7 @@ folder that looks like a finished checkpoint; a non-empty OUT is replaced only w
 import argparse
 import concurrent.futures as cf
 import json
+import glob
 import logging
 import math
 import os
@@ -239,6 +240,10 @@ def _check_paths(src, dst, overwrite):
     if d.exists():
         if not d.is_dir():
             raise ConvertError(f"output {dst} exists and is not a directory")
+        if os.path.ismount(d):     # a volume (docker -v): it cannot be removed or renamed, as _publish does
+            raise ConvertError(f"output {dst} is a mount point: the output is written beside it and renamed "
+                               f"into its place, which a mount point cannot take; give a folder inside it "
+                               f"(e.g. {dst / src.name})")
         if any(d.iterdir()) and not overwrite:
             raise ConvertError(f"output folder {dst} is not empty; pass --overwrite to replace it")
     return d
@@ -260,7 +265,7 @@ def _remove_stale_partials(dst):
     """Deletes temporary folders of earlier runs for the same output that were killed (their pid is gone),
     with or without the in-progress marker: a run killed between creating its folder and writing the
     marker, or between removing the marker and publishing, leaves one without it."""
-    for path in dst.parent.glob(f".{dst.name}{PARTIAL_TAG}*"):
+    for path in dst.parent.glob(f".{glob.escape(dst.name)}{PARTIAL_TAG}*"):
         pid = path.name.rsplit("-", 1)[-1]
         if not (pid.isdigit() and path.is_dir()) or _alive(int(pid)):
             continue
@@ -270,7 +275,7 @@ def _remove_stale_partials(dst):
 
 def _remove_stale_replaced(dst):
     """Deletes old outputs that a killed --overwrite run had moved aside (now that dst is in place)."""
-    for path in dst.parent.glob(f".{dst.name}{REPLACED_TAG}*"):
+    for path in dst.parent.glob(f".{glob.escape(dst.name)}{REPLACED_TAG}*"):
         pid = path.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _alive(int(pid)):
             log.info("removing %s, a replaced output left by an interrupted run", path)

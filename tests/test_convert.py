@@ -6,6 +6,7 @@ import json
 import os
 import pty
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -444,6 +445,27 @@ def test_next_run_removes_a_dead_runs_partial_folder(qwen, tmp_path, marker):
         alive.kill()
         alive.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name])
+
+
+def test_an_output_name_with_glob_characters_removes_only_its_own_leftovers(qwen, tmp_path):
+    """'out[1]' as a glob pattern matched '.out1...' (another output's folder) and not its own."""
+    own, other = (tmp_path / f".{name}.ktfp8-partial-{_dead_pid()}" for name in ("out[1]", "out1"))
+    for folder in (own, other):
+        folder.mkdir()
+    assert run(qwen, tmp_path / "out[1]") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out[1]", other.name])
+
+
+def test_a_mount_point_as_the_output_is_refused_before_any_work(qwen, tmp_path, monkeypatch, capsys):
+    """A volume (docker -v host:/out) cannot be removed or renamed: the run converted everything and
+    then failed with 'Device or resource busy'.  Refused by name, first."""
+    out = tmp_path / "volume"
+    out.mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == os.fspath(out))
+    assert run(qwen, out) == 1
+    err = capsys.readouterr().err
+    assert f"output {out} is a mount point" in err and f"give a folder inside it (e.g. {out / qwen.name})" in err
+    assert "wrote" not in err and list(out.iterdir()) == [] and not list(tmp_path.glob(".volume.*"))
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])   # 128 + the signal
