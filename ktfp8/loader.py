@@ -75,6 +75,16 @@ class Checkpoint:
             if name not in self.file(file_name):
                 raise SafetensorsError(f"{self.folder / file_name}: tensor {name!r} is missing from this "
                                        f"shard (the index lists it there)")
+        if index.is_file():
+            self._add_unlisted()
+
+    def _add_unlisted(self):
+        """Tensors of the index's shards that the index does not list: transformers loads every tensor of
+        each shard, so they are part of the model (the converter, going by the index alone, dropped them).
+        A tensor in two shards stays where the index lists it, or in the first shard by name."""
+        for file_name in sorted(set(self.weight_map.values())):
+            for name in self.file(file_name).tensors:
+                self.weight_map.setdefault(name, file_name)
 
     def file(self, file_name) -> SafetensorsFile:
         if self._files is None:

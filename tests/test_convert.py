@@ -468,6 +468,18 @@ def test_a_mount_point_as_the_output_is_refused_before_any_work(qwen, tmp_path, 
     assert "wrote" not in err and list(out.iterdir()) == [] and not list(tmp_path.glob(".volume.*"))
 
 
+def test_tensors_the_index_does_not_list_are_converted_too(qwen, tmp_path):
+    """transformers loads every tensor of each shard the index names; the converter went by the index
+    alone and dropped model.norm.weight when the index left it out."""
+    src = tmp_path / "in"
+    shutil.copytree(qwen, src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.norm.weight"]
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert run(src, tmp_path / "out") == 0
+    assert _tensors(tmp_path / "out")["model.norm.weight"] == _tensors(qwen)["model.norm.weight"]
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])   # 128 + the signal
 def test_interrupted_conversion_cleans_up(big_input, tmp_path, sig, code):
     dst = tmp_path / "out"
