@@ -44,9 +44,10 @@ def is_linear_weight(name, info):
 
 def _all_linear_target(name):
     """--all-linear quantizes decoder-layer Linears except routers (kept precise, and engines expect
-    them unquantized) and output heads."""
-    last = _module(name).rsplit(".", 1)[-1]
-    return bool(_DECODER_LAYER.search(name)) and last not in _ROUTERS and last not in _HEADS
+    them unquantized; Hunyuan-A13B's is the Linear `wg` inside `mlp.gate`) and output heads."""
+    parts = _module(name).rsplit(".", 2)[-2:]
+    return (bool(_DECODER_LAYER.search(name)) and not any(p in _ROUTERS for p in parts)
+            and parts[-1] not in _HEADS)
 
 
 def _quantized_item(action, name, info, spec, **extra):
@@ -245,8 +246,11 @@ def build_plan(checkpoint, input_type, spec, all_linear, max_shard_bytes):
     items.sort(key=lambda i: _sort_key(i.out))
     specs = {name: (dtype, shape) for item in items for name, dtype, shape in item.outputs()}
     quantized = {_module(i.out) for i in items if i.out_dtype == "F8_E4M3"}
+    # the output head is never quantized; a tied one (tie_word_embeddings) has no tensor of its own, but
+    # is a Linear all the same, which a loader that finds it missing from `ignore` quantizes (with no scale)
     ignore = sorted({_module(i.out) for i in items
-                     if i.action == "copy" and is_linear_weight(i.out, checkpoint.info(i.src))} - quantized,
+                     if i.action == "copy" and is_linear_weight(i.out, checkpoint.info(i.src))} - quantized
+                    | {"lm_head"},
                     key=_sort_key)
     shards = _assign_shards(_units(items), max_shard_bytes)
     return Plan(items, shards, specs, ignore, quantization_config(spec, ignore))

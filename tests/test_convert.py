@@ -120,6 +120,19 @@ def test_all_linear(qwen, tmp_path):
     assert "model.layers.0.input_layernorm.weight_scale" not in written
 
 
+def test_all_linear_keeps_hunyuans_router(tmp_path):
+    """Hunyuan-A13B's router is the Linear `wg` inside `mlp.gate`: --all-linear quantized it."""
+    src = save_model(build_model("hunyuan_v1_moe"), tmp_path / "hunyuan")
+    routers = [n for n in _tensors(src) if n.endswith(".mlp.gate.wg.weight")]
+    assert routers
+    assert run(src, tmp_path / "out", "--all-linear") == 0
+    written = _tensors(tmp_path / "out")
+    ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    for name in routers:
+        assert written[name][0] == "BF16" and name + "_scale" not in written and name[:-len(".weight")] in ignore
+    assert written["model.layers.0.self_attn.q_proj.weight"][0] == "F8_E4M3"
+
+
 def test_block_wise_config(qwen, tmp_path):
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "blk"
@@ -478,6 +491,24 @@ def test_tensors_the_index_does_not_list_are_converted_too(qwen, tmp_path):
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     assert run(src, tmp_path / "out") == 0
     assert _tensors(tmp_path / "out")["model.norm.weight"] == _tensors(qwen)["model.norm.weight"]
+
+
+def test_a_tied_output_head_is_listed_as_left_unquantized(tmp_path):
+    """With tie_word_embeddings there is no lm_head tensor, so lm_head was missing from `ignore`, and
+    transformers' compressed-tensors loader quantized the head without a scale: garbage logits."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    torch = pytest.importorskip("torch")
+    model = build_model("qwen3_moe", tie_word_embeddings=True)
+    src = save_model(model, tmp_path / "tied")
+    assert "lm_head.weight" not in _tensors(src)
+    assert run(src, tmp_path / "out") == 0
+    assert "lm_head" in json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 13]])
+    with torch.inference_mode():
+        want, got = model.float()(ids).logits, loaded(ids).logits
+    assert torch.isfinite(got).all() and float((got - want).norm() / want.norm()) < 0.1
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])   # 128 + the signal
