@@ -311,7 +311,6 @@ def test_bad_options(qwen, tmp_path, capsys, args, message):
 
 
 def _copy_folder(src, dst):
-    import shutil
     shutil.copytree(src, dst)
     return dst
 
@@ -1104,7 +1103,6 @@ def test_zero_byte_tensor_with_huge_rows_is_one_chunk(tiny, tmp_path, capsys):
 def _with_zero_byte_tensor(src, dst, shape):
     """A copy of the single-file checkpoint `src` with a second shard holding one BF16 tensor
     `model.extra_buffer` of `shape` and no bytes (written by hand: NumPy cannot make [2**62, 0])."""
-    import shutil
     dst.mkdir()
     shutil.copy(src / "config.json", dst)
     shutil.copy(src / "model.safetensors", dst / "model-00001-of-00002.safetensors")
