@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from .cpu import stdout_failed
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 PROGRESS_EVERY_S = 0.5
 
@@ -26,6 +28,14 @@ class _Failure(Exception):
     def __init__(self, message, status):
         super().__init__(message)
         self.status = status
+
+
+class _StdoutFailed(Exception):
+    """Writing the result failed (cpu.stdout_failed says how that ends)."""
+
+    def __init__(self, err):
+        super().__init__(str(err))
+        self.err = err
 
 
 def _token_ids(text):
@@ -191,7 +201,10 @@ def _start_ranks():
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return 0, 1
     from .distributed import init_process_group
-    return init_process_group()
+    try:
+        return init_process_group()
+    except (ValueError, RuntimeError) as e:   # a bad variable, no torchrun, a peer that never joined
+        raise _Failure(f"cannot start the ranks: {e}", 1) from None
 
 
 def run(args):
@@ -231,26 +244,37 @@ def _generate(args, folder, prints):
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
+    from .distributed import ExpertParallelError
     try:
         model, tokenizer = load(folder, args.threads)
+    except ExpertParallelError as e:               # another rank died or stalled: its message says which
+        raise _Failure(str(e), 1) from None
     except (OSError, ValueError, TypeError, *_config_errors()) as e:
         raise _cannot_load(folder, e) from None
     prompt_ids = _prompt_ids(args, folder, tokenizer, model.config.get_text_config().vocab_size)
     progress = Progress(args.max_new_tokens) if prints and not args.json else None
-    ids, prefill_tps, decode_tps = greedy(model, prompt_ids, args.max_new_tokens, _eos_ids(model), progress)
+    try:
+        ids, prefill_tps, decode_tps = greedy(model, prompt_ids, args.max_new_tokens, _eos_ids(model), progress)
+    except ExpertParallelError as e:
+        raise _Failure(str(e), 1) from None
     if progress is not None:
         progress.close()
     text = tokenizer.decode(ids) if tokenizer is not None else None
     if not prints:
         return
-    if args.json:
-        print(json.dumps({"ids": ids, "text": text, "prefill_tokens_per_s": prefill_tps,
-                          "decode_tokens_per_s": decode_tps}))
-    else:
-        print(text if text is not None else " ".join(map(str, ids)))
-        decode = f"{decode_tps:.2f} tokens/s" if decode_tps is not None else "-"
-        print(f"prefill: {len(prompt_ids)} tokens, {prefill_tps:.2f} tokens/s; "
-              f"decode: {len(ids) - 1} tokens, {decode}")
+    try:
+        if args.json:
+            print(json.dumps({"ids": ids, "text": text, "prefill_tokens_per_s": prefill_tps,
+                              "decode_tokens_per_s": decode_tps}))
+        else:
+            print(text if text is not None else " ".join(map(str, ids)))
+            decode = f"{decode_tps:.2f} tokens/s" if decode_tps is not None else "-"
+            print(f"prefill: {len(prompt_ids)} tokens, {prefill_tps:.2f} tokens/s; "
+                  f"decode: {len(ids) - 1} tokens, {decode}")
+        sys.stdout.flush()
+    except OSError as e:                           # a reader that left (| head), a full disk
+        raise _StdoutFailed(e) from None
+
 
 
 def main(argv=None):
@@ -260,6 +284,8 @@ def main(argv=None):
     except _Failure as e:
         print(f"ktfp8.generate: error: {e}", file=sys.stderr)
         return e.status
+    except _StdoutFailed as e:
+        return stdout_failed("ktfp8.generate", e.err)
     return 0
 
 

@@ -148,6 +148,42 @@ def test_a_config_field_of_the_wrong_type_exits_1(mixtral, folder, tmp_path, cap
     assert "cannot load the model" in capsys.readouterr().err
 
 
+def test_ranks_that_cannot_start_or_fail_exit_1_with_a_message(mixtral, monkeypatch, capsys):
+    """Starting the ranks, and a rank lost midway (ExpertParallelError on the others), ended in a
+    traceback; now one error line and exit status 1."""
+    from ktfp8 import generate
+    from ktfp8.distributed import ExpertParallelError
+    args = ["--model", str(mixtral["fp8"]), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
+    monkeypatch.setenv("WORLD_SIZE", "2")                       # not under torchrun: no MASTER_ADDR / PORT
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ktfp8.generate: error: cannot start the ranks: ") and "is not set" in err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    def lost(*a, **k):
+        raise ExpertParallelError("rank 1 did not answer within 5 s")
+    monkeypatch.setattr(generate, "greedy", lost)
+    assert main(args) == 1
+    err = capsys.readouterr().err                                # after transformers' loading bar
+    assert err.endswith("\nktfp8.generate: error: rank 1 did not answer within 5 s\n") and "Traceback" not in err
+
+
+def test_a_result_it_cannot_write_exits_1_without_a_traceback(mixtral):
+    """/dev/full: an OSError traceback before; a reader that left (| head -0): a BrokenPipeError one."""
+    cmd = [sys.executable, "-m", "ktfp8.generate", "--model", str(mixtral["fp8"]), "--prompt-ids", "1,2",
+           "--max-new-tokens", "2", "--threads", "1"]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "ktfp8.generate: error: cannot write to standard output: No space left on device" in r.stderr
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()                                            # the reader is gone before any output
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 1 and "Traceback" not in err and "error" not in err   # quietly, as | head
+
+
 def test_without_torch_exits_1_naming_what_to_install(mixtral):
     """The core package installs without torch; generate then says what it needs (it was an
     ImportError traceback).  torch is hidden in a child process: a None in sys.modules fails its import."""
