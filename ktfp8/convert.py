@@ -9,8 +9,8 @@ renamed into place at the very end (config.json is written last), so an interrup
 folder that looks like a finished checkpoint; a non-empty OUT is replaced only with --overwrite."""
 import argparse
 import concurrent.futures as cf
-import json
 import glob
+import json
 import logging
 import math
 import os

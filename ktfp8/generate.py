@@ -276,7 +276,6 @@ def _generate(args, folder, prints):
         raise _StdoutFailed(e) from None
 
 
-
 def main(argv=None):
     args = parse_args(argv)             # argparse exits with status 2 on bad arguments
     try:

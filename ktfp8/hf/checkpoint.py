@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..loader import CONVERT_SPLITS_FUSED, EXPERT_RE, PER_EXPERT_NAMES, FP8SafeTensorLoader, fused_experts_tensor
 from ..backends import requested_threads
+from ..loader import CONVERT_SPLITS_FUSED, EXPERT_RE, PER_EXPERT_NAMES, FP8SafeTensorLoader, fused_experts_tensor
 from . import experts as hf_experts
 from .layer import build_layer, local_experts
 
