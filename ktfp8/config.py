@@ -341,6 +341,8 @@ _FAMILY_DEFAULTS = {
     "hy_v4": {"routed_scaling_factor": 2.827}, "hy_v4_vl_text": {"routed_scaling_factor": 2.827},
     "flex_olmo": {"norm_topk_prob": False}, "olmoe": {"norm_topk_prob": False},
     "qwen3_omni_moe_talker_text": {"norm_topk_prob": False},
+    # DeepSeek-V2's router under a vision-language model: topk_method given, no norm_topk_prob, never renormalised
+    "deepseek_ocr2_text": {"norm_topk_prob": False}, "unlimited_ocr_text": {"norm_topk_prob": False},
     # Mistral 4 (Small 4) and Mistral Large 4: softmax scores, a group scored by its two best.
     "mistral4": {"group_score": "top2_sum"}, "mistral_large4_text": {"group_score": "top2_sum"},
 }
@@ -361,7 +363,13 @@ _SOFTMAX_FAMILIES = ("cohere2_moe", "ernie4_5_moe", "flex_olmo", "hunyuan_v1_moe
 for _family in _NOAUX_TC_FAMILIES:
     _FAMILY_DEFAULTS[_family] = {**_FAMILY_DEFAULTS.get(_family, {}), "topk_method": "noaux_tc"}
 _KNOWN_FAMILIES = frozenset(_FAMILY_DEFAULTS) | frozenset(_SOFTMAX_FAMILIES)
-_ALWAYS_RENORMALISED = ("ernie4_5_moe", "hunyuan_v1_moe", "mixtral", "mistral_large4_text")   # no norm switch
+# Routers that renormalise whatever config.json says (their config classes have no norm_topk_prob, or
+# their routers do not read it); Cohere2-MoE's softmax one too (`expert_selection_fn`, below)
+_ALWAYS_RENORMALISED = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax", "minimax_m2", "mistral_large4_text", "mixtral",
+                        "muse_spark_text", "qwen3_5_moe_text", "qwen3_vl_moe_text")
+# Other names config.json gives a routing field under: Cohere2-MoE's expert_selection_fn ("softmax", the
+# default, or "sigmoid"), Inkling-2's and AFMoE's route_scale
+_KEY_ALIASES = {"scoring_func": ("expert_selection_fn",), "routed_scaling_factor": ("route_scale",)}
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 
 
@@ -413,7 +421,7 @@ def _fields_from_hf(config, routing_given=False):
                          f"n_group=..., topk_group=..., routed_scaling_factor=...)")
 
     def get(key, default=None):
-        value = config.get(key)
+        value = next((config[k] for k in (key, *_KEY_ALIASES.get(key, ())) if config.get(k) is not None), None)
         return defaults.get(key, default) if value is None else value
 
     def need(field, keys):
@@ -440,7 +448,10 @@ def _fields_from_hf(config, routing_given=False):
     elif topk_method is not None:
         raise ValueError(f"Hugging Face config: unsupported topk_method {topk_method!r} "
                          f"(known: greedy, group_limited_greedy, noaux_tc)")
-    norm_topk_prob = True if family in _ALWAYS_RENORMALISED else get("norm_topk_prob", True)
+    renormalised = family in _ALWAYS_RENORMALISED or (family == "cohere2_moe" and scoring_func == "softmax")
+    # DeepSeek-V2's topk_methods come with its default, no renormalisation; every other router's is to
+    renormalises_by_default = topk_method not in ("greedy", "group_limited_greedy")
+    norm_topk_prob = True if renormalised else get("norm_topk_prob", renormalises_by_default)
     return dict(
         expert_num=need("expert_num", _EXPERT_COUNT_KEYS),
         num_experts_per_tok=need("num_experts_per_tok", _TOP_K_KEYS),

@@ -1,7 +1,10 @@
 """route(): router logits -> (topk_ids, topk_weights), computed as the reference models compute them.
 
-All arithmetic is float32, like the Hugging Face routers (softmax / sigmoid in float32 whatever the
-logit dtype), so the weights agree with them to float32 rounding of exp and sums (~1e-7).
+All arithmetic is float32, like most Hugging Face routers (softmax / sigmoid in float32 whatever the
+logit dtype), so the weights agree with them to float32 rounding of exp and sums (~1e-7).  LFM2-MoE's
+sigmoid and Mistral 4's softmax run in the logits' dtype: with bfloat16 logits their rounded scores can
+pick another expert than these float32 ones (a helper's audit: 42 and 7 of 4096 tokens), where the
+float32 choice is the one the scores' exact values make.
 """
 import ml_dtypes
 import numpy as np

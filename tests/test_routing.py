@@ -157,8 +157,9 @@ def test_qwen3_vl_moe_text_config():
     _assert_same_routing(*route(logits, MoeConfig.from_hf_config(hf)), hf_ids, hf_w)
 
 
-def _family_block(family):
-    """(transformers config of `family` at its class defaults but tiny sizes, that family's MoE block)."""
+def _family_block(family, **fields):
+    """(transformers config of `family` at its class defaults but tiny sizes and `fields`, that family's
+    MoE block)."""
     torch, _ = _torch_transformers()
     import importlib
     import inspect
@@ -174,6 +175,8 @@ def _family_block(family):
     for key, value in tiny.items():
         if hasattr(hf, key):
             setattr(hf, key, value)
+    for key, value in fields.items():               # a config.json may hold fields its class has not
+        setattr(hf, key, value)
     modeling = importlib.import_module(type(hf).__module__.replace(".configuration_", ".modeling_"))
     for cls in vars(modeling).values():              # the module holding both a router and the experts
         if inspect.isclass(cls) and issubclass(cls, torch.nn.Module) and cls.__module__ == modeling.__name__:
@@ -187,8 +190,33 @@ def _family_block(family):
 def test_every_known_family_routes_as_its_transformers_block(family):
     """The families from_hf_config routes by name, their config.json naming no scoring_func: GLM-4.5,
     MiniMax-M2, ... (DeepSeek-V3's sigmoid with bias and groups), Qwen, OLMoE, ... (softmax)."""
+    hf, block, cfg = _check_family(family)
+    noaux_tc = family in config_module._NOAUX_TC_FAMILIES
+    assert cfg.scoring_func == ("sigmoid" if noaux_tc else "softmax")
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("inkling2_text", {}),                                     # routed_scaling_factor stored as route_scale
+    ("unlimited_ocr_text", {}), ("deepseek_ocr2_text", {}),     # DeepSeek-V2's router: never renormalised
+    ("cohere2_moe", {"norm_topk_prob": False}),                # softmax: renormalised all the same
+    ("cohere2_moe", {"expert_selection_fn": "sigmoid"}),
+    ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": False}),
+    # routers that renormalise whatever a config.json field their class lacks says
+    *[(family, {"norm_topk_prob": False}) for family in ("minimax", "minimax_m2", "muse_spark_text",
+                                                          "qwen3_5_moe_text", "qwen3_vl_moe_text")],
+])
+def test_routing_fields_read_as_the_family_reads_them(family, fields):
+    """Found by a helper's audit: every weight of Inkling-2 8x too small, UnlimitedOCR / DeepSeek-OCR2
+    renormalised, Cohere2-MoE's sigmoid read as softmax and its softmax left unnormalised, and
+    norm_topk_prob=False obeyed where the family's router does not read it."""
+    _check_family(family, **fields)
+
+
+def _check_family(family, **fields):
+    """Routes the family's block's logits with MoeConfig.from_hf_config of its config and compares with
+    what the block's router chose; returns (config, block, MoeConfig)."""
     torch, _ = _torch_transformers()
-    hf, block = _family_block(family)
+    hf, block = _family_block(family, **fields)
     bias = None
     for name, tensor in [*block.named_parameters(), *block.named_buffers()]:
         if name.endswith(("e_score_correction_bias", "expert_bias")):   # on the router or on the block
@@ -203,11 +231,10 @@ def test_every_known_family_routes_as_its_transformers_block(family):
                     if n.endswith(("e_score_correction_bias", "expert_bias"))).detach().numpy().reshape(-1)
     cfg = MoeConfig.from_hf_config(hf)
     assert (cfg.expert_num, cfg.hidden_size, cfg.intermediate_size) == tuple(block.experts.down_proj.shape)
-    noaux_tc = family in config_module._NOAUX_TC_FAMILIES
-    assert cfg.scoring_func == ("sigmoid" if noaux_tc else "softmax")
-    assert bias is None or noaux_tc or family == "ernie4_5_moe"      # Ernie 4.5: softmax with a bias
+    assert bias is None or cfg.scoring_func == "sigmoid" or family == "ernie4_5_moe"   # Ernie 4.5: softmax, a bias
     _assert_same_routing(*route(logits.reshape(T, 16), cfg, correction_bias=bias),
                          hf_ids.reshape(T, -1), hf_w.reshape(T, -1))
+    return hf, block, cfg
 
 
 def test_bfloat16_and_float16_logits():
