@@ -67,7 +67,7 @@ def quantize(w, per_channel=True, block=(128, 128), *, backend=None, threads=Non
     ``[..., out, 1]`` (per-channel) or ``[..., ceil(out / block[0]), ceil(in / block[1])]``
     (block-wise; blocks at the right and bottom edges are cut short).  The codes equal
     ``ml_dtypes.float8_e4m3fn(clip(float32(w) / scale, -448, 448))`` with the division in float32."""
-    w, dtype_code = _float_array(w, "w")
+    dtype_code = check_float_array(w, "w")
     _check_matrix_shape(w, "w")
     per_channel = _check_bool(per_channel, "per_channel")
     bn, bk = as_block(block)
@@ -77,7 +77,15 @@ def quantize(w, per_channel=True, block=(128, 128), *, backend=None, threads=Non
         bn, bk = 1, cols
     codes = np.empty(w.shape, np.uint8)
     scale = np.empty(w.shape[:-2] + (-(-rows // bn), -(-cols // bk)), np.float32)
-    _ext.codec_quantize_blocks(backend, w, dtype_code, (mats, rows, cols, bn, bk), codes, scale, threads)
+    if w.ndim == 3 and not w.flags.c_contiguous and all(e.flags.c_contiguous for e in w):
+        # experts each in C order but not one after another (transformers' fused gate_up_proj cut in
+        # halves): one at a time, where a C-order copy would hold the whole stack again
+        for e in range(mats):
+            _ext.codec_quantize_blocks(backend, w[e], dtype_code, (1, rows, cols, bn, bk), codes[e], scale[e],
+                                       threads)
+    else:
+        _ext.codec_quantize_blocks(backend, _c_order(w), dtype_code, (mats, rows, cols, bn, bk), codes, scale,
+                                   threads)
     return codes, scale
 
 
@@ -125,6 +133,8 @@ def all_finite(values):
     """Whether a BF16 / F16 / F32 array holds no NaN or Inf.  Two max reductions over its bits, no
     temporary array for a contiguous one: a positive NaN or Inf is the largest as a signed integer, a
     negative one as an unsigned integer (sign bit set)."""
+    if values.ndim == 3 and not values.flags.c_contiguous:     # a sliced stack: no copy of all of it
+        return all(all_finite(matrix) for matrix in values)
     signed, unsigned, inf = _INF_BITS[values.dtype]
     bits = np.ascontiguousarray(values).reshape(-1)
     if not bits.size:
