@@ -358,6 +358,16 @@ class FP8SafeTensorLoader:
         scales = [self._block_scale(layer, role, w, block, experts) for role, w in zip(ROLES, weights)]
         return ExpertWeights(fmt, *weights, *scales, block=block, **shard)
 
+    def release_experts(self, layer):
+        """Gives back the memory-mapped pages of `layer`'s expert tensors once a MoE has packed them:
+        while the loader is open they stay charged to this process (clean page cache, but counted in
+        RSS and in a cgroup's memory), so a model loaded layer by layer would hold every layer twice
+        until close().  Experts loaded before stay valid (their pages are read again if used)."""
+        self._check_layer(layer)
+        for names in self._layers[layer].tensors.values():
+            for name in names.values():
+                self.checkpoint.file_of(name).release(name)
+
     def expert_count(self, layer):
         """Number of routed experts of `layer` in the checkpoint: the highest expert index among its weights
         + 1, as python -m ktfp8.convert counts them without config.json; load_experts refuses a layer that

@@ -203,7 +203,7 @@ class SafetensorsFile:
             os.close(self._fd)
             raise
         self._end = max((t.end for t in self.tensors.values()), default=0)
-        self._map = None
+        self._map = self._mmap = None
 
     def __contains__(self, name):
         return name in self.tensors
@@ -224,8 +224,22 @@ class SafetensorsFile:
         if os.fstat(self._open_fd()).st_size < self._end:
             raise SafetensorsError(f"{self.path}: file shrank since its header was read")
         if self._map is None:
-            self._map = np.frombuffer(mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ), np.uint8)
+            self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)    # kept for release's madvise
+            self._map = np.frombuffer(self._mmap, np.uint8)
         return self._map[info.start:info.end].view(info.np_dtype).reshape(info.shape)
+
+    def release(self, name):
+        """Drops the mapped pages of tensor `name` from this process (MADV_DONTNEED on the shared,
+        read-only map): views of it stay valid and read them back from the page cache, if ever.  For
+        tensors copied elsewhere (packed), whose pages would otherwise stay charged to this process
+        while the file is open.  The pages at its two ends are shared with its neighbours."""
+        dontneed = getattr(mmap, "MADV_DONTNEED", None)
+        if self._map is None or dontneed is None:
+            return
+        info = self.info(name)
+        start = info.start // mmap.PAGESIZE * mmap.PAGESIZE    # madvise takes a page-aligned start
+        if info.end > start:
+            self._mmap.madvise(dontneed, start, info.end - start)
 
     def stacked_memmap(self, names):
         """One read-only view [len(names), *shape] over tensors of one dtype and shape that lie at
@@ -279,7 +293,7 @@ class SafetensorsFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._map = None
+        self._map = self._mmap = None
 
     def __enter__(self):
         return self

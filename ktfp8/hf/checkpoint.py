@@ -206,3 +206,4 @@ def _attach_experts(model, loader, quant_config, threads, path):
         experts = loader.load_experts(layer, experts=local_experts(module.num_experts))
         hf_experts.attach(module, build_layer(config_of_layer, experts, threads=threads), quant_config,
                           source=os.fspath(path))
+        loader.release_experts(layer)      # packed: one layer's codes mapped at a time, not all of them
