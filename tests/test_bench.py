@@ -375,6 +375,25 @@ def test_goal_lines_print_a_digit_more_where_rounding_would_show_the_target_itse
     assert lines[1].startswith("  reached      met (target <= 1.0x): 1.00x")
     assert lines[2].startswith("  NOT reached  fraction (target >= 50%): 49.6%")
     assert lines[3].startswith("  NOT reached  far (target >= 3.0x): 2.37x")
+    # as many digits as it takes (a helper's audit: 'NOT reached ... (target >= 85%): 85.0%')
+    goals = [report._goal("bus", "fraction", 0.85, 0.8496, ""), report._goal("fp8", "speedup", 1.8, 1.79996, ""),
+             report._goal("choice", "at_most", 1.0, 1.00004, "")]
+    assert [line.split(": ", 1)[1].split()[0] for line in report.goals_lines(goals).splitlines()[1:]] == \
+        ["84.96%", "1.79996x", "1.00004x"]
+
+
+def test_goals_say_why_a_peer_or_a_token_count_was_not_timed():
+    """With --no-peers, or a T not in --tokens, the notes said 'kt-kernel AMXBF16_MOE unavailable here' and
+    'PyTorch BF16 not timed at T=64 (see skipped)' (a helper's audit)."""
+    lim = _limits()
+    rows = [_row("ktfp8 avx2", "fp8_per_channel", t, 10.0, limits=lim) for t in (64, 512)]
+    notes = {g["goal"]: g["note"] for g in report.goals(rows, lim, "L", "avx2")}
+    assert notes["T=512: faster than kt-kernel AMX BF16"] == \
+        "kt-kernel AMXBF16_MOE not timed in this run (--no-peers, or not installed: see skipped)"
+    assert notes["T=64: faster than PyTorch BF16"] == \
+        "torch bf16 not timed in this run (--no-peers, or not installed: see skipped)"
+    notes = {g["goal"]: g["note"] for g in report.goals(rows[1:], lim, "L", "avx2")}
+    assert notes["T=64: faster than PyTorch BF16"] == "T=64 is not in this run's --tokens"
 
 
 def test_interleaved_roofline_goals_are_medians_of_per_round_ratios_from_the_recorded_numbers():
@@ -905,6 +924,46 @@ def test_cli_interrupted_says_what_it_wrote_and_leaves_no_partial_file(tmp_path,
     assert capsys.readouterr().err == (f"python -m ktfp8.bench: interrupted; wrote only bench-results.json, "
                                        f"bench-results.txt into {tmp_path}\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench-results.json", "bench-results.txt"]
+
+
+def test_cli_that_cannot_write_its_results_at_the_end_prints_the_table_and_says_so(tmp_path, capsys):
+    """A folder in --out's way (made during the run) ended minutes of measurements in an
+    IsADirectoryError traceback, the table unprinted (a helper's audit)."""
+    (tmp_path / "bench-results.txt").mkdir()
+    assert cli_main([*_TINY, "--no-plot", "--out", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert "goals (benchmark layer" in out or "side " in out
+    assert err.startswith(f"python -m ktfp8.bench: error: cannot write into {tmp_path}: ")
+    assert err.rstrip().endswith("; wrote only bench-results.json")
+
+
+def test_tokens_per_expert_refuses_what_would_fail_after_the_limits():
+    """A thread count past the limit, an unusable $KTFP8_BACKEND and a layer or call larger than the
+    memory ended in tracebacks after the limits were measured (a helper's audit)."""
+    from ktfp8.bench import tokens_per_expert as tpe
+    for args, message in ((["--threads", "99999"], "--threads must be at most"),
+                          (["--experts", "100000"], "the layer's weights take"),
+                          (["--tokens", "100000000", "--experts", "2", "--hidden", "256", "--intermediate", "128"],
+                           "--tokens: a call of m=100000000 takes")):
+        with pytest.raises(SystemExit) as e:
+            tpe.parse_args(args)
+        assert e.value.code == 2, args
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KTFP8_BACKEND", "bogus")
+        with pytest.raises(SystemExit):
+            tpe.parse_args([])
+
+
+def test_model_cli_refuses_a_thread_count_torch_cannot_start():
+    M = _model_cli()
+    with pytest.raises(SystemExit) as e:
+        M.main(["--threads", "99999"])
+    assert e.value.code == 2
+
+
+def cli_main(argv):
+    from ktfp8.bench import __main__ as cli
+    return cli.main(argv)
 
 
 def test_cli_whose_reader_left_stops_quietly(tmp_path):

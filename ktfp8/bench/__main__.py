@@ -191,8 +191,8 @@ def cores_and_cpus(cores, cpus):
 
 def _machine():
     info = cpu.report()
-    return dict(cpu=cpu.describe(info), cores=backends.affinity_cores(), cpus=len(numa.affinity_cpus()), ram_gb=round(L.ram_bytes() / 2**30, 1),
-                l3_mib=round((L.l3_bytes() or 0) / 2**20, 1),
+    return dict(cpu=cpu.describe(info), cores=backends.affinity_cores(), cpus=len(numa.affinity_cpus()),
+                ram_gb=round(L.ram_bytes() / 2**30, 1), l3_mib=round((L.l3_bytes() or 0) / 2**20, 1),
                 flags=[k for k, v in info["flags"].items() if v], usable_backends=info["usable_backends"],
                 python=platform.python_version(), platform=platform.platform())
 
@@ -227,6 +227,10 @@ class _StdoutFailed(Exception):
     """A write to stdout failed (the reader left, a full disk): the run stops there."""
 
 
+class _ResultsNotWritten(Exception):
+    """A results file could not be written at the end of the run (the table was printed)."""
+
+
 def _say(*parts):
     try:
         print(*parts, flush=True)
@@ -245,6 +249,10 @@ def main(argv=None):
         return 130
     except _StdoutFailed as failed:
         return cpu.stdout_failed(PROG, failed.args[0])
+    except _ResultsNotWritten as failed:
+        done = f"; wrote only {', '.join(written)}" if written else ""
+        print(f"{PROG}: error: {failed}{done}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -276,22 +284,26 @@ def _run(args, written):
         backend_choice=choice, peer_rounds=against_peers,
         goals=goal_rows)
     machine = results["machine"]
-    header = (f"{machine['cpu']}: {cores_and_cpus(machine['cores'], machine['cpus'])}, L3 {machine['l3_mib']:.0f} MiB, {machine['ram_gb']} GiB; "
-              f"ktfp8 {__version__}, {results['date']}")
+    header = (f"{machine['cpu']}: {cores_and_cpus(machine['cores'], machine['cpus'])}, L3 {machine['l3_mib']:.0f} "
+              f"MiB, {machine['ram_gb']} GiB; ktfp8 {__version__}, {results['date']}")
     text = "\n\n".join(part for part in (
         header, report.results_table(rows, limits, default), report.scaling_table(rows),
         report.goals_lines(goal_rows) if goal_rows else "",
         "skipped:\n" + "\n".join(f"  {s['side']} [{s['format']}] on {s['layer']}: {s['reason']}"
                                  for s in runner.skipped) if runner.skipped else "") if part)
     # the files first: a reader of stdout that leaves during the table (| head) does not cost them
-    for name, content in (("bench-results.json", json.dumps(results, indent=1)), ("bench-results.txt", text)):
-        _write_atomically(os.path.join(args.out, name), lambda f: f.write((content + "\n").encode()))
-        written.append(name)
-    if not args.no_plot:
-        from . import plot
-        _write_atomically(os.path.join(args.out, "bench-results.png"),
-                          lambda f: plot.save(results, f, all_backends=args.all_backends))
-        written.append("bench-results.png")
+    try:
+        for name, content in (("bench-results.json", json.dumps(results, indent=1)), ("bench-results.txt", text)):
+            _write_atomically(os.path.join(args.out, name), lambda f: f.write((content + "\n").encode()))
+            written.append(name)
+        if not args.no_plot:
+            from . import plot
+            _write_atomically(os.path.join(args.out, "bench-results.png"),
+                              lambda f: plot.save(results, f, all_backends=args.all_backends))
+            written.append("bench-results.png")
+    except OSError as err:        # the folder changed during the run: the table still reaches stdout
+        _say("\n" + text)
+        raise _ResultsNotWritten(f"cannot write into {args.out}: {err}") from None
     _say("\n" + text)
     _say(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}")
 

@@ -20,7 +20,7 @@ import sys
 import time
 
 from .. import backends
-from ..generate import _positive  # the same --threads/--layers check as the generate CLI
+from ..generate import _positive, _threads  # the same --threads / --layers checks as the generate CLI
 from .__main__ import _cannot_write_into, _write_atomically
 
 PHASES = ("prefill", "decode")
@@ -272,7 +272,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=_positive, default=6,
                    help=f"first N of the {MODEL_LAYERS} layers (default 6: ~8 GB of BF16 model, ~9 GB at the peak)")
-    p.add_argument("--threads", type=_positive, default=backends.usable_cores(),
+    p.add_argument("--threads", type=_threads, default=backends.usable_cores(),
                    help="threads (default: all this process may use)")
     p.add_argument("--prompt-tokens", type=_positive, default=512)
     p.add_argument("--decode-tokens", type=_positive, default=16,

@@ -154,9 +154,17 @@ def goals(rows, limits, layer, default, interleaved=None, choice=None, peers=Non
         out.append(_goal(goal, kind, target, measured, note))
 
     def against_peer(goal, target, T, label, wanted, missing):
-        """From the interleaved peer step where it timed the peer (peer_goal), else the table's rows."""
+        """From the interleaved peer step where it timed the peer (peer_goal), else the table's rows;
+        `missing`: why, where this run timed the peer at other T but not at T."""
         if not peer_goal(peers, add, goal, target, T, label, wanted, default):
-            faster(goal, target, find(mine, T), peer(T, wanted, "bf16"), missing)
+            faster(goal, target, find(mine, T), peer(T, wanted, "bf16"), why_not_timed(T, label, wanted, missing))
+
+    def why_not_timed(T, label, wanted, missing):
+        if not any(r["tokens"] == T for r in layer_rows):
+            return f"T={T} is not in this run's --tokens"
+        if not any(r["kind"] == "peer" and r["side"].startswith(label) for r in layer_rows):
+            return f"{wanted} not timed in this run (--no-peers, or not installed: see skipped)"
+        return missing
 
     def faster(goal, target, ours, theirs, missing):
         if ours is None or theirs is None:
@@ -171,7 +179,8 @@ def goals(rows, limits, layer, default, interleaved=None, choice=None, peers=Non
     # 2. every expert active: near the memory floor (interleaved with the probes where the step ran at T=64)
     r = find(mine, 64)
     roof = roofline_goal_figures(interleaved, 64)
-    goal = "T=64: time over the memory floor (active bytes / best read bandwidth)"
+    goal = "T=64: time over the memory floor (active bytes / " + ("read bandwidth)" if roof else
+                                                                   "best read bandwidth)")
     if roof:
         # a VM's bus can read twice as fast one minute as the next: where the compute floor alone is
         # past 1.5x the memory floor, no kernel meets the goal, and the note says so
@@ -252,7 +261,7 @@ def peer_goal(peers, add, goal, target, tokens, label, wanted, default):
 
 def choice_goal(choice):
     """Goal 4 from the interleaved backend step (backend_choice.run's result, None when it did not run)."""
-    goal = "default choice: time over the fastest ktfp8 backend, worst T"
+    goal = "default choice: its time over the fastest other ktfp8 backend's, worst T"
     if choice is None or choice.get("skipped"):
         return _goal(goal, "at_most", 1.0, None, choice["skipped"] if choice else "the backend step did not run")
     worst = choice["figures"]["worst"]
@@ -339,8 +348,9 @@ def decode_goals(interleaved, limits, mine):
 
 
 def goals_lines(goal_rows):
-    lines = ["goals (benchmark layer, each side at its best thread count unless stated; floors from this run's "
-             "best measured limits):"]
+    lines = ["goals (benchmark layer, each side at its best thread count unless stated; an interleaved line "
+             "sets each round against that round's own probes, a line from the table against this run's best "
+             "measured limits):"]
     for g in goal_rows:
         verdict = "not measured" if g["reached"] is None else "reached" if g["reached"] else "NOT reached"
         as_fraction = g["kind"] == "fraction"
@@ -352,10 +362,11 @@ def goals_lines(goal_rows):
 
 
 def _figure(measured, target, as_fraction):
-    """measured as a percentage or a ratio, one more digit where the usual ones would print the target
-    itself (a default 1.002x the time of the best backend is not reached, and should not read 1.00x)."""
-    digits = 0 if as_fraction else 2
-    if round(measured, digits + 2 * as_fraction) == round(target, digits + 2 * as_fraction) and measured != target:
+    """measured as a percentage or a ratio, with as many more digits as it takes not to print the target
+    itself (a default 1.002x the time of the best backend is not reached, and should not read 1.00x; nor
+    84.96 % of the bus 85.0 %)."""
+    scale, digits = (100, 0) if as_fraction else (1, 2)
+    while digits < 6 and measured != target and round(measured * scale, digits) == round(target * scale, digits):
         digits += 1
     return f"{measured:.{digits}%}" if as_fraction else f"{measured:.{digits}f}x"
 

@@ -23,9 +23,10 @@ import numpy as np
 from .. import backends, cpu, numa, roofline
 from ..generate import _positive  # the command lines' positive-integer check
 from . import layers as L
-from .__main__ import _default_backends, _int_list, cores_and_cpus
+from .__main__ import _bad_env_backend, _bad_threads, _default_backends, _int_list, cores_and_cpus
 from .interleaved import PROBE_REPEATS
 from .run import Plan, _ktfp8_factory, build_walk, measure_limits
+from .sides import available_memory
 
 DEFAULT_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32]
 MIN_CALLS = 4  # timed calls per m and round at least (a layer with one copy is walked 4 times)
@@ -52,7 +53,26 @@ def parse_args(argv):
     for b in args.backends or []:
         if b not in usable:
             p.error(f"--backends: {b!r} is not usable here; usable: {', '.join(usable)}")
+    why = _bad_threads(args.threads) or _bad_env_backend() or _does_not_fit(args)   # else a traceback, late
+    if why:
+        p.error(why)
     return args
+
+
+def _does_not_fit(args):
+    """Why the layer's weights, or a call's activations and routing, cannot fit in the memory free now."""
+    free = available_memory()
+    weights = args.experts * 3 * args.hidden * args.intermediate * L.BYTES_PER_WEIGHT[args.format]
+    if weights > free:
+        return (f"--experts / --hidden / --intermediate: the layer's weights take {weights / 1e9:.1f} GB, more "
+                f"than the {free / 1e9:.1f} GB of memory available now")
+    m = max(args.tokens)
+    # per token: float32 x and output, int64 ids and float32 weights, and the kernels' h (float32 at most)
+    call = m * (args.hidden * 8 + args.experts * (12 + 4 * args.intermediate))
+    if call > free:
+        return (f"--tokens: a call of m={m} takes {call / 1e9:.1f} GB, more than the {free / 1e9:.1f} GB of "
+                f"memory available now")
+    return None
 
 
 def time_calls(walk, experts, token_counts, rounds, hidden, before_round=None):
@@ -116,7 +136,8 @@ def main(argv=None):
     thread_counts = sorted(set(args.threads or [1, backends.usable_cores()]))
     plan = Plan(layers=[layer], tokens=args.tokens, threads=thread_counts,
                 backends=args.backends or _default_backends())  # the bench's walk sizes
-    print(f"{cpu.describe(cpu.report())}: {cores_and_cpus(backends.affinity_cores(), len(numa.affinity_cpus()))}, L3 {(L.l3_bytes() or 0) / 2**20:.0f} MiB")
+    cores = cores_and_cpus(backends.affinity_cores(), len(numa.affinity_cpus()))
+    print(f"{cpu.describe(cpu.report())}: {cores}, L3 {(L.l3_bytes() or 0) / 2**20:.0f} MiB")
     print(f"layer {layer.name}, {args.format}; default backend {backends.resolve_backend(None)}", flush=True)
     measured = measure_limits(thread_counts, max(1 << 28, plan.walk_bytes), log=lambda msg: print(msg, flush=True))
     limits = {n: dataclasses.asdict(lim) for n, lim in measured.items()}
