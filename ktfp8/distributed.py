@@ -182,13 +182,21 @@ class ExpertParallelMoE:
 
     def __call__(self, x, topk_ids, topk_weights):
         import torch
-        x32 = _float32(x)
         start = time.perf_counter()
+        # Each rank checks its arguments before the input check's gather, which carries whether they
+        # passed: a rank that refused them in the compute left the others waiting at the all-reduce for
+        # the whole timeout, then blaming a dead rank, and the ranks' later calls paired off by one.
+        try:
+            x32 = _float32(x)
+            self.moe.check_arguments(x32, topk_ids, topk_weights)  # shapes, layouts, devices, dtypes
+            refused = None
+        except (TypeError, ValueError) as err:
+            x32, refused = None, err
         # Started before the compute, checked before the all-reduce: ranks fed different tokens (data
         # parallel, each rank its own batch) would otherwise sum shares of different tokens, or abort
         # in gloo on a size mismatch.
-        inputs = _InputCheck(x32, topk_ids, topk_weights, self.group, self.timeout_s)
-        partial = self.moe(x32, topk_ids, topk_weights)     # the core checks shapes, devices, dtypes
+        inputs = _InputCheck(x32, topk_ids, topk_weights, refused, self.group, self.timeout_s)
+        partial = None if refused else self.moe(x32, topk_ids, topk_weights)
         inputs.raise_if_ranks_differ()
         reduced = time.perf_counter()
         summed = partial if isinstance(partial, torch.Tensor) else torch.from_numpy(partial)
@@ -214,19 +222,29 @@ class _InputCheck:
     X_STRIDE = 64
     FIELDS = ("tokens", f"crc32(x[:, ::{X_STRIDE}])", "crc32(topk_ids)", "crc32(topk_weights)")
 
-    def __init__(self, x32, topk_ids, topk_weights, group, timeout_s):
+    def __init__(self, x32, topk_ids, topk_weights, refused, group, timeout_s):
+        """refused: the error this rank's arguments got (ExpertParallelMoE checks them first), or None."""
         import torch
         dist = _dist()
-        self.group, self.timeout_s = group, timeout_s
-        hashed = (x32[:, ::self.X_STRIDE] if x32.ndim == 2 else x32, topk_ids, topk_weights)
-        tokens = x32.shape[0] if x32.ndim else 0      # a wrong shape is the MoE call's to refuse
-        self.mine = torch.tensor([tokens] + [_crc32(a) for a in hashed], dtype=torch.int64)
+        self.group, self.timeout_s, self.refused = group, timeout_s, refused
+        if refused is None:
+            hashed = (x32[:, ::self.X_STRIDE], topk_ids, topk_weights)
+            mine = [0, x32.shape[0]] + [_crc32(a) for a in hashed]
+        else:
+            mine = [1] + [0] * len(self.FIELDS)
+        self.mine = torch.tensor(mine, dtype=torch.int64)
         self.gathered = [torch.empty_like(self.mine) for _ in range(rank_and_size(group)[1])]
         self.work = dist.all_gather(self.gathered, self.mine, group=group, async_op=True)
 
     def raise_if_ranks_differ(self):
         _wait(self.work, "checking the inputs", self.group, self.timeout_s)
-        rows = [g.tolist() for g in self.gathered]
+        if self.refused is not None:
+            raise self.refused
+        refusing = [i for i, g in enumerate(self.gathered) if g[0]]
+        if refusing:
+            raise ExpertParallelError(f"rank(s) {', '.join(map(str, refusing))} refused their arguments (their "
+                                      f"error says why), so no rank computed this call")
+        rows = [g.tolist()[1:] for g in self.gathered]
         if any(r != rows[0] for r in rows):
             fields = ", ".join(self.FIELDS)
             raise ExpertParallelError(

@@ -130,6 +130,15 @@ def differ(rank, size, out_dir):
             report[name] = None
         except ExpertParallelError as err:
             report[name] = str(err)
+    # arguments that rank 1 alone gets wrong, and its MoE refuses: the others hear of it at once
+    wide = np.concatenate([x, np.ones((T, 8), np.float32)], axis=1)
+    for name, bad in (("wide_x", (wide, ids, w)), ("fortran_x", (np.asfortranarray(x), ids, w))):
+        start = time.monotonic()
+        try:
+            ep(*(bad if rank == 1 else (x, ids, w)))
+            report[name] = None
+        except (ExpertParallelError, ValueError) as err:
+            report[name] = [type(err).__name__, str(err), time.monotonic() - start]
     np.save(os.path.join(out_dir, f"rank{rank}.npy"), ep(x, ids, w))
     _write_json(out_dir, rank, report)
 

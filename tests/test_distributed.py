@@ -84,6 +84,14 @@ def test_ranks_fed_different_inputs_all_refuse_and_the_group_goes_on(tmp_path):
             assert "needs the same x, topk_ids and topk_weights on every rank" in report[case]
             assert "KTFP8_EXPERT_PARALLEL=0" in report[case]
         assert f"rank 1: [{W.T - 1}, " in report["tokens"]
+        for case in ("wide_x", "fortran_x"):     # rank 1's own error; the others' within a fraction of the timeout
+            kind, message, seconds = report[case]
+            assert seconds < W.TIMEOUT_S / 2, f"rank {rank} waited {seconds:.1f} s on {case}"
+            if rank == 1:
+                assert kind == "ValueError" and "x" in message
+            else:
+                assert (kind, message) == ("ExpertParallelError", "rank(s) 1 refused their arguments (their error "
+                                                                  "says why), so no rank computed this call")
         np.testing.assert_allclose(np.load(tmp_path / f"rank{rank}.npy"), whole, rtol=0,
                                    atol=8 * np.finfo(np.float32).eps * np.abs(whole).max())
 
