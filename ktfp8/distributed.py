@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from .experts import FORMATS, split_experts
+from ._torch import to_device, to_numpy
 from .moe import MoE, check_layer_types
 
 ENV_TIMEOUT = "KTFP8_DIST_TIMEOUT_S"
@@ -187,25 +188,26 @@ class ExpertParallelMoE:
         # passed: a rank that refused them in the compute left the others waiting at the all-reduce for
         # the whole timeout, then blaming a dead rank, and the ranks' later calls paired off by one.
         try:
-            x32 = _float32(x)
-            self.moe.check_arguments(x32, topk_ids, topk_weights)  # shapes, layouts, devices, dtypes
+            given = [to_numpy(a, name, bool(self.moe.copy_to_cpu)) for a, name in
+                     ((_float32(x), "x"), (topk_ids, "topk_ids"), (topk_weights, "topk_weights"))]
+            arguments = self.moe._arguments(*given, None, False)   # shapes, layouts, dtypes
             refused = None
         except (TypeError, ValueError) as err:
-            x32, refused = None, err
+            given, refused = None, err
         # Started before the compute, checked before the all-reduce: ranks fed different tokens (data
         # parallel, each rank its own batch) would otherwise sum shares of different tokens, or abort
         # in gloo on a size mismatch.
-        inputs = _InputCheck(x32, topk_ids, topk_weights, refused, self.group, self.timeout_s)
-        partial = None if refused else self.moe(x32, topk_ids, topk_weights)
+        inputs = _InputCheck(given, refused, self.group, self.timeout_s)
+        partial = None if refused else self.moe._compute(*arguments)
         inputs.raise_if_ranks_differ()
         reduced = time.perf_counter()
-        summed = partial if isinstance(partial, torch.Tensor) else torch.from_numpy(partial)
+        summed = torch.from_numpy(partial)
         all_reduce_sum(summed, self.group, self.timeout_s)  # in place: float32, so BF16 rounds once
         self.timings["calls"] += 1
         self.timings["compute_s"] += reduced - start
         self.timings["allreduce_s"] += time.perf_counter() - reduced
-        if isinstance(x, torch.Tensor):
-            return summed.to(x.dtype)
+        if isinstance(x, torch.Tensor):      # on x's device, as MoE gives it back
+            return summed.to(x.dtype) if x.is_cpu else to_device(summed.to(x.dtype), x.device)
         return partial if x.dtype == np.float32 else partial.astype(x.dtype)
 
     def __repr__(self):
@@ -222,12 +224,14 @@ class _InputCheck:
     X_STRIDE = 64
     FIELDS = ("tokens", f"crc32(x[:, ::{X_STRIDE}])", "crc32(topk_ids)", "crc32(topk_weights)")
 
-    def __init__(self, x32, topk_ids, topk_weights, refused, group, timeout_s):
-        """refused: the error this rank's arguments got (ExpertParallelMoE checks them first), or None."""
+    def __init__(self, given, refused, group, timeout_s):
+        """given: this rank's x (float32), topk_ids and topk_weights as NumPy arrays; refused: the error
+        they got instead (ExpertParallelMoE checks them first), or None."""
         import torch
         dist = _dist()
         self.group, self.timeout_s, self.refused = group, timeout_s, refused
         if refused is None:
+            x32, topk_ids, topk_weights = given
             hashed = (x32[:, ::self.X_STRIDE], topk_ids, topk_weights)
             mine = [0, x32.shape[0]] + [_crc32(a) for a in hashed]
         else:
@@ -255,14 +259,7 @@ class _InputCheck:
 
 
 def _crc32(a):
-    """CRC-32 of the bytes of a NumPy array or CPU tensor (any dtype, made contiguous)."""
-    if not isinstance(a, np.ndarray):
-        import torch
-        if isinstance(a, torch.Tensor):
-            a = a.detach().contiguous()
-            a = a.view(torch.int16) if a.dtype == torch.bfloat16 else a   # NumPy has no bfloat16
-            a = a.numpy()
-        a = np.asarray(a)
+    """CRC-32 of the bytes of a NumPy array (any dtype, made contiguous)."""
     return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) if a.size else 0
 
 

@@ -157,23 +157,20 @@ class MoE:
 
     @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def __call__(self, x, topk_ids, topk_weights, out=None, accumulate=False):
-        x, ids, topk_weights, out = self._arguments(x, topk_ids, topk_weights, out, accumulate)
+        return self._compute(*self._arguments(x, topk_ids, topk_weights, out, accumulate), accumulate)
+
+    def _compute(self, x, ids, topk_weights, out, accumulate=False):
+        """The call on _arguments' result (ExpertParallelMoE's ranks check their arguments, and agree
+        that all of them passed, before any of them computes)."""
         backends.warn_if_one_thread(self._threads)
         # expert ids >= expert_num are refused there, before anything is written
         self._kernel.forward(x, ids, topk_weights, out, bool(accumulate), self._act_dtype, self._threads,
                              self._config.expert_num)
         return out
 
-    @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
-    def check_arguments(self, x, topk_ids, topk_weights):
-        """Raises the TypeError / ValueError that a call with these arguments would raise before it
-        computes anything, else returns None: ExpertParallelMoE's ranks each ask before any of them
-        computes, so that one rank's refusal reaches them all."""
-        self._arguments(x, topk_ids, topk_weights, None, False, make_out=False)
-
-    def _arguments(self, x, topk_ids, topk_weights, out, accumulate, make_out=True):
-        """(x, local ids, topk_weights, out) as the kernel takes them, or the error naming the first
-        argument it cannot take."""
+    def _arguments(self, x, topk_ids, topk_weights, out, accumulate):
+        """(x, local ids, topk_weights, out) of NumPy arrays as the kernel takes them, or the TypeError /
+        ValueError naming the first argument it cannot take; nothing is computed."""
         cfg = self._config
         x = _as_c_array("x", x, _X_DTYPES, 2)
         if x.shape[1] != cfg.hidden_size:
@@ -189,7 +186,7 @@ class MoE:
         if out is None:
             if accumulate:
                 raise ValueError("accumulate=True needs out= (the array to add into)")
-            out = np.empty_like(x) if make_out else None
+            out = np.empty_like(x)
         else:
             out = _as_c_array("out", out, (x.dtype,), 2)
             if out.shape != x.shape:
