@@ -67,10 +67,11 @@ KERNELS = {
     # later pass is at MR + 1 (5 + 4); 2 MR + 1 takes three passes
     "avx512_bf16": Kernel("moe_avx512bf16.c", BF16, {"DECODE_M": 4, "MR": 8},
                           lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
-    # m < AMX_MIN_M: the avx512_bf16 micro-kernel; from it on tiles of CHUNK tokens, CHUNKS of
-    # them per pass, a short last tile for m % CHUNK
-    "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 2, "CHUNK": 16, "CHUNKS": 4},
-                  lambda d: (d["AMX_MIN_M"], d["CHUNK"], d["CHUNK"] * d["CHUNKS"])),
+    # m < AMX_MIN_M: the avx512_bf16 micro-kernel; from it on tiles of CHUNK tokens (one short
+    # tile below CHUNK, whole ones from it on), CHUNKS of them per pass of one weight tile (FP8
+    # weights up to CHUNKS tiles: one tile at a time), two per pass of two
+    "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 2, "CHUNK": 16, "CHUNKS": 5},
+                  lambda d: (d["AMX_MIN_M"], d["CHUNK"], 2 * d["CHUNK"], d["CHUNK"] * d["CHUNKS"])),
 }
 
 

@@ -23,22 +23,23 @@
  * while the TDPBF16PS of slab s run (the profile on the Xeon had 25 % of the kernel in the
  * conversion, stalled on DRAM, before any TDP could start); later passes reuse the scratch.
  *
- * Blocking: 4 C tiles per pass.  Two weight tiles over the same tokens (tile_matmul2: gate and up,
- * or two adjacent down tiles): 2 A x 2 B -> 4 C (kt-kernel's blocking) through one A and one B
- * register, 5 tile loads per 4 TDPBF16PS (see pass), 32 tokens per pass, except for FP8 weights and
- * 17..64 tokens, measured faster one tile at a time (one_tile_at_a_time).  One weight tile
- * (tile_matmul): 4 A x 1 B -> 4 C, 5 loads per 4 TDPs, 64 tokens per pass.  Either way each
- * converted B tile feeds every chunk of a pass.
+ * Blocking.  Two weight tiles over the same tokens (tile_matmul2: gate and up, or two adjacent down
+ * tiles): 2 A x 2 B -> 4 C (kt-kernel's blocking) through one A and one B register, 5 tile loads per
+ * 4 TDPBF16PS (see pass), 32 tokens per pass, except for FP8 weights and 17..80 tokens, measured
+ * faster one tile at a time (one_tile_at_a_time).  One weight tile (tile_matmul): 5 A x 1 B -> 5 C,
+ * 6 loads per 5 TDPs, 80 tokens per pass (see CHUNKS).  Either way each converted B tile feeds every
+ * chunk of a pass.
  *
  * Tiles (palette 1, configured at the start of every call and released at its end, so a thread
  * never holds AMX state between calls):
- *   tmm0..3  C: FP32 [16][16]; tile ch * NW + w = chunk ch (16 tokens) x weight tile w
- *   tmm4     A: bf16 [16][32] of a chunk, one 32-K slab (row stride a_stride * 2 bytes)
+ *   tmm0..4  C: FP32 [16][16]; tile ch * NW + w = chunk ch (16 tokens) x weight tile w (tmm4 for one
+ *            weight tile only)
+ *   tmm5     A: bf16 [16][32] of a chunk, one 32-K slab (row stride a_stride * 2 bytes)
  *   tmm6     B: bf16 pairs [16][16][2], one 32-K slab of a weight tile
  *   tmm7     B of weight tile 1 where a single chunk converts its weights (see pass)
  * From 16 tokens on every chunk is 16 rows, the last one running on into the rows the driver keeps
  * readable past m (layout.row_pad); only the m rows are written out.  Fewer than 16 tokens make one
- * short chunk (tmm4 and the C tiles configured with m rows).  Why not a short last chunk after full
+ * short chunk (tmm5 and the C tiles configured with m rows).  Why not a short last chunk after full
  * ones, with an A tile of its own: timed inside the MoE at T = 512 (rdtsc around each tile_matmul2),
  * experts of 56..60 tokens took 1.09x-1.11x the time per tile pair of experts of 64, those of 48
  * 0.75x.  Whole chunks against that (tools/ab_builds.py, benchmark layer, 2 threads): T = 512
@@ -63,13 +64,24 @@
 #define NB 16        /* weight rows per tile = C tile columns */
 #define AMX_MIN_M 2  /* tokens from which the tile path runs (see above) */
 #define CHUNK 16     /* tokens per A / C tile */
-#define CHUNKS 4     /* C tiles per pass: chunks per pass for one weight tile, half that for two */
+/* C tiles per pass: chunks per pass for one weight tile, two for two.  Five, not four: an expert of
+ * 65..80 tokens (about half of them at T = 512 on the benchmark layer) then runs one tile at a time
+ * in a single pass (one_tile_at_a_time), where with four it took 2 A x 2 B passes that convert both
+ * whole tiles into L2 and read them back.  tools/kernel_ab on the Xeon (Emerald Rapids, family 6
+ * model 207) VM, five against four, per tile pair: K = 2048 m = 72 0.83x hot and 0.88x from DRAM,
+ * m = 80 0.79x-0.85x and 0.84x, K = 768 m = 72 / 80 0.87x / 0.86x from DRAM, m = 48 / 64 0.99x-1.02x
+ * (one run 1.09x); benchmark layer (tools/ab_builds.py, 2 threads) T = 512 0.936x-0.975x (three
+ * runs; 1 thread 0.942x, block-wise 0.929x, BF16 weights 1.005x), T = 128 0.996x, T = 64 0.998x.
+ * (An earlier Xeon VM, model 167, measured five C tiles 1.02x-1.49x per tile pair, before the
+ * kernel's later changes: one configuration per call, whole chunks.)  Past one pass 2 A x 2 B stays
+ * faster: one tile at a time at m = 96 / 128 took 1.07x-1.13x. */
+#define CHUNKS 5
 #define SLAB 32      /* K per TDPBF16PS */
 #define SLAB_BYTES (SLAB * NB * 2) /* one converted B tile */
 
 /* Tile register numbers: literals, as the tile instructions take them as immediates (GCC's
  * intrinsics paste them into the asm text). */
-#define TILE_A 4
+#define TILE_A 5
 #define TILE_B 6
 #define TILE_B2 7 /* the second weight tile of a single chunk that converts its weights (see pass) */
 
@@ -89,7 +101,7 @@ extern const ktfp8_moe_kernel SMALL_M_KERNEL;
  * config and the converted weights are in memory first. */
 INLINE void compiler_barrier(void) { __asm__ __volatile__("" ::: "memory"); }
 
-/* One configuration for all the passes of a call: the 4 C tiles, A and both B tiles, with `rows`
+/* One configuration for all the passes of a call: the 5 C tiles, A and both B tiles, with `rows`
  * rows in the C and A tiles (16, or m for one short chunk), whether a pass uses every tile or not.
  * LDTILECFG and TILERELEASE once per call, not per run of passes (two runs for one weight tile at a
  * time, two configurations for whole passes and the last one): tools/kernel_ab on the Xeon VM with
@@ -118,7 +130,7 @@ static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
 
 /* The per-tile steps of one pass (NW = 1; NW = 2 is spelled out in pass).  Tile numbers are
  * literals (see TILE_A); with NW and chunks constants the conditions fold away.  Chunk c into C
- * tile c, 4 chunks, each A tile used once, the B tile by all 4 (5 loads per 4 TDPBF16PS). */
+ * tile c, up to 5 chunks, each A tile used once, the B tile by all of them (6 loads per 5 TDPBF16PS). */
 #define ZERO_C(t) \
     if (t < chunks * NW) _tile_zero(t)
 #define STORE_C(t) \
@@ -180,6 +192,7 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
         ZERO_C(1);
         ZERO_C(2);
         ZERO_C(3);
+        ZERO_C(4);
         for (int64_t s = s0; s < s1; s++) {
 #define SLAB_AT(w, s_) (w_bf16[w] + (ring ? (s_) & 1 : (s_)) * SLAB_BYTES)
             if (fetch_bf16)
@@ -200,6 +213,7 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
                 DOT1(1);
                 DOT1(2);
                 DOT1(3);
+                DOT1(4);
             } else {
                 /* chunk ch x weight tile w into C tile 2 ch + w, in the order A0 B0, A0 B1, A1 B1,
                  * A1 B0: one A and one B register, each product sharing an operand with the one
@@ -240,6 +254,7 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
         STORE_C(1);
         STORE_C(2);
         STORE_C(3);
+        STORE_C(4);
 
         /* C rows to the FP32 outputs: per-channel and block 0 write, later blocks add */
         for (int w = 0; w < NW; w++) {
@@ -263,7 +278,7 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
  * in whole chunks: full passes (constant shape, no per-chunk tests), then the rest. */
 INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
     const ktfp8_tile_job *j = jobs[0];
-    const int per_pass = CHUNKS / NW; /* chunks per pass: the four C tiles */
+    const int per_pass = NW == 1 ? CHUNKS : 2; /* chunks per pass: one C tile per chunk and weight tile */
     const int64_t chunked = j->m < CHUNK ? j->m : (j->m + CHUNK - 1) / CHUNK * CHUNK;
     const int64_t step = per_pass * CHUNK, full = chunked / step * step, left = chunked - full;
     /* weights as bf16 [k/2][16][2]: BF16 weights are already packed that way; FP8 codes are
@@ -306,19 +321,20 @@ static void tile_matmul(const ktfp8_tile_job *j) {
     _tile_release();
 }
 
-/* Whether two FP8 jobs run faster one after the other, each in a single pass of 4 A x 1 B with its
+/* Whether two FP8 jobs run faster one after the other, each in a single pass of 5 A x 1 B with its
  * B tiles from an L1 ring, than together in passes of 2 A x 2 B (which for m > 32 convert both
  * whole tiles into L2 scratch and read them back in later passes).  tools/kernel_ab, one over the
- * other, per tile pair, on the Xeon VM above (both AMX modes, 2-4 runs each):
+ * other, per tile pair, on the model 167 Xeon VM above, four C tiles (both AMX modes, 2-4 runs each):
  *   K = 2048: m = 17 0.59x-0.66x hot, 0.82x from DRAM; 32 0.75x-0.88x, 0.91x-1.02x; 48 0.81x-0.85x,
  *             0.88x-0.89x; 64 0.86x-0.91x, 0.88x-0.90x; 72 0.92x-0.97x, 0.99x; 128 0.91x-0.95x, 0.97x-0.98x
  *   K = 7168: m = 17 0.62x-0.68x, 0.74x-0.90x; 64 0.85x-0.86x, 0.89x-0.92x; 72 1.02x-1.05x; 128 1.20x-1.29x
  *   K = 768:  m = 17 0.62x-0.65x, 0.83x-0.85x; 48 0.89x-0.91x, 0.94x-0.95x; 64 0.94x-0.98x, 0.93x-0.99x;
  *             72 1.04x, 1.08x; 96 1.00x, 1.05x-1.18x
  *   m = 4 and 16 from DRAM 1.17x-1.21x (the two tiles' codes no longer stream side by side).
- * So from 17 tokens up to the 64 that one pass of a single tile holds.  Against the later 2 A x 2 B
- * order (one B register, see pass), m = 52..64: 0.91x-1.00x from DRAM (K = 2048, two runs), hot
- * 1.02x-1.06x in the VM's slow AMX mode (K = 768 and 2048) and 0.97x in its fast one. */
+ * So from 17 tokens up to what one pass of a single tile holds: 64 then, 80 with five C tiles
+ * (CHUNKS).  Against the later 2 A x 2 B order (one B register, see pass), m = 52..64: 0.91x-1.00x
+ * from DRAM (K = 2048, two runs), hot 1.02x-1.06x in the VM's slow AMX mode (K = 768 and 2048) and
+ * 0.97x in its fast one. */
 static int one_tile_at_a_time(const ktfp8_tile_job *j) {
     return j->format != KTFP8_FMT_BF16 && j->m > CHUNK && j->m <= CHUNKS * CHUNK;
 }
