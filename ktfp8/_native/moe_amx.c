@@ -25,7 +25,7 @@
  *
  * Blocking.  Two weight tiles over the same tokens (tile_matmul2: gate and up, or two adjacent down
  * tiles): 2 A x 2 B -> 4 C (kt-kernel's blocking) through one A and one B register, 5 tile loads per
- * 4 TDPBF16PS (see pass), 32 tokens per pass, except for FP8 weights and 17..80 tokens, measured
+ * 4 TDPBF16PS (see pass), 32 tokens per pass, except for FP8 weights and 33..80 tokens, measured
  * faster one tile at a time (one_tile_at_a_time).  One weight tile (tile_matmul): 5 A x 1 B -> 5 C,
  * 6 loads per 5 TDPs, 80 tokens per pass (see CHUNKS).  Either way each converted B tile feeds every
  * chunk of a pass.
@@ -180,7 +180,8 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
     /* a single chunk that converts (m <= 16 on FP8 weights) loads both B tiles before the conversion,
      * into registers of their own: against one B register, benchmark layer T = 128 0.97x and 0.99x,
      * T = 16 0.98x; where a single chunk follows full passes (B from the converted tiles in L2; 65..80
-     * tokens), one register: T = 512 0.98x */
+     * tokens then, 97..112 and so on since FP8 tiles of up to 80 tokens go one at a time), one
+     * register: T = 512 0.98x */
     const int two_b = NW == 2 && chunks == 1 && codes[0];
 
     for (int w = 0; w < NW; w++)
@@ -334,9 +335,17 @@ static void tile_matmul(const ktfp8_tile_job *j) {
  * So from 17 tokens up to what one pass of a single tile holds: 64 then, 80 with five C tiles
  * (CHUNKS).  Against the later 2 A x 2 B order (one B register, see pass), m = 52..64: 0.91x-1.00x
  * from DRAM (K = 2048, two runs), hot 1.02x-1.06x in the VM's slow AMX mode (K = 768 and 2048) and
- * 0.97x in its fast one. */
+ * 0.97x in its fast one.
+ * On the Emerald Rapids VM (family 6 model 207), with five C tiles, 17..32 tokens went the other way:
+ * both tiles in their one 2 A x 2 B pass, the two code streams side by side into L1 rings, took
+ * 0.77x-0.79x the time of one tile at a time from DRAM (K = 2048, two runs; K = 768 0.81x-0.83x; hot
+ * 0.79x-0.83x), while from 33 tokens on one at a time stayed faster (2 A x 2 B passes 1.10x-1.13x
+ * from DRAM at m = 33..64, 1.19x-1.20x at 72 and 80).  Benchmark layer (tools/ab_builds.py, 2
+ * threads): T = 128 0.902x-0.920x (1 thread 0.933x, block-wise 0.955x), T = 256 0.903x-0.935x, T =
+ * 512 1.002x, T = 64 0.995x-1.022x.  So one at a time from 33 tokens: the older figures came from
+ * a kernel without the one-register 2 A x 2 B order and the single configuration per call. */
 static int one_tile_at_a_time(const ktfp8_tile_job *j) {
-    return j->format != KTFP8_FMT_BF16 && j->m > CHUNK && j->m <= CHUNKS * CHUNK;
+    return j->format != KTFP8_FMT_BF16 && j->m > 2 * CHUNK && j->m <= CHUNKS * CHUNK;
 }
 
 /* Gate and up, or two adjacent down tiles (any two jobs over the same activations): each A tile
