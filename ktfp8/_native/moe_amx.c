@@ -72,9 +72,13 @@
  * m = 80 0.79x-0.85x and 0.84x, K = 768 m = 72 / 80 0.87x / 0.86x from DRAM, m = 48 / 64 0.99x-1.02x
  * (one run 1.09x); benchmark layer (tools/ab_builds.py, 2 threads) T = 512 0.936x-0.975x (three
  * runs; 1 thread 0.942x, block-wise 0.929x, BF16 weights 1.005x), T = 128 0.996x, T = 64 0.998x.
- * (An earlier Xeon VM, model 167, measured five C tiles 1.02x-1.49x per tile pair, before the
- * kernel's later changes: one configuration per call, whole chunks.)  Past one pass 2 A x 2 B stays
- * faster: one tile at a time at m = 96 / 128 took 1.07x-1.13x. */
+ * Those are the VM's fast AMX mode (2.2-2.4 TFLOP/s per core at the peak).  In its slow mode (the
+ * peak loop at 0.9-1.0 TFLOP/s, minutes at a time, from outside the VM: perhaps another tenant's AMX
+ * work on the same physical core) five C tiles took 1.10x-1.20x the time of four at m = 72 / 80
+ * (K = 2048, hot and from DRAM; K = 768 1.08x), as every blocking that touches more tile registers
+ * did there (an earlier Xeon VM, model 167, measured five C tiles 1.02x-1.49x, mostly in that
+ * mode).  Kept for the fast mode, a core of one's own.  Past one pass 2 A x 2 B stays faster: one
+ * tile at a time at m = 96 / 128 took 1.07x-1.13x. */
 #define CHUNKS 5
 #define SLAB 32      /* K per TDPBF16PS */
 #define SLAB_BYTES (SLAB * NB * 2) /* one converted B tile */
@@ -343,7 +347,9 @@ static void tile_matmul(const ktfp8_tile_job *j) {
  * from DRAM at m = 33..64, 1.19x-1.20x at 72 and 80).  Benchmark layer (tools/ab_builds.py, 2
  * threads): T = 128 0.902x-0.920x (1 thread 0.933x, block-wise 0.955x), T = 256 0.903x-0.935x, T =
  * 512 1.002x, T = 64 0.995x-1.022x.  So one at a time from 33 tokens: the older figures came from
- * a kernel without the one-register 2 A x 2 B order and the single configuration per call. */
+ * a kernel without the one-register 2 A x 2 B order and the single configuration per call.  In the
+ * VM's slow AMX mode (see CHUNKS) the pass of both tiles took 0.89x-0.92x from DRAM and 1.15x-1.17x
+ * hot at m = 24 / 32. */
 static int one_tile_at_a_time(const ktfp8_tile_job *j) {
     return j->format != KTFP8_FMT_BF16 && j->m > 2 * CHUNK && j->m <= CHUNKS * CHUNK;
 }
