@@ -75,10 +75,10 @@
  * Those are the VM's fast AMX mode (2.2-2.4 TFLOP/s per core at the peak).  In its slow mode (the
  * peak loop at 0.9-1.0 TFLOP/s, minutes at a time, from outside the VM: perhaps another tenant's AMX
  * work on the same physical core) five C tiles took 1.10x-1.20x the time of four at m = 72 / 80
- * (K = 2048, hot and from DRAM; K = 768 1.08x), as every blocking that touches more tile registers
- * did there (an earlier Xeon VM, model 167, measured five C tiles 1.02x-1.49x, mostly in that
- * mode).  Kept for the fast mode, a core of one's own.  Past one pass 2 A x 2 B stays faster: one
- * tile at a time at m = 96 / 128 took 1.07x-1.13x. */
+ * (K = 2048, hot and from DRAM; K = 768 1.08x; benchmark layer T = 512 1.037x and 1.051x), as
+ * every blocking that touches more tile registers did there (an earlier Xeon VM, model 167,
+ * measured five C tiles 1.02x-1.49x, mostly in that mode).  Kept for the fast mode, a core of one's
+ * own.  Past one pass 2 A x 2 B stays faster: one tile at a time at m = 96 / 128 took 1.07x-1.13x. */
 #define CHUNKS 5
 #define SLAB 32      /* K per TDPBF16PS */
 #define SLAB_BYTES (SLAB * NB * 2) /* one converted B tile */
@@ -349,7 +349,7 @@ static void tile_matmul(const ktfp8_tile_job *j) {
  * 512 1.002x, T = 64 0.995x-1.022x.  So one at a time from 33 tokens: the older figures came from
  * a kernel without the one-register 2 A x 2 B order and the single configuration per call.  In the
  * VM's slow AMX mode (see CHUNKS) the pass of both tiles took 0.89x-0.92x from DRAM and 1.15x-1.17x
- * hot at m = 24 / 32. */
+ * hot at m = 24 / 32; benchmark layer T = 256 0.937x, T = 128 0.976x. */
 static int one_tile_at_a_time(const ktfp8_tile_job *j) {
     return j->format != KTFP8_FMT_BF16 && j->m > 2 * CHUNK && j->m <= CHUNKS * CHUNK;
 }
