@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import ml_dtypes
 import numpy as np
@@ -568,6 +569,32 @@ def test_peer_goals_are_medians_of_per_round_ratios_from_the_recorded_numbers():
     assert "interleaved: 2 rounds alternating" in g["note"] and "each at its fastest of 1 thread(s)" in g["note"]
     assert goals["T=64: faster than PyTorch BF16"]["measured"] == fig["64"]["torch bf16"]["ratio"]
     assert goals["T=512: faster than PyTorch BF16"]["measured"] == fig["512"]["torch bf16"]["ratio"]
+
+
+def test_peer_rounds_start_each_sides_batch_after_the_previous_side_has_settled(monkeypatch):
+    """kt-kernel's workers spin after its calls on the cores the next side runs on: a batch of one
+    side starts SETTLE_SECONDS after another side's batch ended, whatever the order."""
+    pytest.importorskip("torch")
+    from ktfp8.bench import peer_rounds
+    default = ktfp8.available_backends()[0]
+    batches = []  # (side name, start, end) of every batch, in the order they ran
+    timed = peer_rounds.time_calls
+
+    def recorded(walk, x, draws, budget):
+        start = time.perf_counter()
+        samples = timed(walk, x, draws, budget)
+        batches.append((walk.name, start, time.perf_counter()))
+        return samples
+    monkeypatch.setattr(peer_rounds, "time_calls", recorded)
+    peers = {"kt-kernel": _renamed_torch_peer("kt-kernel AMXBF16_MOE"), "torch bf16": _renamed_torch_peer("torch x")}
+    peer_rounds.measure(TINY, default, [1, 2], [64, 512], walk_bytes=0, walk_memory_bytes=1 << 30,
+                        rounds={64: 2, 512: 2}, calls={64: 1}, peers=peers, log=lambda msg: None)
+    switches = [(a, b) for a, b in zip(batches, batches[1:]) if a[0] != b[0]]
+    assert len(switches) >= 8  # 2 rounds at T=64 (2 sides) and at T=512 (3 sides)
+    for (_, _, end), (_, start, _) in switches:
+        assert start - end >= peer_rounds.SETTLE_SECONDS
+    same = [b[1] - a[2] for a, b in zip(batches, batches[1:]) if a[0] == b[0]]  # one side's thread counts
+    assert same and max(same) < peer_rounds.SETTLE_SECONDS
 
 
 def test_peer_goals_say_which_kt_kernel_ran_and_fall_back_to_the_table_without_the_peer():

@@ -13,11 +13,13 @@ dispatcher thread busy-waits beside its workers, so on a 2-core VM a pool of 1 w
 fastest, and a pool of all threads would flatter ktfp8).  The table's rows do not choose for the
 others: one --quick there had ktfp8's 2-thread T=64 row slower than its 1-thread row (a slow minute),
 which would have put ktfp8 at 1 thread against PyTorch at 2.  A goal figure is the median over rounds
-of that round's peer time over ktfp8's."""
+of that round's peer time over ktfp8's.  Each side's batch starts SETTLE_SECONDS after another
+side's ended, past kt-kernel's spinning workers."""
 import contextlib
 import gc
 import math
 import statistics
+import time
 
 from . import layers as L
 from .backend_choice import middle_half
@@ -30,6 +32,11 @@ PEERS = {"kt-kernel": _kt_kernel, "torch bf16": _torch_bf16}  # label -> factory
 GOAL_PEERS = {64: ("torch bf16",), 512: ("kt-kernel", "torch bf16")}  # the peers each T's goals name
 ROUNDS = {64: 8, 512: 6}
 CALLS = {64: 2, 512: 1}  # timed calls per batch, after one warm-up call (T=512: 0.04-0.2 s a call here)
+# Pause between one side's batch and another's: kt-kernel's workers spin 50 ms after its last call
+# (kt_kernel_peer.py), on the cores the next side then runs on.  On the Emerald Rapids Xeon VM (2
+# cores) ktfp8's T=512 call took 54.75 ms right after a kt-kernel call and 34.30 ms 100 ms later
+# (medians of 20): the side after kt-kernel in a round's order lost its first calls to the spin.
+SETTLE_SECONDS = 0.1
 
 
 def skip_reason(plan, layer, backend):
@@ -126,7 +133,7 @@ def measure(layer, backend, threads, tokens, walk_bytes, walk_memory_bytes, roun
         # fresh routing for every batch, as a forward's layers draw theirs
         draws = {label: {t: L.routing_rounds(layer, t, n_rounds[t] * len(threads) * per_batch[t], seed=3,
                                              copies=len(w.copies)) for t in tokens} for label, w in walks.items()}
-        out = []
+        out, last_label = [], None
         for r in range(max(n_rounds.values())):
             labels = list(walks)
             order = labels[r % len(labels):] + labels[:r % len(labels)]
@@ -135,6 +142,9 @@ def measure(layer, backend, threads, tokens, walk_bytes, walk_memory_bytes, roun
                 in_turn = [label for label in order if t in part[label]]
                 samples = {}
                 for label in in_turn:
+                    if last_label not in (None, label):
+                        time.sleep(SETTLE_SECONDS)
+                    last_label = label
                     walk, samples[label] = walks[label], {}
                     for i, n in enumerate(counts[label]):
                         if not walk.threads_fixed:
