@@ -131,6 +131,11 @@ def _stdout():
     return sys.stdout
 
 
+class StdoutFailed(Exception):
+    """A command-line tool's write to stdout raised the OSError args[0]: raised from deep in a run, its
+    main returns stdout_failed(prog, args[0])."""
+
+
 def stdout_failed(prog, err):
     """The exit status (1) of a command-line tool whose write to stdout raised `err`.  A reader that
     left (`| head -1`: EPIPE) ends the tool quietly, as SIGPIPE ends a C program; any other failure

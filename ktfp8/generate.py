@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cpu import stdout_failed
+from .cpu import StdoutFailed, stdout_failed
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 PROGRESS_EVERY_S = 0.5
@@ -28,14 +28,6 @@ class _Failure(Exception):
     def __init__(self, message, status):
         super().__init__(message)
         self.status = status
-
-
-class _StdoutFailed(Exception):
-    """Writing the result failed (cpu.stdout_failed says how that ends)."""
-
-    def __init__(self, err):
-        super().__init__(str(err))
-        self.err = err
 
 
 def _token_ids(text):
@@ -273,7 +265,7 @@ def _generate(args, folder, prints):
                   f"decode: {len(ids) - 1} tokens, {decode}")
         sys.stdout.flush()
     except OSError as e:                           # a reader that left (| head), a full disk
-        raise _StdoutFailed(e) from None
+        raise StdoutFailed(e) from None
 
 
 def main(argv=None):
@@ -283,8 +275,8 @@ def main(argv=None):
     except _Failure as e:
         print(f"ktfp8.generate: error: {e}", file=sys.stderr)
         return e.status
-    except _StdoutFailed as e:
-        return stdout_failed("ktfp8.generate", e.err)
+    except StdoutFailed as e:
+        return stdout_failed("ktfp8.generate", e.args[0])
     return 0
 
 

@@ -223,10 +223,6 @@ def _write_atomically(path, write):
         raise
 
 
-class _StdoutFailed(Exception):
-    """A write to stdout failed (the reader left, a full disk): the run stops there."""
-
-
 class _ResultsNotWritten(Exception):
     """A results file could not be written at the end of the run (the table was printed)."""
 
@@ -235,7 +231,7 @@ def _say(*parts):
     try:
         print(*parts, flush=True)
     except OSError as err:
-        raise _StdoutFailed(err) from None
+        raise cpu.StdoutFailed(err) from None
 
 
 def main(argv=None):
@@ -247,7 +243,7 @@ def main(argv=None):
         done = f"wrote only {', '.join(written)}" if written else "wrote nothing"
         print(f"{PROG}: interrupted; {done} into {args.out}", file=sys.stderr)
         return 130
-    except _StdoutFailed as failed:
+    except cpu.StdoutFailed as failed:
         return cpu.stdout_failed(PROG, failed.args[0])
     except _ResultsNotWritten as failed:
         done = f"; wrote only {', '.join(written)}" if written else ""
