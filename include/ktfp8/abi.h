@@ -74,8 +74,11 @@ typedef struct ktfp8_layout {
      * (ktfp8_tile_job.rescale_exp). */
     int32_t act_exp;
     /* Activation rows the kernel reads a tile of at a time (0 or 1: it reads the job's m rows only).
-     * A job's rows m .. round_up(m, row_pad) - 1 are then readable and finite (other pairs' rows, or
-     * zeros after the last one): the kernel may compute whole tiles and write out only the m rows. */
+     * A job of more than row_pad rows may read rows m .. round_up(m, row_pad) - 1, which are then
+     * readable and finite (other pairs' rows, or zeros after the last one): the kernel may compute
+     * whole tiles and write out only the m rows.  A job of at most row_pad rows reads its m rows
+     * only (amx: one short tile), so a call whose experts all stay within row_pad tokens (decode)
+     * needs no padding rows (tests/test_row_guard.py). */
     int32_t row_pad;
 } ktfp8_layout;
 

@@ -27,9 +27,9 @@ int ktfp8_testing_tile_pair(const ktfp8_variant *variant, int paired, int format
     const size_t nb = (size_t)kern->layout.rows_per_tile, esz = kern->act_dtype == KTFP8_F32 ? 4 : 2;
     const size_t need_w = (size_t)k * nb * (format == KTFP8_FMT_BF16 ? 2 : 1);
     const size_t need_s = sizeof(float) * nb * (format == KTFP8_FMT_FP8_BLOCK ? (size_t)n_kblocks : 1);
-    /* the rows a kernel may read: up to a whole tile of them (layout.row_pad) */
+    /* the rows a kernel may read: past row_pad of them, up to a whole tile (layout.row_pad) */
     const int64_t row_pad = kern->layout.row_pad > 1 ? kern->layout.row_pad : 1;
-    const int64_t rows = (m + row_pad - 1) / row_pad * row_pad;
+    const int64_t rows = m > row_pad ? (m + row_pad - 1) / row_pad * row_pad : m;
     if (a_bytes < esz * (size_t)((rows - 1) * a_stride + k)) return -1;
     for (int t = 0; t < 2; t++)
         if (w_bytes[t] < need_w || scale_bytes[t] < need_s || c_bytes[t] < sizeof(float) * nb * (size_t)m) return -1;
