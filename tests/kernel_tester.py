@@ -68,10 +68,13 @@ KERNELS = {
     "avx512_bf16": Kernel("moe_avx512bf16.c", BF16, {"DECODE_M": 4, "MR": 8},
                           lambda d: (d["DECODE_M"] + 1, d["MR"], 2 * d["MR"])),
     # m < AMX_MIN_M: the avx512_bf16 micro-kernel; from it on tiles of CHUNK tokens (one short
-    # tile below CHUNK, whole ones from it on), two per pass of two weight tiles, CHUNKS per pass
-    # of one (FP8 weights of 2 CHUNK + 1 .. CHUNKS CHUNK tokens go one weight tile at a time)
-    "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 2, "CHUNK": 16, "CHUNKS": 5},
-                  lambda d: (d["AMX_MIN_M"], d["CHUNK"], 2 * d["CHUNK"], d["CHUNK"] * d["CHUNKS"])),
+    # tile below CHUNK, whole ones from it on), PAIR_CHUNKS per pass of two weight tiles (the third
+    # one's second C tile in another register), CHUNKS per pass of one (FP8 weights of PAIR_CHUNKS
+    # CHUNK + 1 .. CHUNKS CHUNK tokens go one weight tile at a time); past that, passes of PAIR_CHUNKS
+    # (two full ones, then a single chunk after them)
+    "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 2, "CHUNK": 16, "PAIR_CHUNKS": 3, "CHUNKS": 5},
+                  lambda d: (d["AMX_MIN_M"], d["CHUNK"], 2 * d["CHUNK"], d["CHUNK"] * d["PAIR_CHUNKS"],
+                             d["CHUNK"] * d["CHUNKS"], 2 * d["CHUNK"] * d["PAIR_CHUNKS"])),
 }
 
 

@@ -24,19 +24,21 @@
  * conversion, stalled on DRAM, before any TDP could start); later passes reuse the scratch.
  *
  * Blocking.  Two weight tiles over the same tokens (tile_matmul2: gate and up, or two adjacent down
- * tiles): 2 A x 2 B -> 4 C (kt-kernel's blocking) through one A and one B register, 5 tile loads per
- * 4 TDPBF16PS (see pass), 32 tokens per pass, except for FP8 weights and 33..80 tokens, measured
- * faster one tile at a time (one_tile_at_a_time).  One weight tile (tile_matmul): 5 A x 1 B -> 5 C,
- * 6 loads per 5 TDPs, 80 tokens per pass (see CHUNKS).  Either way each converted B tile feeds every
- * chunk of a pass.
+ * tiles): 3 A x 2 B -> 6 C through one A and one B register, 7 tile loads per 6 TDPBF16PS (see pass
+ * and PAIR_CHUNKS), 48 tokens per pass, except for FP8 weights and 49..80 tokens, measured faster one
+ * tile at a time (one_tile_at_a_time).  One weight tile (tile_matmul): 5 A x 1 B -> 5 C, 6 loads per
+ * 5 TDPs, 80 tokens per pass (see CHUNKS).  Either way each converted B tile feeds every chunk of a
+ * pass.
  *
  * Tiles (palette 1, configured at the start of every call and released at its end, so a thread
  * never holds AMX state between calls):
- *   tmm0..4  C: FP32 [16][16]; tile ch * NW + w = chunk ch (16 tokens) x weight tile w (tmm4 for one
- *            weight tile only)
+ *   tmm0..4  C: FP32 [16][16]; C tile ch * NW + w = chunk ch (16 tokens) x weight tile w
  *   tmm5     A: bf16 [16][32] of a chunk, one 32-K slab (row stride a_stride * 2 bytes)
  *   tmm6     B: bf16 pairs [16][16][2], one 32-K slab of a weight tile
- *   tmm7     B of weight tile 1 where a single chunk converts its weights (see pass)
+ *   tmm7     C tile 5 (chunk 2 x weight tile 1) in a pass of three chunks; B of weight tile 1 where
+ *            a single chunk converts its weights (see pass).  Whole chunks give every tile but the
+ *            C and A tiles of one short chunk the same [16][64 bytes] shape, so one configuration
+ *            serves both uses.
  * From 16 tokens on every chunk is 16 rows, the last one running on into the rows the driver keeps
  * readable past m (layout.row_pad); only the m rows are written out.  Fewer than 16 tokens make one
  * short chunk (tmm5 and the C tiles configured with m rows).  Why not a short last chunk after full
@@ -80,6 +82,22 @@
  * measured five C tiles 1.02x-1.49x, mostly in that mode).  Kept for the fast mode, a core of one's
  * own.  Past one pass 2 A x 2 B stays faster: one tile at a time at m = 96 / 128 took 1.07x-1.13x. */
 #define CHUNKS 5
+/* Chunks per pass of two weight tiles: three (six C tiles, the sixth in tmm7), not two.  An expert of
+ * 33..48 tokens then takes one pass that converts both tiles into L1 rings, where with two it took 2
+ * A x 2 B passes or one tile at a time (5 A loads from L2 per 5 products at best, against 3 per 6
+ * here); past 80 tokens a pass of three chunks leaves fewer passes, each reading the converted tiles
+ * back from L2.  tools/kernel_ab on the Emerald Rapids VM (family 6 model 207), three against two,
+ * per tile pair, from DRAM unless said: K = 2048 m = 40 0.71x-0.82x, m = 48 0.72x-0.77x (hot 0.85x),
+ * m = 88..128 0.86x-0.92x (hot 0.91x); K = 768 m = 40 / 48 0.80x-0.82x, m = 96 0.91x; block-wise
+ * (128) m = 40 / 48 0.87x, m = 96 0.93x; m = 20 / 32, whose path did not change, 0.99x-1.01x.
+ * Benchmark layer (tools/ab_builds.py, 2 threads, 16 rounds, two builds of the same flags): T = 256
+ * 0.932x, 0.897x (1 thread 0.897x; block-wise 0.965x; BF16 weights 0.966x), T = 1024 0.921x,
+ * 0.929x, T = 512 (97 % of its experts 49..80 tokens, whose path did not change) 0.992x-1.031x in
+ * five runs (median 1.006x; BF16 weights 0.970x), T = 128 0.992x and 1.050x.  In the VM's fast AMX
+ * mode; the previous session's prototype (A in tmm7) read 1.19x-1.31x in the slow one (K = 768), as
+ * every blocking with more tile registers did there (see CHUNKS). */
+#define PAIR_CHUNKS 3
+#define C_TILES 6 /* the most C tiles a pass uses: 2 * PAIR_CHUNKS */
 #define SLAB 32      /* K per TDPBF16PS */
 #define SLAB_BYTES (SLAB * NB * 2) /* one converted B tile */
 
@@ -88,6 +106,7 @@
 #define TILE_A 5
 #define TILE_B 6
 #define TILE_B2 7 /* the second weight tile of a single chunk that converts its weights (see pass) */
+#define TILE_C5 7 /* C tile 5 (chunk 2 x weight tile 1), where a pass has three chunks and no TILE_B2 */
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -180,12 +199,11 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
     const int64_t slabs = j->k / SLAB, nkb = blockwise ? j->n_kblocks : 1;
     const int64_t block_slabs = blockwise ? j->block_k / SLAB : slabs;
     const int64_t rows = chunks * CHUNK < j->m - m0 ? chunks * CHUNK : j->m - m0;
-    float cbuf[CHUNKS][CHUNK][NB] __attribute__((aligned(64)));
+    float cbuf[C_TILES][CHUNK][NB] __attribute__((aligned(64)));
     /* a single chunk that converts (m <= 16 on FP8 weights) loads both B tiles before the conversion,
      * into registers of their own: against one B register, benchmark layer T = 128 0.97x and 0.99x,
-     * T = 16 0.98x; where a single chunk follows full passes (B from the converted tiles in L2; 65..80
-     * tokens then, 97..112 and so on since FP8 tiles of up to 80 tokens go one at a time), one
-     * register: T = 512 0.98x */
+     * T = 16 0.98x; where a single chunk follows full passes (B from the converted tiles in L2; then
+     * 65..80 tokens, now 97..112, 145..160 and so on), one register: T = 512 0.98x */
     const int two_b = NW == 2 && chunks == 1 && codes[0];
 
     for (int w = 0; w < NW; w++)
@@ -198,6 +216,7 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
         ZERO_C(2);
         ZERO_C(3);
         ZERO_C(4);
+        if (5 < chunks * NW) _tile_zero(TILE_C5);
         for (int64_t s = s0; s < s1; s++) {
 #define SLAB_AT(w, s_) (w_bf16[w] + (ring ? (s_) & 1 : (s_)) * SLAB_BYTES)
             if (fetch_bf16)
@@ -221,12 +240,12 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
                 DOT1(4);
             } else {
                 /* chunk ch x weight tile w into C tile 2 ch + w, in the order A0 B0, A0 B1, A1 B1,
-                 * A1 B0: one A and one B register, each product sharing an operand with the one
-                 * before it, 5 tile loads per 4 products.  Against 4 loads through two B registers
-                 * (tmm6, tmm7; A0 B0, A0 B1, A1 B0, A1 B1), tools/kernel_ab on the Xeon VM with AMX,
-                 * per tile pair: m = 72..128 0.90x-0.93x hot (K = 768 and 2048) and 0.92x-0.94x from
-                 * DRAM, one chunk 0.98x-1.01x; a second A register besides (tmm5 for chunk 1)
-                 * measured 1.18x-1.29x.  Here a product's tile registers seem to cost more than a
+                 * A1 B0, A2 B0, A2 B1: one A and one B register, each product sharing an operand with
+                 * the one before it, 5 tile loads per 4 products (7 per 6).  Two chunks against 4
+                 * loads through two B registers (tmm6, tmm7; A0 B0, A0 B1, A1 B0, A1 B1),
+                 * tools/kernel_ab on the Xeon VM with AMX, per tile pair: m = 72..128 0.90x-0.93x hot
+                 * (K = 768 and 2048) and 0.92x-0.94x from DRAM, one chunk 0.98x-1.01x; a second A
+                 * register besides (tmm5 for chunk 1) measured 1.18x-1.29x.  Here a product's tile registers seem to cost more than a
                  * load of B, which comes from L1 or L2.  Weight tile 1's conversion goes between the
                  * two chunks' products: 0.91x-0.97x the time of converting both first at m = 72..128
                  * (K = 768, 2048 and 7168, hot and from DRAM); with one chunk (m <= 16) both come
@@ -251,6 +270,12 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
                     _tile_loadd(TILE_B, SLAB_AT(0, s), NB * 4);
                     _tile_dpbf16ps(2, TILE_A, TILE_B);
                 }
+                if (chunks > 2) {
+                    LOAD_A(2, TILE_A);
+                    _tile_dpbf16ps(4, TILE_A, TILE_B);
+                    _tile_loadd(TILE_B, SLAB_AT(1, s), NB * 4);
+                    _tile_dpbf16ps(TILE_C5, TILE_A, TILE_B);
+                }
             }
 #undef CONVERT
 #undef SLAB_AT
@@ -260,6 +285,7 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
         STORE_C(2);
         STORE_C(3);
         STORE_C(4);
+        if (5 < chunks * NW) _tile_stored(TILE_C5, cbuf[5], NB * sizeof(float));
 
         /* C rows to the FP32 outputs: per-channel and block 0 write, later blocks add */
         for (int w = 0; w < NW; w++) {
@@ -283,7 +309,7 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
  * in whole chunks: full passes (constant shape, no per-chunk tests), then the rest. */
 INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
     const ktfp8_tile_job *j = jobs[0];
-    const int per_pass = NW == 1 ? CHUNKS : 2; /* chunks per pass: one C tile per chunk and weight tile */
+    const int per_pass = NW == 1 ? CHUNKS : PAIR_CHUNKS; /* chunks per pass: one C tile per chunk and weight tile */
     const int64_t chunked = j->m < CHUNK ? j->m : (j->m + CHUNK - 1) / CHUNK * CHUNK;
     const int64_t step = per_pass * CHUNK, full = chunked / step * step, left = chunked - full;
     /* weights as bf16 [k/2][16][2]: BF16 weights are already packed that way; FP8 codes are
@@ -349,9 +375,12 @@ static void tile_matmul(const ktfp8_tile_job *j) {
  * 512 1.002x, T = 64 0.995x-1.022x.  So one at a time from 33 tokens: the older figures came from
  * a kernel without the one-register 2 A x 2 B order and the single configuration per call.  In the
  * VM's slow AMX mode (see CHUNKS) the pass of both tiles took 0.89x-0.92x from DRAM and 1.15x-1.17x
- * hot at m = 24 / 32; benchmark layer T = 256 0.937x, T = 128 0.976x. */
+ * hot at m = 24 / 32; benchmark layer T = 256 0.937x, T = 128 0.976x.
+ * With three chunks a pass (PAIR_CHUNKS), 33..48 tokens went back to both tiles in one pass; from 49
+ * on one at a time stayed ahead, 3 A x 2 B passes (3 + 1 or 3 + 2 chunks, B from L2 in the second)
+ * taking 1.02x-1.05x its time (K = 2048 m = 56..80 from DRAM, two runs). */
 static int one_tile_at_a_time(const ktfp8_tile_job *j) {
-    return j->format != KTFP8_FMT_BF16 && j->m > 2 * CHUNK && j->m <= CHUNKS * CHUNK;
+    return j->format != KTFP8_FMT_BF16 && j->m > PAIR_CHUNKS * CHUNK && j->m <= CHUNKS * CHUNK;
 }
 
 /* Gate and up, or two adjacent down tiles (any two jobs over the same activations): each A tile
