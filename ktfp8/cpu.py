@@ -61,21 +61,24 @@ def describe(r):
     return f"{r['cpu']} ({r['vendor']}, family {r['family']}, model {r['model']}, stepping {r['stepping']})"
 
 
-def _selected():
-    """What MoE() picks now: $KTFP8_BACKEND when set, else the best usable backend."""
+def _or_refusal(choose):
+    """choose(None), what MoE() takes now without the argument, or "none: why" where MoE() would
+    refuse what the environment says."""
     try:
-        return backends.resolve_backend(None)
-    except ValueError as err:  # MoE() would refuse too: say why
+        return choose(None)
+    except ValueError as err:
         return f"none: {err}"
+
+
+def _selected():
+    """The backend MoE() picks now: $KTFP8_BACKEND when set, else the best usable one."""
+    return _or_refusal(backends.resolve_backend)
 
 
 def _threads_selected():
-    """The thread count MoE() takes now without threads= ($KTFP8_NUM_THREADS or $OMP_NUM_THREADS where
-    set), or "none: why" where it refuses what they say."""
-    try:
-        return backends.requested_threads(None)
-    except ValueError as err:
-        return f"none: {err}"
+    """The thread count MoE() takes now without threads=: $KTFP8_NUM_THREADS or $OMP_NUM_THREADS
+    where set, else one per core."""
+    return _or_refusal(backends.requested_threads)
 
 
 def _threads_line(t):
