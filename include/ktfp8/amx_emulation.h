@@ -11,7 +11,8 @@
  * What hardware reports as #UD / #GP (an unconfigured tile, shapes that do not fit, a bad
  * configuration) is reported on stderr and aborts: it is a bug in the calling kernel.
  *
- * Not emulated: palettes other than 0/1, start_row != 0 (restart after a fault), TILELOADDT1, the
+ * TILELOADDT1 is TILELOADD with a cache hint, which has no architectural effect: emulated as
+ * TILELOADD.  Not emulated: palettes other than 0/1, start_row != 0 (restart after a fault), the
  * INT8/FP16 dot products, and NaN payload priorities (a NaN result is some quiet NaN). */
 #ifndef KTFP8_AMX_EMULATION_H
 #define KTFP8_AMX_EMULATION_H
@@ -148,12 +149,14 @@ static inline void ktfp8_amx_emu_dpbf16ps(int d, int a, int b) {
 #undef _tile_loadconfig
 #undef _tile_release
 #undef _tile_loadd
+#undef _tile_stream_loadd
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
 #define _tile_loadconfig(config) ktfp8_amx_emu_loadconfig(config)
 #define _tile_release() ktfp8_amx_emu_release()
 #define _tile_loadd(t, base, stride) ktfp8_amx_emu_loadd((t), (base), (long)(stride))
+#define _tile_stream_loadd(t, base, stride) ktfp8_amx_emu_loadd((t), (base), (long)(stride))
 #define _tile_stored(t, base, stride) ktfp8_amx_emu_stored((t), (base), (long)(stride))
 #define _tile_zero(t) ktfp8_amx_emu_zero(t)
 #define _tile_dpbf16ps(d, a, b) ktfp8_amx_emu_dpbf16ps((d), (a), (b))

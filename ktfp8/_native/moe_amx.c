@@ -158,7 +158,15 @@ static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
     if (t < chunks * NW) _tile_zero(t)
 #define STORE_C(t) \
     if (t < chunks * NW) _tile_stored(t, cbuf[t], NB * sizeof(float))
-#define LOAD_A(ch, tile) _tile_loadd(tile, a + (m0 + (ch) * CHUNK) * a_stride + s * SLAB, a_bytes)
+/* A tiles load with the non-temporal hint (TILELOADDT1): each is read once per pass, and again by the
+ * next weight tile from L2 (an expert's rows, m x K, outgrow L1), so keeping them out of L1 leaves it
+ * to the converted B slabs, the codes and the C rows.  tools/kernel_ab on the Emerald Rapids VM, per
+ * tile pair against TILELOADD: K = 2048 m = 48..96 0.94x-0.98x from DRAM and 0.92x-0.94x hot, K = 768
+ * m = 48..96 0.93x-0.97x, m = 8..24 0.98x-1.03x; benchmark layer (tools/ab_builds.py, 2 threads) T =
+ * 512 0.970x, 0.968x, 0.937x (1 thread 0.946x, block-wise 0.948x, BF16 weights 0.984x), T = 1024
+ * 0.994x, T = 256 1.002x, T = 128 1.002x, T = 64 1.012x and 1.006x, T = 16 1.017x and 1.000x, T = 4
+ * 0.998x.  The same hint on the B tiles read back from L2 in later passes: 0.93x-1.04x, not kept. */
+#define LOAD_A(ch, tile) _tile_stream_loadd(tile, a + (m0 + (ch) * CHUNK) * a_stride + s * SLAB, a_bytes)
 #define DOT1(c)                            \
     if (c < chunks) {                      \
         LOAD_A(c, TILE_A);                 \
