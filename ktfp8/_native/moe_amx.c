@@ -80,7 +80,8 @@
  * (K = 2048, hot and from DRAM; K = 768 1.08x; benchmark layer T = 512 1.037x and 1.051x), as
  * every blocking that touches more tile registers did there (an earlier Xeon VM, model 167,
  * measured five C tiles 1.02x-1.49x, mostly in that mode).  Kept for the fast mode, a core of one's
- * own.  Past one pass 2 A x 2 B stays faster: one tile at a time at m = 96 / 128 took 1.07x-1.13x. */
+ * own.  Past one pass passes of both tiles stay faster: one tile at a time at m = 96 / 128 took
+ * 1.07x-1.13x the time of 2 A x 2 B passes (since then three chunks a pass, PAIR_CHUNKS). */
 #define CHUNKS 5
 /* Chunks per pass of two weight tiles: three (six C tiles, the sixth in tmm7), not two.  An expert of
  * 33..48 tokens then takes one pass that converts both tiles into L1 rings, where with two it took 2
@@ -253,12 +254,12 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
                  * loads through two B registers (tmm6, tmm7; A0 B0, A0 B1, A1 B0, A1 B1),
                  * tools/kernel_ab on the Xeon VM with AMX, per tile pair: m = 72..128 0.90x-0.93x hot
                  * (K = 768 and 2048) and 0.92x-0.94x from DRAM, one chunk 0.98x-1.01x; a second A
-                 * register besides (tmm5 for chunk 1) measured 1.18x-1.29x.  Here a product's tile registers seem to cost more than a
-                 * load of B, which comes from L1 or L2.  Weight tile 1's conversion goes between the
-                 * two chunks' products: 0.91x-0.97x the time of converting both first at m = 72..128
-                 * (K = 768, 2048 and 7168, hot and from DRAM); with one chunk (m <= 16) both come
-                 * first, where going between measured no faster (0.96x-1.10x hot, 0.96x-1.03x from
-                 * DRAM). */
+                 * register besides (tmm5 for chunk 1) measured 1.18x-1.29x.  Here a product's tile
+                 * registers seem to cost more than a load of B, which comes from L1 or L2.  Weight
+                 * tile 1's conversion goes between the two chunks' products: 0.91x-0.97x the time of
+                 * converting both first at m = 72..128 (K = 768, 2048 and 7168, hot and from DRAM);
+                 * with one chunk (m <= 16) both come first, where going between measured no faster
+                 * (0.96x-1.10x hot, 0.96x-1.03x from DRAM). */
                 CONVERT(0);
                 if (chunks == 1) CONVERT(1);
                 LOAD_A(0, TILE_A);
@@ -317,7 +318,8 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
  * in whole chunks: full passes (constant shape, no per-chunk tests), then the rest. */
 INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
     const ktfp8_tile_job *j = jobs[0];
-    const int per_pass = NW == 1 ? CHUNKS : PAIR_CHUNKS; /* chunks per pass: one C tile per chunk and weight tile */
+    /* chunks per pass: one C tile per chunk and weight tile */
+    const int per_pass = NW == 1 ? CHUNKS : PAIR_CHUNKS;
     const int64_t chunked = j->m < CHUNK ? j->m : (j->m + CHUNK - 1) / CHUNK * CHUNK;
     const int64_t step = per_pass * CHUNK, full = chunked / step * step, left = chunked - full;
     /* weights as bf16 [k/2][16][2]: BF16 weights are already packed that way; FP8 codes are
