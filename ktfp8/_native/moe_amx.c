@@ -98,7 +98,7 @@
  * mode; the previous session's prototype (A in tmm7) read 1.19x-1.31x in the slow one (K = 768), as
  * every blocking with more tile registers did there (see CHUNKS). */
 #define PAIR_CHUNKS 3
-#define C_TILES 6 /* the most C tiles a pass uses: 2 * PAIR_CHUNKS */
+#define C_TILES (2 * PAIR_CHUNKS > CHUNKS ? 2 * PAIR_CHUNKS : CHUNKS) /* the most C tiles a pass uses */
 #define SLAB 32      /* K per TDPBF16PS */
 #define SLAB_BYTES (SLAB * NB * 2) /* one converted B tile */
 
@@ -154,11 +154,12 @@ static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
 
 /* The per-tile steps of one pass (NW = 1; NW = 2 is spelled out in pass).  Tile numbers are
  * literals (see TILE_A); with NW and chunks constants the conditions fold away.  Chunk c into C
- * tile c, up to 5 chunks, each A tile used once, the B tile by all of them (6 loads per 5 TDPBF16PS). */
-#define ZERO_C(t) \
-    if (t < chunks * NW) _tile_zero(t)
-#define STORE_C(t) \
-    if (t < chunks * NW) _tile_stored(t, cbuf[t], NB * sizeof(float))
+ * tile c, up to 5 chunks, each A tile used once, the B tile by all of them (6 loads per 5 TDPBF16PS).
+ * ZERO_C / STORE_C: C tile t of a pass, held in tile register reg (t, but TILE_C5 for C tile 5). */
+#define ZERO_C(t, reg) \
+    if (t < chunks * NW) _tile_zero(reg)
+#define STORE_C(t, reg) \
+    if (t < chunks * NW) _tile_stored(reg, cbuf[t], NB * sizeof(float))
 /* A tiles load with the non-temporal hint (TILELOADDT1): each is read once per pass, and again by the
  * next weight tile from L2 (an expert's rows, m x K, outgrow L1), so keeping them out of L1 leaves it
  * to the converted B slabs, the codes and the C rows.  tools/kernel_ab on the Emerald Rapids VM, per
@@ -220,12 +221,12 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
     compiler_barrier();
     for (int64_t kb = 0; kb < nkb; kb++) {
         const int64_t s0 = kb * block_slabs, s1 = kb == nkb - 1 ? slabs : s0 + block_slabs;
-        ZERO_C(0);
-        ZERO_C(1);
-        ZERO_C(2);
-        ZERO_C(3);
-        ZERO_C(4);
-        if (5 < chunks * NW) _tile_zero(TILE_C5);
+        ZERO_C(0, 0);
+        ZERO_C(1, 1);
+        ZERO_C(2, 2);
+        ZERO_C(3, 3);
+        ZERO_C(4, 4);
+        ZERO_C(5, TILE_C5);
         for (int64_t s = s0; s < s1; s++) {
 #define SLAB_AT(w, s_) (w_bf16[w] + (ring ? (s_) & 1 : (s_)) * SLAB_BYTES)
             if (fetch_bf16)
@@ -289,12 +290,12 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
 #undef CONVERT
 #undef SLAB_AT
         }
-        STORE_C(0);
-        STORE_C(1);
-        STORE_C(2);
-        STORE_C(3);
-        STORE_C(4);
-        if (5 < chunks * NW) _tile_stored(TILE_C5, cbuf[5], NB * sizeof(float));
+        STORE_C(0, 0);
+        STORE_C(1, 1);
+        STORE_C(2, 2);
+        STORE_C(3, 3);
+        STORE_C(4, 4);
+        STORE_C(5, TILE_C5);
 
         /* C rows to the FP32 outputs: per-channel and block 0 write, later blocks add */
         for (int w = 0; w < NW; w++) {
