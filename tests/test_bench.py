@@ -620,70 +620,67 @@ def test_peer_goals_say_which_kt_kernel_ran_and_fall_back_to_the_table_without_t
     assert g["measured"] == pytest.approx(4.0) and "400.00 ms" in g["note"]
 
 
-def test_peer_step_takes_each_sides_fastest_thread_count_in_the_table():
-    from ktfp8.bench import peer_rounds
-    default = ktfp8.available_backends()[0]
-    layer = L.Layer("L", 8, 2, 64, 32)
-    rows = [_row(f"ktfp8 {default}", "fp8_per_channel", 512, 10.0, threads=2),
-            _row(f"ktfp8 {default}", "fp8_per_channel", 512, 12.0, threads=1),
-            _row(f"ktfp8 {default}", "bf16", 512, 5.0, threads=1),  # another format: not ktfp8's side here
-            _row(f"ktfp8 {default}x", "fp8_per_channel", 64, 1.0, threads=1),  # another backend's name
-            _row("kt-kernel AMXBF16_MOE", "bf16", 512, 30.0, threads=1),
-            _row("kt-kernel AMXBF16_MOE", "bf16", 512, 35.0, threads=2),
-            _row("kt-kernel AMXBF16_MOE", "fp8_per_channel", 512, 20.0, threads=2),
-            _row("torch bf16 F.linear", "bf16", 64, 8.0, threads=2),
-            _row("torch bf16 F.linear", "bf16", 64, 9.0, threads=1),
-            _row("torch bf16 F.linear", "bf16", 512, 40.0, threads=1),
-            _row("torch bf16 F.linear", "bf16", 512, 45.0, threads=2)]
-    assert peer_rounds.table_thread_counts(rows, layer, default, [64, 512], 4) == {
-        "ktfp8": {64: 4, 512: 2}, "kt-kernel": {64: 4, 512: 1}, "torch bf16": {64: 2, 512: 1}}
-    assert peer_rounds.table_thread_counts(rows, TINY, default, [512], 4) == {  # rows of another layer
-        "ktfp8": {512: 4}, "kt-kernel": {512: 4}, "torch bf16": {512: 4}}
-
-
-def test_peer_rounds_time_each_side_at_every_thread_count_and_a_fixed_pool_at_its_own():
+def test_peer_rounds_time_each_side_at_every_thread_count_and_a_fixed_pool_per_count(monkeypatch):
+    """A side whose thread count is fixed when built (kt-kernel's pool) gets a walk per count, each
+    on a pool of its own, timed in every round like the others' counts; batches of two pools of one
+    side start SETTLE_SECONDS apart, as those of two sides do."""
     pytest.importorskip("torch")
     from ktfp8.bench import peer_rounds
     from ktfp8.bench.run import _torch_bf16
     default = ktfp8.available_backends()[0]
-    peers = {"kt-kernel": _fixed_pool_peer("kt-kernel AMXBF16_MOE"), "torch bf16": _torch_bf16}
+    built, batches = [], []  # the thread count of every copy built; (walk, its threads, start, end) of every batch
+    fixed = _fixed_pool_peer("kt-kernel AMXBF16_MOE")
+
+    def pool(layer, experts, threads, max_tokens, first=None, index=0):
+        built.append(threads)
+        return fixed(layer, experts, threads, max_tokens, first, index)
+    timed = peer_rounds.time_calls
+
+    def recorded(walk, x, draws, budget):
+        start = time.perf_counter()
+        samples = timed(walk, x, draws, budget)
+        batches.append((walk, walk.threads, start, time.perf_counter()))
+        return samples
+    monkeypatch.setattr(peer_rounds, "time_calls", recorded)
+    peers = {"kt-kernel": pool, "torch bf16": _torch_bf16}
     res = peer_rounds.measure(TINY, default, [1, 2], [64, 512], walk_bytes=0, walk_memory_bytes=1 << 30,
-                              rounds={64: 2, 512: 2}, calls={64: 2}, peers=peers, build_threads={"kt-kernel": 1},
-                              log=lambda msg: None)
-    assert res["threads"] == [1, 2] and res["fixed_threads"] == {"kt-kernel": 1}
+                              rounds={64: 2, 512: 2}, calls={64: 2}, peers=peers, log=lambda msg: None)
+    assert sorted(built) == [1, 2]  # walk_bytes 0: one copy in each walk
+    assert res["threads"] == [1, 2] and res["fixed_threads"] == {"kt-kernel": [1, 2]}
+    kt_walks = {id(w): n for w, n, _, _ in batches if w.name.startswith("kt-kernel")}
+    assert sorted(kt_walks.values()) == [1, 2]  # two walks, one per pool
+    for (a, _, _, end), (b, _, start, _) in zip(batches, batches[1:]):
+        if a is not b:
+            assert start - end >= peer_rounds.SETTLE_SECONDS
     for record in res["rounds"]:
         for t, rec in record.items():
-            expected = {"ktfp8": ["1", "2"], "torch bf16": ["1", "2"], "kt-kernel": ["1"]}
             assert {label: list(by_n) for label, by_n in rec["samples_ms"].items()} == {
-                label: expected[label] for label in rec["order"]}
+                label: ["1", "2"] for label in rec["order"]}
             for label, by_n in rec["samples_ms"].items():  # each side's time: its fastest count's batch
                 medians = {int(n): float(np.median(v)) for n, v in by_n.items()}
                 assert rec["ms"][label] == pytest.approx(min(medians.values()))
                 assert medians[rec["threads"][label]] == pytest.approx(rec["ms"][label])
     fig = res["figures"]
-    assert fig["512"]["kt-kernel"]["peer_threads"] == [1]
+    assert fig["512"]["kt-kernel"]["peer_threads"] == sorted({rec["512"]["threads"]["kt-kernel"]
+                                                              for rec in res["rounds"]})
     assert fig["64"]["torch bf16"]["ours_threads"] == sorted({rec["64"]["threads"]["ktfp8"] for rec in res["rounds"]})
     goals = {g["goal"]: g for g in report.goals([], _limits(), "L", default, None, None, res)}
     note = goals["T=512: faster than kt-kernel AMX BF16"]["note"]
-    assert "each at its fastest of 1/2 thread(s) in the round; kt-kernel AMXBF16_MOE's pool of 1" in note
-    assert "kt-kernel's pool" not in goals["T=64: faster than PyTorch BF16"]["note"]
+    assert ("each at its fastest of 1/2 thread(s) in the round; kt-kernel AMXBF16_MOE on a worker pool of its own "
+            "at each count") in note
+    assert "worker pool" not in goals["T=64: faster than PyTorch BF16"]["note"]
 
 
-def test_peer_step_builds_kt_kernels_pool_at_its_fastest_count_in_the_table(monkeypatch):
+def test_peer_step_runs_the_plans_thread_counts(monkeypatch):
     from ktfp8.bench import peer_rounds
     from ktfp8.bench.run import Plan
     default = ktfp8.available_backends()[0]
     seen = {}
     monkeypatch.setattr(peer_rounds, "measure", lambda *args, **kw: seen.update(args=args, kw=kw))
-    rows = [_row("kt-kernel AMXBF16_MOE", "bf16", 512, 30.0, threads=1),
-            _row("kt-kernel AMXBF16_MOE", "bf16", 512, 35.0, threads=2),
-            _row(f"ktfp8 {default}", "fp8_per_channel", 64, 10.0, threads=1),
-            _row(f"ktfp8 {default}", "fp8_per_channel", 64, 12.0, threads=2)]
     layer = L.Layer("L", 8, 2, 64, 32)
-    peer_rounds.run(Plan(layers=[layer], tokens=[64, 512], threads=[1, 2], backends=[default], walk_bytes=0),
-                    layer, default, rows, log=lambda msg: None)
-    assert seen["args"][2] == [1, 2]  # every side that can change its count tries both each round
-    assert seen["kw"]["build_threads"]["kt-kernel"] == 1
+    peer_rounds.run(Plan(layers=[layer], tokens=[1, 64, 512], threads=[1, 2], backends=[default], walk_bytes=0),
+                    layer, default, log=lambda msg: None)
+    assert seen["args"][2] == [1, 2] and seen["args"][3] == [64, 512]  # every side tries both counts each round
 
 
 def test_peer_step_is_skipped_with_its_reason():

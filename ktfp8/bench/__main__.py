@@ -263,7 +263,7 @@ def _run(args, written):
     default = backends.resolve_backend(None)
     side_by_side = interleaved.run(plan, L.BENCH_LAYER, default, log=_say)
     choice = backend_choice.run(plan, L.BENCH_LAYER, default, rows, log=_say)
-    against_peers = peer_rounds.run(plan, L.BENCH_LAYER, default, rows, log=_say)
+    against_peers = peer_rounds.run(plan, L.BENCH_LAYER, default, log=_say)
     goal_rows = report.goals(rows, limits, goal_layer, default, side_by_side, choice, against_peers) if goal_layer else []
     results = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

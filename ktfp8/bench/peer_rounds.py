@@ -7,14 +7,17 @@ three --quick runs there put ktfp8 at T=512 at 1.83x, 3.57x and 1.33x kt-kernel'
 table rows.  Here each side walks its own copies of the layer (its own random weights: FP8
 per-channel for ktfp8, BF16 for the peers), all alive together, and each round times a short batch
 of calls of each side in turn, the order rotating from round to round, at each of the plan's thread
-counts; a side's time in a round is that of its fastest count.  kt-kernel's pool is built for one
-thread count: the one of its fastest row in the table at the largest T it takes part in (its
+counts; a side's time in a round is that of its fastest count.  kt-kernel's worker pool is built for
+one thread count, so it gets a walk per count, each with a pool of its own, all alive together (its
 dispatcher thread busy-waits beside its workers, so on a 2-core VM a pool of 1 worker can be its
-fastest, and a pool of all threads would flatter ktfp8).  The table's rows do not choose for the
-others: one --quick there had ktfp8's 2-thread T=64 row slower than its 1-thread row (a slow minute),
-which would have put ktfp8 at 1 thread against PyTorch at 2.  A goal figure is the median over rounds
+fastest, and a pool of all threads alone would flatter ktfp8).  Which count is fastest is decided
+round by round, for every side, never from the table's rows: one --quick there had ktfp8's 2-thread
+T=64 row slower than its 1-thread row (a slow minute), which would have put ktfp8 at 1 thread against
+PyTorch at 2, and another built kt-kernel's pool of 1 from a table row where 2 threads took 110
+against 102.6 ms, and put ktfp8 at 4.02x a pool that took 109 ms a call where pools of 2 took 80-100
+in the other runs.  A goal figure is the median over rounds
 of that round's peer time over ktfp8's.  Each side's batch starts SETTLE_SECONDS after another
-side's ended, past kt-kernel's spinning workers."""
+side's (or another pool's) ended, past kt-kernel's spinning workers."""
 import contextlib
 import gc
 import math
@@ -59,30 +62,15 @@ def step_tokens(plan):
     return [t for t in GOAL_PEERS if t in plan.tokens]
 
 
-def run(plan, layer, backend, rows=(), log=print):
-    """The step for a Plan on its thread counts (kt-kernel's pool at its best count in the table's
-    `rows`), walks sized as the table's; {"skipped": reason} where it is left out."""
+def run(plan, layer, backend, log=print):
+    """The step for a Plan on its thread counts, walks sized as the table's; {"skipped": reason} where
+    it is left out."""
     reason = skip_reason(plan, layer, backend)
     if reason:
         log(f"interleaved peers skipped: {reason}")
         return {"skipped": reason}
-    tokens = step_tokens(plan)
-    best = table_thread_counts(rows, layer, backend, tokens, max(plan.threads))
-    pools = {label: best[label][max(ts)] for label, ts in takes_part([OURS, *PEERS], tokens).items() if ts}
-    return measure(layer, backend, plan.threads, tokens, plan.walk_bytes, plan.walk_memory_bytes,
-                   build_threads=pools, log=log)
-
-
-def table_thread_counts(rows, layer, backend, tokens, otherwise):
-    """{label: {T: n}}: the thread count of each side's fastest row on `layer` at each T of `tokens`
-    (ktfp8 on `backend` with FP8 per-channel weights, a peer on BF16 weights, its rows' side name
-    starting with its label), `otherwise` where the rows have none."""
-    def fastest(label, t):
-        found = [r for r in rows if r["layer"] == layer.name and r["tokens"] == t and (
-            r["side"] == f"ktfp8 {backend}" and r["format"] == PC if label == OURS else
-            r["kind"] == "peer" and r["side"].startswith(label) and r["format"] == BF16)]
-        return min(found, key=lambda r: r["ms"])["threads"] if found else otherwise
-    return {label: {t: fastest(label, t) for t in tokens} for label in [OURS, *PEERS]}
+    return measure(layer, backend, plan.threads, step_tokens(plan), plan.walk_bytes, plan.walk_memory_bytes,
+                   log=log)
 
 
 def takes_part(labels, tokens):
@@ -91,18 +79,17 @@ def takes_part(labels, tokens):
 
 
 def measure(layer, backend, threads, tokens, walk_bytes, walk_memory_bytes, rounds=None, calls=None, peers=None,
-            build_threads=None, log=print):
+            log=print):
     """ktfp8 `backend` on FP8 per-channel against the peers GOAL_PEERS names at each T of `tokens`
     (peers: {label: factory}, default PEERS).  `threads`: the thread counts (or one count) each side
-    runs in every round; a side whose count is fixed when it is built (kt-kernel's pool) runs
-    build_threads[label] (default: the most of `threads`).  The result's rounds[r][str(T)] = {order,
-    samples_ms: {label: {str(n): [...]}}, ms: {label: the median of its fastest count's batch},
-    threads: {label: that count}} for the T that take part in round r; names: {label: the side's
-    name}; fixed_threads: {label: n} of the fixed sides; unavailable: {label: why} for peers that
-    cannot run here; figures: see figures()."""
+    runs in every round; a side whose count is fixed when it is built (kt-kernel's pool) gets a walk
+    per count (side_walks).  The result's rounds[r][str(T)] = {order, samples_ms: {label: {str(n):
+    [...]}}, ms: {label: the median of its fastest count's batch}, threads: {label: that count}} for
+    the T that take part in round r; names: {label: the side's name}; fixed_threads: {label: [the
+    counts of its pools]} of the fixed sides; unavailable: {label: why} for peers that cannot run
+    here; figures: see figures()."""
     peers = PEERS if peers is None else peers
     threads = sorted({threads} if isinstance(threads, int) else set(threads))
-    build_threads = build_threads or {}
     n_rounds = {t: (rounds or ROUNDS).get(t, min(ROUNDS.values())) for t in tokens}
     per_batch = {t: (calls or CALLS).get(t, 1) + 1 for t in tokens}  # time_calls' warm-up call, then the timed
     wanted = [p for p in peers if any(p in GOAL_PEERS[t] for t in tokens)]
@@ -110,30 +97,24 @@ def measure(layer, backend, threads, tokens, walk_bytes, walk_memory_bytes, roun
     part = takes_part([label for label, _, _ in sides], tokens)
     log(f"interleaved peers: T={','.join(f'{t} ({n_rounds[t]} rounds)' for t in tokens)}, "
         f"ktfp8 {backend} [{PC}] against {', '.join(wanted)} [{BF16}] in turn, each at "
-        f"{' and '.join(map(str, threads))} thread(s) (a fixed pool at its own)")
+        f"{' and '.join(map(str, threads))} thread(s) (a side with a fixed pool: a pool per count)")
     with contextlib.ExitStack() as alive:
-        walks, unavailable = {}, {}
-        for label, factory, fmt in sides:  # one side's random weights at a time
-            budget = min(walk_memory_bytes, available_memory() // (len(sides) + 1))
+        walks, unavailable = {}, {}  # walks[label][n]: the walk that runs `label` at n threads
+        for label, factory, fmt in sides:
             try:
-                walk = build_walk(factory, layer, L.random_experts(layer, fmt, seed=3),
-                                  build_threads.get(label, threads[-1]), max(tokens), walk_bytes, budget)
+                walks[label] = side_walks(factory, layer, fmt, threads, max(tokens), walk_bytes,
+                                          walk_memory_bytes, len(sides) + 1, alive)
             except PeerUnavailable as why:
                 if label == OURS:
                     raise
                 unavailable[label] = str(why)
                 log(f"interleaved peers: {label} unavailable: {why}")
-                continue
-            finally:
-                gc.collect()
-            alive.callback(walk.close)
-            walks[label] = walk
-        counts = {label: [w.threads] if w.threads_fixed else threads for label, w in walks.items()}
         xs = {t: L.activations(layer, t, seed=3) for t in tokens}
         # fresh routing for every batch, as a forward's layers draw theirs
         draws = {label: {t: L.routing_rounds(layer, t, n_rounds[t] * len(threads) * per_batch[t], seed=3,
-                                             copies=len(w.copies)) for t in tokens} for label, w in walks.items()}
-        out, last_label = [], None
+                                             copies=min(len(w.copies) for w in by_n.values())) for t in tokens}
+                 for label, by_n in walks.items()}
+        out, last_walk = [], None
         for r in range(max(n_rounds.values())):
             labels = list(walks)
             order = labels[r % len(labels):] + labels[:r % len(labels)]
@@ -142,11 +123,12 @@ def measure(layer, backend, threads, tokens, walk_bytes, walk_memory_bytes, roun
                 in_turn = [label for label in order if t in part[label]]
                 samples = {}
                 for label in in_turn:
-                    if last_label not in (None, label):
-                        time.sleep(SETTLE_SECONDS)
-                    last_label = label
-                    walk, samples[label] = walks[label], {}
-                    for i, n in enumerate(counts[label]):
+                    samples[label] = {}
+                    for i, n in enumerate(threads):
+                        walk = walks[label][n]
+                        if last_walk not in (None, walk):  # another side, or another pool of this one
+                            time.sleep(SETTLE_SECONDS)
+                        last_walk = walk
                         if not walk.threads_fixed:
                             walk.threads = n
                         start = (r * len(threads) + i) * per_batch[t]
@@ -158,15 +140,34 @@ def measure(layer, backend, threads, tokens, walk_bytes, walk_memory_bytes, roun
                                       threads={label: int(n) for label, n in fastest.items()},
                                       ms={label: medians[label][n] for label, n in fastest.items()})
             out.append(record)
-        names = {label: w.name for label, w in walks.items()}
-        fixed = {label: w.threads for label, w in walks.items() if w.threads_fixed}
-        walk_bytes_of = {label: w.walk_bytes for label, w in walks.items()}
+        names = {label: by_n[threads[-1]].name for label, by_n in walks.items()}
+        fixed = {label: threads for label, by_n in walks.items() if by_n[threads[-1]].threads_fixed}
+        walk_bytes_of = {label: by_n[threads[-1]].walk_bytes for label, by_n in walks.items()}
     gc.collect()
     result = dict(layer=layer.name, backend=backend, threads=threads, fixed_threads=fixed, tokens=list(tokens),
                   calls={str(t): per_batch[t] - 1 for t in tokens}, n_rounds={str(t): n for t, n in n_rounds.items()},
                   names=names, walk_bytes=walk_bytes_of, unavailable=unavailable, rounds=out)
     result["figures"] = figures(result)
     return result
+
+
+def side_walks(factory, layer, fmt, threads, max_tokens, walk_bytes, walk_memory_bytes, share, alive):
+    """{n: Walk} for every count n of `threads`: one walk that runs at each of them, or, for a side
+    whose count is fixed when it is built (kt-kernel's pool), one walk per count, each on a pool of
+    its own and weights of its own.  Each walk is closed by the ExitStack `alive` and gets
+    walk_memory_bytes, and at most 1 / share of the memory free when it is built."""
+    def build(n):
+        budget = min(walk_memory_bytes, available_memory() // share)
+        try:  # one walk's random weights at a time
+            walk = build_walk(factory, layer, L.random_experts(layer, fmt, seed=3), n, max_tokens, walk_bytes, budget)
+        finally:
+            gc.collect()
+        alive.callback(walk.close)
+        return walk
+    most = build(threads[-1])
+    if not most.threads_fixed:
+        return {n: most for n in threads}
+    return {**{n: build(n) for n in threads[:-1]}, threads[-1]: most}
 
 
 def figures(result):

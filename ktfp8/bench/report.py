@@ -241,8 +241,8 @@ def peer_goal(peers, add, goal, target, tokens, label, wanted, default):
     t = str(tokens)
     sides = " / ".join(f"ktfp8 {default} [{PC}]" if s == "ktfp8" else f"{peers['names'][s]} [bf16]"
                        for s in peers["rounds"][0][t]["order"])
-    fixed = "".join(f"; {peers['names'][s]}'s pool of {n} (its fastest in the table)"
-                    for s, n in peers["fixed_threads"].items() if s in peers["rounds"][0][t]["order"])
+    fixed = "".join(f"; {peers['names'][s]} on a worker pool of its own at each count"
+                    for s in peers["fixed_threads"] if s in peers["rounds"][0][t]["order"])
     q1, q3 = fig["spread"]
     how = (f"interleaved: {peers['n_rounds'][t]} rounds alternating {sides}, each at its fastest of "
            f"{'/'.join(map(str, peers['threads']))} thread(s) in the round{fixed}; median of per-round ratios "
