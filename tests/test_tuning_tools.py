@@ -140,6 +140,15 @@ def test_kernel_ab_times_avx2_builds_on_fp32_activations_and_refuses_wrong_sums(
     assert done.returncode == 1
     assert "m = 7: the builds disagree" in done.stderr
 
+    # --timing-only (to time a copy with a piece taken out): the same wrong build is timed, and the
+    # output says its sums were not compared; with --block-k before or after it
+    for options in (["--timing-only"], ["--block-k", "128", "--timing-only"], ["--timing-only", "--block-k", "128"]):
+        done = run(KERNEL_AB, "--isa", "avx2", unit, swapped_outputs_build(unit, tmp_path), *options, "hot", 256, 7)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("timing only: the two builds' results are not compared")
+        timed = re.findall(r"hot( block-wise)? K=256 m=\s*(\d+): old\s+[\d.]+ us  new\s+[\d.]+ us ", done.stdout)
+        assert timed == [(" block-wise" if "--block-k" in options else "", "7")], done.stdout
+
 
 @pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2 and FMA")
 def test_kernel_ab_times_block_wise_scales_and_refuses_a_build_that_ignores_them(tmp_path):

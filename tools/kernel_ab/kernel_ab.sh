@@ -2,7 +2,7 @@
 # Two versions of a micro-kernel (a moe_<level>.c) timed side by side in one process, without the MoE
 # driver: the A/B figures of docs/tuning-notes.md.
 #
-#   bash tools/kernel_ab/kernel_ab.sh [--isa LEVEL] OLD.c NEW.c [--block-k N] hot|dram K m [m ...]
+#   bash tools/kernel_ab/kernel_ab.sh [--isa LEVEL] OLD.c NEW.c [--block-k N] [--timing-only] hot|dram K m [m ...]
 #   e.g.  git show HEAD~1:ktfp8/_native/moe_avx512bf16.c > /tmp/old.c
 #         bash tools/kernel_ab/kernel_ab.sh /tmp/old.c ktfp8/_native/moe_avx512bf16.c dram 2048 1 4 8 16
 #   Block-wise scales, one per K block of N (DeepSeek's 128), instead of per-channel ones:
@@ -12,9 +12,11 @@
 #         bash tools/kernel_ab/kernel_ab.sh ktfp8/_native/moe_avx512bf16.c /tmp/amx_all.c dram 2048 1 2 4 8
 #   The avx2 kernel (FP32 activations), on any CPU with AVX2 and FMA (likewise --isa avx512):
 #         bash tools/kernel_ab/kernel_ab.sh --isa avx2 /tmp/old_avx2.c ktfp8/_native/moe_avx2.c hot 2048 1 5 8
+#   What a piece of a kernel costs: a copy with it taken out (wrong sums), the check left out:
+#         bash tools/kernel_ab/kernel_ab.sh ktfp8/_native/moe_amx.c /tmp/no_a_loads.c --timing-only dram 2048 64
 #
 # Before timing each m the two builds run once on the same tile pair and must agree (within 1e-4 of
-# the largest output; exit status 1 if not).  The activations are what the kernels' own tables say
+# the largest output; exit status 1 if not; --timing-only leaves the check out).  The activations are what the kernels' own tables say
 # they read (act_dtype, and FP32 ones times 2^layout.act_exp as the driver hands them over).
 #
 # Both copies compile against this tree's include/ with the flags setup.py gives the level LEVEL
@@ -33,7 +35,7 @@ if [ "${1:-}" = --isa ]; then
     shift 2 || true
 fi
 if [ $# -lt 5 ]; then
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 here="$(cd "$(dirname "$0")" && pwd)"

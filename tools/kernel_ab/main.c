@@ -5,7 +5,9 @@
  * dram: a walk over 256 MiB of tile pairs (in huge pages, as the package's experts), each call's
  * w_next the next pair, as the driver sets it.  Per-channel scales, or block-wise ones with --block-k.
  * Before timing each m it checks that the two builds agree on one call (exit status 1 if not): a
- * faster build with wrong sums is no A/B. */
+ * faster build with wrong sums is no A/B.  --timing-only leaves the check out, for taking a piece
+ * out of a kernel to see what it costs (docs/tuning-notes.md, "What a 49..80-token tile pair spends
+ * its time on"). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -94,22 +96,32 @@ static void *alloc_stream(size_t bytes) {
 }
 
 int main(int argc, char **argv) {
-    /* --block-k N: block-wise scales, a K block of N per scale (per-channel otherwise) */
+    /* --block-k N: block-wise scales, a K block of N per scale (per-channel otherwise);
+     * --timing-only: no agreement check, for a copy with a piece taken out to time what it costs */
     const char *program = argv[0];
     int64_t block_k = 0;
-    int block_k_ok = 1;
-    if (argc > 2 && !strcmp(argv[1], "--block-k")) {
-        block_k = atoll(argv[2]);
-        block_k_ok = block_k > 0 && block_k % 2 == 0;
-        argv += 2;
-        argc -= 2;
+    int block_k_ok = 1, timing_only = 0;
+    for (;;) {
+        if (argc > 2 && !strcmp(argv[1], "--block-k")) {
+            block_k = atoll(argv[2]);
+            block_k_ok = block_k > 0 && block_k % 2 == 0;
+            argv += 2;
+            argc -= 2;
+        } else if (argc > 1 && !strcmp(argv[1], "--timing-only")) {
+            timing_only = 1;
+            argv += 1;
+            argc -= 1;
+        } else {
+            break;
+        }
     }
     if (argc < 4 || (strcmp(argv[1], "hot") && strcmp(argv[1], "dram")) || atoll(argv[2]) <= 0 || atoll(argv[2]) % 4 ||
         !block_k_ok) {
-        fprintf(stderr, "usage: %s [--block-k N] hot|dram K m [m ...]   (K a positive multiple of 4, N a positive "
-                        "even number, 1 <= m <= %d)\n", program, MAX_M);
+        fprintf(stderr, "usage: %s [--block-k N] [--timing-only] hot|dram K m [m ...]   (K a positive multiple of 4, "
+                        "N a positive even number, 1 <= m <= %d)\n", program, MAX_M);
         return 2;
     }
+    if (timing_only) printf("timing only: the two builds' results are not compared\n");
     /* Linux's per-process permission for AMX tile data; refused on a CPU or kernel without AMX,
      * where only the register kernel can run anyway */
     ktfp8_amx_permission();
@@ -178,7 +190,7 @@ int main(int argc, char **argv) {
         j1.c = c1;
         j0.w = w;
         j1.w = w + tile;
-        if (!builds_agree(build, j0, j1, agree_out, m)) return 1;
+        if (!timing_only && !builds_agree(build, j0, j1, agree_out, m)) return 1;
         const size_t calls = dram ? pairs : 4000 / m + 100;
         double seconds[2][ROUNDS], ratio[ROUNDS];
         size_t pos = 0;
