@@ -15,9 +15,9 @@ round by round, for every side, never from the table's rows: one --quick there h
 T=64 row slower than its 1-thread row (a slow minute), which would have put ktfp8 at 1 thread against
 PyTorch at 2, and another built kt-kernel's pool of 1 from a table row where 2 threads took 110
 against 102.6 ms, and put ktfp8 at 4.02x a pool that took 109 ms a call where pools of 2 took 80-100
-in the other runs.  A goal figure is the median over rounds
-of that round's peer time over ktfp8's.  Each side's batch starts SETTLE_SECONDS after another
-side's (or another pool's) ended, past kt-kernel's spinning workers."""
+in the other runs.  A goal figure is the median over rounds of that round's peer time over ktfp8's.
+Each side's batch starts SETTLE_SECONDS after another side's (or another pool's) ended, past
+kt-kernel's spinning workers."""
 import contextlib
 import gc
 import math
