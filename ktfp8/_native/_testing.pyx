@@ -81,9 +81,10 @@ def tile_pair(variant, bint paired, int fmt, int64_t k, int64_t block_k, int64_t
               const uint8_t[::1] a, int64_t a_stride, int64_t m, float[::1] c0, float[::1] c1):
     """Two micro-kernel jobs of `variant` (a ktfp8.backends Variant, native or emulated, that this
     CPU runs: the caller's check) over the same activations a [m][a_stride] (raw bytes of the
-    variant's act_dtype; rows up to a whole layout.row_pad tile, which the kernel may read): weights
-    w0, w1 (one packed tile each, raw bytes), scales s0, s1, outputs c0, c1 [m][rows_per_tile];
-    through tile_matmul2 when `paired`, else as two tile_matmul calls (testing/tile_pair_hook.c).
+    variant's act_dtype; for m past layout.row_pad, rows up to a whole row_pad tile, which the
+    kernel may read): weights w0, w1 (one packed tile each, raw bytes), scales s0, s1, outputs c0,
+    c1 [m][rows_per_tile]; through tile_matmul2 when `paired`, else as two tile_matmul calls
+    (testing/tile_pair_hook.c).
     An empty buffer raises IndexError (bounds-checked [0])."""
     cdef const void *w[2]
     cdef const float *s[2]
