@@ -19,6 +19,8 @@ HAS_AMX = "amx" in ktfp8.available_backends()
 HAS_BF16 = "avx512_bf16" in ktfp8.available_backends()
 HAS_AVX2 = "avx2" in ktfp8.available_backends()
 AB_LINE = re.compile(r"hot K=256 m=\s*(\d+): old\s+([\d.]+) us  new\s+([\d.]+) us .* new/old ([\d.]+)")
+# a timed line's scales (" block-wise" or "") and m
+TIMED_SCALES_M = re.compile(r"hot( block-wise)? K=256 m=\s*(\d+): old\s+[\d.]+ us  new\s+[\d.]+ us")
 
 
 def run(*args):
@@ -146,7 +148,7 @@ def test_kernel_ab_times_avx2_builds_on_fp32_activations_and_refuses_wrong_sums(
         done = run(KERNEL_AB, "--isa", "avx2", unit, swapped_outputs_build(unit, tmp_path), *options, "hot", 256, 7)
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("timing only: the two builds' results are not compared")
-        timed = re.findall(r"hot( block-wise)? K=256 m=\s*(\d+): old\s+[\d.]+ us  new\s+[\d.]+ us ", done.stdout)
+        timed = TIMED_SCALES_M.findall(done.stdout)
         assert timed == [(" block-wise" if "--block-k" in options else "", "7")], done.stdout
 
 
@@ -157,8 +159,8 @@ def test_kernel_ab_times_block_wise_scales_and_refuses_a_build_that_ignores_them
     unit = NATIVE / "moe_avx2.c"
     done = run(KERNEL_AB, "--isa", "avx2", unit, unit, "--block-k", 128, "hot", 256, 1, 6)
     assert done.returncode == 0, done.stderr
-    lines = re.findall(r"hot block-wise K=256 m=\s*(\d+): old\s+[\d.]+ us  new\s+[\d.]+ us", done.stdout)
-    assert lines == ["1", "6"], done.stdout
+    lines = TIMED_SCALES_M.findall(done.stdout)
+    assert lines == [(" block-wise", "1"), (" block-wise", "6")], done.stdout
 
     per_channel = altered_jobs_build(unit, tmp_path, "as_per_channel", ["a.format = b.format = KTFP8_FMT_FP8_CHANNEL;"])
     done = run(KERNEL_AB, "--isa", "avx2", unit, per_channel, "--block-k", 128, "hot", 256, 1)

@@ -16,8 +16,9 @@
 #         bash tools/kernel_ab/kernel_ab.sh ktfp8/_native/moe_amx.c /tmp/no_a_loads.c --timing-only dram 2048 64
 #
 # Before timing each m the two builds run once on the same tile pair and must agree (within 1e-4 of
-# the largest output; exit status 1 if not; --timing-only leaves the check out).  The activations are what the kernels' own tables say
-# they read (act_dtype, and FP32 ones times 2^layout.act_exp as the driver hands them over).
+# the largest output; exit status 1 if not; --timing-only leaves the check out).  The activations are
+# what the kernels' own tables say they read (act_dtype, and FP32 ones times 2^layout.act_exp as the
+# driver hands them over).
 #
 # Both copies compile against this tree's include/ with the flags setup.py gives the level LEVEL
 # (its BASE_CFLAGS, and the ISA flags of include/ktfp8/variants.def; default amx: AVX-512 BF16 +
