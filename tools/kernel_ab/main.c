@@ -2,8 +2,8 @@
  * kernel_ab.sh says how to run it.  Each round times a batch of calls of each build, the first
  * one alternating; it prints each build's median time per tile pair and the median of the per-round
  * ratios new / old.  hot: one tile pair, calls after calls (codes in L1/L2: the loops' own speed);
- * dram: a walk over 256 MiB of tile pairs (in huge pages, as the package's experts), each call's
- * w_next the next pair, as the driver sets it.  Per-channel scales, or block-wise ones with --block-k.
+ * dram: a walk over 4x the L3, at least 256 MiB, of tile pairs (in huge pages, as the package's
+ * experts), each call's w_next the next pair, as the driver sets it.  Per-channel scales, or block-wise ones with --block-k.
  * Before timing each m it checks that the two builds agree on one call (exit status 1 if not): a
  * faster build with wrong sums is no A/B.  --timing-only leaves the check out, for taking a piece
  * out of a kernel to see what it costs (docs/tuning-notes.md, "What a 49..80-token tile pair spends
@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "ktfp8/abi.h"
 #include "ktfp8/cpu_features.h"
@@ -26,7 +27,6 @@ const ktfp8_moe_kernel *kernel_old_table(void);
 const ktfp8_moe_kernel *kernel_new_table(void);
 
 #define ROUNDS 15
-#define WALK_BYTES (256u << 20)
 #define NB 16 /* rows per tile */
 #define MAX_M 128 /* tokens per call at most (T = 512 on the benchmark layer gives experts 50-80) */
 
@@ -95,6 +95,31 @@ static void *alloc_stream(size_t bytes) {
     return p;
 }
 
+/* The dram walk: WALK_L3_MULTIPLE x this CPU's L3, as python -m ktfp8.bench walks its layers, and at
+ * least WALK_MIN_BYTES.  256 MiB alone lay within the Emerald Rapids VM's 300 MiB L3: there K = 2048,
+ * m = 64 took 5.5-6.8 us a tile pair (the L3 being shared, it varied), against 7.1 us over 1.5 GiB. */
+#define WALK_MIN_BYTES ((size_t)256 << 20)
+#define WALK_L3_MULTIPLE 4
+static size_t walk_bytes(void) {
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE); /* glibc, from CPUID; 0 or -1 where unknown */
+    const size_t walk = l3 > 0 ? WALK_L3_MULTIPLE * (size_t)l3 : 0;
+    return walk > WALK_MIN_BYTES ? walk : WALK_MIN_BYTES;
+}
+
+/* Random FP8 codes of both signs, finite (bit 3 clear: never the NaN codes 0x7F / 0xFF): xorshift64,
+ * eight codes a step, as rand() a byte took seconds for a walk of a gigabyte.  (The codes were rand()
+ * & 0x77 before, all positive.) */
+static void random_codes(uint8_t *w, size_t n) {
+    uint64_t x = 0x9E3779B97F4A7C15u;
+    for (size_t i = 0; i < n; i += 8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        const uint64_t codes = x & 0xF7F7F7F7F7F7F7F7u;
+        memcpy(w + i, &codes, n - i < 8 ? n - i : 8);
+    }
+}
+
 int main(int argc, char **argv) {
     /* --block-k N: block-wise scales, a K block of N per scale (per-channel otherwise);
      * --timing-only: no agreement check, for a copy with a piece taken out to time what it costs */
@@ -127,9 +152,10 @@ int main(int argc, char **argv) {
     ktfp8_amx_permission();
     const int dram = argv[1][0] == 'd';
     const int64_t k = atoll(argv[2]), tile = k * NB; /* FP8 code bytes of one tile */
-    const size_t pairs = dram ? WALK_BYTES / (2 * tile) : 1;
+    const size_t walk = walk_bytes(), pairs = dram ? walk / (2 * tile) : 1;
+    if (dram) printf("dram: a walk of %zu MiB (L3 %ld KiB)\n", walk >> 20, sysconf(_SC_LEVEL3_CACHE_SIZE) >> 10);
     uint8_t *w = alloc_stream(pairs * 2 * tile);
-    for (size_t i = 0; i < pairs * 2 * tile; i++) w[i] = (uint8_t)(rand() & 0x77); /* finite, both signs */
+    random_codes(w, pairs * 2 * tile);
     const int64_t n_kblocks = block_k ? (k + block_k - 1) / block_k : 1;
     float *scale = alloc64(n_kblocks * NB * sizeof(float)), *c0 = alloc64(MAX_M * NB * sizeof(float)),
           *c1 = alloc64(MAX_M * NB * sizeof(float));
