@@ -50,7 +50,12 @@
  * T = 16 1.16x, T = 64 1.20x, T = 128 1.25x (their few tokens padded to twice the rows, or more).
  * Per-channel scale: once on the FP32 result.  Block-wise: each K block accumulates in freshly
  * zeroed C tiles, which are then scaled and added into the FP32 output.  A block size that is not
- * a multiple of the 32-K slab (never the case for DeepSeek-V3's 128) goes to avx512_bf16. */
+ * a multiple of the 32-K slab (never the case for DeepSeek-V3's 128) goes to avx512_bf16.
+ *
+ * The figures below "from DRAM" of tools/kernel_ab on the Emerald Rapids VM came from a walk of 256
+ * MiB, which lay partly in that VM's 300 MiB L3 (the walk is 4x the L3 since; docs/tuning-notes.md,
+ * "Fourth session on the Emerald Rapids VM"); the benchmark-layer figures (tools/ab_builds.py) walk
+ * 4x the L3 and are from DRAM. */
 #include <string.h>
 
 #include "ktfp8/abi.h"
