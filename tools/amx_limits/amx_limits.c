@@ -1,26 +1,31 @@
 /* What bounds the amx kernel's tile pair on the CPU at hand: the loop of moe_amx.c's passes taken
  * apart, each variant timed in the same process (amx_limits.sh builds and runs it; the figures of
- * docs/tuning-notes.md's "Why a tile pair runs at two thirds of the peak").
+ * docs/tuning-notes.md's "Why a tile pair runs at two thirds of the peak" and later).
  *
  * One tile pair as T = 512 gives it on the benchmark layer: m = 64 tokens (4 chunks of 16), two weight
- * tiles (32 columns), K = 2048 (64 slabs of 32), in two passes of 2 A x 2 B -> 4 C tiles, BF16 weights.
- * Each round times every variant once, in a rotating order; the report gives each one's median time
- * per tile pair and its share of the resident-operand peak measured in the same rounds.
+ * tiles (32 columns), K = 2048 (64 slabs of 32), BF16 weights, run as moe_amx.c runs FP8 tiles of
+ * 49..80 tokens (one_tile_at_a_time): weight tile 0, then weight tile 1, each in one pass of 4 A x 1 B
+ * -> 4 C tiles, its B tiles from a ring of two slabs in L1.  (Until 2026-12-06 this timed the older
+ * two passes of 2 A x 2 B -> 4 C with B from the whole converted tile pair in L2, the blocking of the
+ * notes' figures before the Emerald Rapids VM's second session.)  Each round times every variant once,
+ * in a rotating order; the report gives each one's median time per tile pair and its share of the
+ * resident-operand peak measured in the same rounds.
  *
  *   peak        the same tdpbf16ps count on tiles loaded once (no tile loads in the loop)
- *   passes      the two passes as moe_amx.c runs them: A rows from the activations (L2), B from the
- *               whole converted tile pair (128 KiB, L2)
- *   passes A1   every A tile from one address (L1)        passes B1   every B tile from one address
- *   convert     64 K FP8 codes -> BF16 into the 128 KiB tile pair (the first pass's conversion)
- *   passes+cvt  each slab of both passes also converts one slab of codes into an L1 ring
+ *   passes      the passes as moe_amx.c runs them: each A tile loaded with the non-temporal hint
+ *               (TILELOADDT1) from the activations (64 rows of K, 256 KiB: L2), B from the ring (L1)
+ *   passes A1   every A tile from one address (TILELOADD, L1)
+ *   convert     the pair's 64 K FP8 codes -> BF16, slab by slab into the ring (the codes, 64 KiB, in L2)
+ *   passes+cvt  each slab of a pass also converts the next slab of its tile's codes into the ring
+ *   A1+cvt      the same with every A tile from one address
  *   passes+alu  each slab also runs that many register-only vector instructions (128 unless given:
  *               amx_limits.sh 16) of one mix: "mix" (the default) half vpermt2b and half vpaddw;
  *               "permute" vpermt2b (port 5 only), "shift" vpsllw / vpsrlw (port 0 only), "add" vpaddw
  *               (port 0 or 5): amx_limits.sh 128 shift.  Which ports these take: Intel's optimization
  *               manual's tables for Ice Lake and later (512-bit work on ports 0 and 5).
  *   alu         those instructions alone          peak+alu  beside the peak loop (no tile loads)
- *   loads       the passes' 512 tile loads alone, no tdpbf16ps (A and B from L2, as in passes)
- *   loads L1    the same loads, every A tile from one address and every B tile from another
+ *   loads       the passes' 640 tile loads alone, no tdpbf16ps (A from L2, B from the ring, as in passes)
+ *   loads L1    the same loads, every A tile from one address
  * Needs AMX-TILE, AMX-BF16, AVX-512 BW and VBMI, and Linux's permission to use the tiles. */
 #include <stdint.h>
 #include <stdio.h>
@@ -41,9 +46,8 @@
 #define ROUNDS 15
 
 static uint16_t *a_rows;         /* [M][A_STRIDE] bf16 activations */
-static uint8_t *b_tiles;         /* [2][SLABS][SLAB_BYTES] converted weight tiles */
 static uint8_t *codes;           /* [2][K * 16] FP8 codes, moe_pack.c's order */
-static uint8_t ring[2][2 * SLAB_BYTES] __attribute__((aligned(64)));
+static uint8_t ring[2][2 * SLAB_BYTES] __attribute__((aligned(64))); /* [weight tile][slab & 1] BF16 B tiles */
 static float c_out[4][16 * 16] __attribute__((aligned(64)));
 static int alu_ops = ALU_OPS_DEFAULT; /* per slab, a multiple of 4 (the command line's argument) */
 
@@ -69,16 +73,14 @@ static void configure(void) {
 }
 
 static const uint16_t *a_tile(int chunk, int slab) { return a_rows + (size_t)chunk * 16 * A_STRIDE + slab * 32; }
-static const uint8_t *b_tile(int w, int slab) { return b_tiles + ((size_t)w * SLABS + slab) * SLAB_BYTES; }
+static const uint8_t *ring_slab(int w, int slab) { return ring[w] + (slab & 1) * SLAB_BYTES; }
 
-/* One slab's conversion: SLAB_BYTES / 2 codes of each weight tile into the ring. */
-static void convert_slab(int slab) {
-    for (int w = 0; w < 2; w++) {
-        const uint8_t *tile = codes + (size_t)w * K * 16;
-        const ktfp8_prefetch_ahead ahead = ktfp8_prefetch_ahead_of(tile, NULL, K * 16, KTFP8_AVX512_PREFETCH_BYTES);
-        ktfp8_e4m3_tile_to_bf16(tile + (size_t)slab * 512, 32, (uint16_t *)(ring[slab & 1] + w * SLAB_BYTES), &ahead,
-                                (int64_t)slab * 512);
-    }
+/* Slab `slab` of weight tile w's codes into its slot of the ring (nothing past the tile's last slab). */
+static void convert_slab(int w, int slab) {
+    if (slab >= SLABS) return;
+    const uint8_t *tile = codes + (size_t)w * K * 16;
+    const ktfp8_prefetch_ahead ahead = ktfp8_prefetch_ahead_of(tile, NULL, K * 16, KTFP8_AVX512_PREFETCH_BYTES);
+    ktfp8_e4m3_tile_to_bf16(tile + (size_t)slab * 512, 32, (uint16_t *)ring_slab(w, slab), &ahead, (int64_t)slab * 512);
 }
 
 /* The vector instructions beside the tiles (see the header comment). */
@@ -131,7 +133,7 @@ static void alu_work(void) {
 }
 
 enum { EXTRA_NONE, EXTRA_CONVERT, EXTRA_ALU };
-enum { FROM_L2, A_FIXED, B_FIXED };
+enum { FROM_L2, A_FIXED };
 
 /* The 4 C tiles (tmm0..3) of a pass: zeroed before it, stored after it. */
 static void zero_c(void) {
@@ -148,38 +150,51 @@ static void store_c(void) {
     _tile_stored(3, c_out[3], 64);
 }
 
-/* moe_amx.c's two passes of one tile pair: chunks 2p, 2p + 1 against weight tiles 0, 1. */
+/* Chunk ch's A tile of slab s into tmm5: from the activations with the non-temporal hint, as
+ * moe_amx.c loads them, or (A_FIXED) from one address with a plain load. */
+#define LOAD_A(ch, from, s)                                                  \
+    do {                                                                     \
+        if ((from) == A_FIXED)                                               \
+            _tile_loadd(5, a_tile(0, 0), A_STRIDE * 2);                      \
+        else                                                                 \
+            _tile_stream_loadd(5, a_tile(ch, s), A_STRIDE * 2);              \
+    } while (0)
+
+/* moe_amx.c's one-tile passes of the pair: weight tile w's B tile of slab s (tmm6) against chunks
+ * 0..3 (tmm5 in turn) into C tiles 0..3. */
 static void passes(int from, int extra) {
-    for (int p = 0; p < M / 32; p++) {
+    for (int w = 0; w < 2; w++) {
+        if (extra == EXTRA_CONVERT) convert_slab(w, 0);
         zero_c();
         for (int s = 0; s < SLABS; s++) {
-            const int sb = from == B_FIXED ? 0 : s, sa = from == A_FIXED ? 0 : s;
-            _tile_loadd(6, b_tile(0, sb), 64);
-            _tile_loadd(7, b_tile(1, sb), 64);
             compiler_barrier();
-            if (extra == EXTRA_CONVERT) convert_slab(s);
+            _tile_loadd(6, ring_slab(w, s), 64);
+            compiler_barrier();
+            if (extra == EXTRA_CONVERT) convert_slab(w, s + 1);
             if (extra == EXTRA_ALU) alu_work();
             compiler_barrier();
-            _tile_loadd(4, a_tile(2 * p, sa), A_STRIDE * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(4, a_tile(2 * p + 1, sa), A_STRIDE * 2);
-            _tile_dpbf16ps(2, 4, 6);
-            _tile_dpbf16ps(3, 4, 7);
+            LOAD_A(0, from, s);
+            _tile_dpbf16ps(0, 5, 6);
+            LOAD_A(1, from, s);
+            _tile_dpbf16ps(1, 5, 6);
+            LOAD_A(2, from, s);
+            _tile_dpbf16ps(2, 5, 6);
+            LOAD_A(3, from, s);
+            _tile_dpbf16ps(3, 5, 6);
         }
         store_c();
     }
 }
 
 /* The passes' tile loads without their products: what the loads alone cost. */
-static void loads(int fixed) {
-    for (int p = 0; p < M / 32; p++)
+static void loads(int from) {
+    for (int w = 0; w < 2; w++)
         for (int s = 0; s < SLABS; s++) {
-            const int at = fixed ? 0 : s;
-            _tile_loadd(6, b_tile(0, at), 64);
-            _tile_loadd(7, b_tile(1, at), 64);
-            _tile_loadd(4, a_tile(fixed ? 0 : 2 * p, at), A_STRIDE * 2);
-            _tile_loadd(5, a_tile(fixed ? 1 : 2 * p + 1, at), A_STRIDE * 2);
+            _tile_loadd(6, ring_slab(w, s), 64);
+            LOAD_A(0, from, s);
+            LOAD_A(1, from, s);
+            LOAD_A(2, from, s);
+            LOAD_A(3, from, s);
         }
 }
 
@@ -187,9 +202,9 @@ static void loads(int fixed) {
 static void peak(int extra) {
     _tile_loadd(4, a_tile(0, 0), A_STRIDE * 2);
     _tile_loadd(5, a_tile(1, 0), A_STRIDE * 2);
-    _tile_loadd(6, b_tile(0, 0), 64);
-    _tile_loadd(7, b_tile(1, 0), 64);
-    for (int p = 0; p < M / 32; p++) {
+    _tile_loadd(6, ring_slab(0, 0), 64);
+    _tile_loadd(7, ring_slab(1, 0), 64);
+    for (int w = 0; w < 2; w++) {
         zero_c();
         for (int s = 0; s < SLABS; s++) {
             if (extra == EXTRA_ALU) alu_work();
@@ -203,37 +218,34 @@ static void peak(int extra) {
 }
 
 static void convert_pair(void) {
-    for (int w = 0; w < 2; w++) {
-        const uint8_t *tile = codes + (size_t)w * K * 16;
-        const ktfp8_prefetch_ahead ahead = ktfp8_prefetch_ahead_of(tile, NULL, K * 16, KTFP8_AVX512_PREFETCH_BYTES);
-        ktfp8_e4m3_tile_to_bf16(tile, K, (uint16_t *)b_tile(w, 0), &ahead, 0);
-    }
+    for (int w = 0; w < 2; w++)
+        for (int s = 0; s < SLABS; s++) convert_slab(w, s);
     compiler_barrier();
 }
 
 static void alu_alone(void) {
-    for (int i = 0; i < M / 32 * SLABS; i++) alu_work();
+    for (int i = 0; i < 2 * SLABS; i++) alu_work();
 }
 
 static void v_peak(void) { peak(EXTRA_NONE); }
 static void v_passes(void) { passes(FROM_L2, EXTRA_NONE); }
 static void v_a_fixed(void) { passes(A_FIXED, EXTRA_NONE); }
-static void v_b_fixed(void) { passes(B_FIXED, EXTRA_NONE); }
 static void v_passes_convert(void) { passes(FROM_L2, EXTRA_CONVERT); }
+static void v_a_fixed_convert(void) { passes(A_FIXED, EXTRA_CONVERT); }
 static void v_passes_alu(void) { passes(FROM_L2, EXTRA_ALU); }
 static void v_peak_alu(void) { peak(EXTRA_ALU); }
-static void v_loads(void) { loads(0); }
-static void v_loads_l1(void) { loads(1); }
+static void v_loads(void) { loads(FROM_L2); }
+static void v_loads_l1(void) { loads(A_FIXED); }
 
 static const struct {
     const char *name;
     void (*run)(void);
     int products; /* runs the tile pair's tdpbf16ps (its GFLOP/s and share of the peak mean something) */
 } variants[] = {
-    {"peak", v_peak, 1},          {"passes", v_passes, 1},         {"passes A1", v_a_fixed, 1},
-    {"passes B1", v_b_fixed, 1},  {"convert", convert_pair, 0},    {"passes+cvt", v_passes_convert, 1},
-    {"passes+alu", v_passes_alu, 1}, {"alu", alu_alone, 0},        {"peak+alu", v_peak_alu, 1},
-    {"loads", v_loads, 0},        {"loads L1", v_loads_l1, 0},
+    {"peak", v_peak, 1},           {"passes", v_passes, 1},          {"passes A1", v_a_fixed, 1},
+    {"convert", convert_pair, 0},  {"passes+cvt", v_passes_convert, 1}, {"A1+cvt", v_a_fixed_convert, 1},
+    {"passes+alu", v_passes_alu, 1}, {"alu", alu_alone, 0},          {"peak+alu", v_peak_alu, 1},
+    {"loads", v_loads, 0},         {"loads L1", v_loads_l1, 0},
 };
 enum { N_VARIANTS = sizeof(variants) / sizeof(variants[0]) };
 
@@ -267,11 +279,10 @@ int main(int argc, char **argv) {
         return 1;
     }
     a_rows = alloc64((size_t)M * A_STRIDE * 2);
-    b_tiles = alloc64(2 * SLABS * SLAB_BYTES);
     codes = alloc64(2 * K * 16);
     for (size_t i = 0; i < (size_t)M * A_STRIDE; i++) a_rows[i] = 0x3f80; /* bf16 1.0 */
-    for (size_t i = 0; i < 2 * SLABS * SLAB_BYTES / 2; i++) ((uint16_t *)b_tiles)[i] = 0x3f80;
-    for (size_t i = 0; i < 2 * K * 16; i++) codes[i] = (uint8_t)(rand() & 0x77); /* finite, both signs */
+    for (size_t i = 0; i < sizeof ring / 2; i++) ((uint16_t *)ring)[i] = 0x3f80;
+    for (size_t i = 0; i < 2 * K * 16; i++) codes[i] = (uint8_t)(rand() & 0xF7); /* finite (bit 3 clear), both signs */
     configure();
     double t[N_VARIANTS][ROUNDS];
     for (int r = 0; r < ROUNDS; r++)
