@@ -3,7 +3,8 @@
  * one alternating; it prints each build's median time per tile pair and the median of the per-round
  * ratios new / old.  hot: one tile pair, calls after calls (codes in L1/L2: the loops' own speed);
  * dram: a walk over 4x the L3, at least 256 MiB, of tile pairs (in huge pages, as the package's
- * experts), each call's w_next the next pair, as the driver sets it.  Per-channel scales, or block-wise ones with --block-k.
+ * experts), each call's w_next the next pair, as the driver sets it.  Per-channel scales, or
+ * block-wise ones with --block-k.
  * Before timing each m it checks that the two builds agree on one call (exit status 1 if not): a
  * faster build with wrong sums is no A/B.  --timing-only leaves the check out, for taking a piece
  * out of a kernel to see what it costs (docs/tuning-notes.md, "What a 49..80-token tile pair spends
