@@ -139,9 +139,7 @@ def usable_cores():
     thread adds no multiply units or AMX unit for a prefill, and shares the core's L1 miss buffers, which
     bound its decode stream (docs/tuning-notes.md); $KTFP8_NUM_THREADS sets any other count.
     os.cpu_count() counts the machine's CPUs."""
-    cores = affinity_cores()
-    quota = cpu_quota.quota_cpus()
-    return min(cores, quota) if quota else cores
+    return cpu_quota.within_quota(affinity_cores())
 
 
 _warned_one_thread = False

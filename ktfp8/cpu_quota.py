@@ -62,6 +62,13 @@ def quota_cpus(root="/"):
     return cpus
 
 
+def within_quota(count):
+    """`count` (CPUs, cores, or threads one to each), or this process's CPU quota (quota_cpus) where
+    that is smaller."""
+    quota = quota_cpus()
+    return min(count, quota) if quota else count
+
+
 def _cgroup_mount(line):
     """(root, mount point, is v2, super options) of a cgroup mount line of mountinfo, else None."""
     fields = line.split()

@@ -167,3 +167,10 @@ def test_this_process_reads_its_quota_at_most_once_a_second(monkeypatch):
     clock[0] += 1.5
     assert cpu_quota.quota_cpus() == 3 and len(reads) == 2
     assert cpu_quota.quota_cpus("/elsewhere") == 3 and len(reads) == 3  # another tree: never remembered
+
+
+def test_within_quota_caps_a_count_at_the_quota_and_leaves_it_without_one(monkeypatch):
+    monkeypatch.setattr(cpu_quota, "quota_cpus", lambda: 3)
+    assert [cpu_quota.within_quota(n) for n in (1, 3, 8)] == [1, 3, 3]
+    monkeypatch.setattr(cpu_quota, "quota_cpus", lambda: None)
+    assert cpu_quota.within_quota(8) == 8

@@ -157,9 +157,7 @@ def default_thread_counts(quick):
     --quick keeps to its ~5 minutes with the first two."""
     counts = {1, backends.usable_cores()}
     if not quick:
-        quota = cpu_quota.quota_cpus()
-        cpus = len(numa.affinity_cpus())
-        counts.add(min(cpus, quota) if quota else cpus)
+        counts.add(cpu_quota.within_quota(len(numa.affinity_cpus())))
     return sorted(counts)
 
 
