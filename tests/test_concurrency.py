@@ -18,6 +18,7 @@ import ktfp8
 from ktfp8 import backends
 from ktfp8.moe import MoE
 from moe_oracle import make_experts, random_routing
+from threads import run_in_threads
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = backends.usable_variants()
@@ -72,11 +73,7 @@ def test_eight_threads_share_one_moe(backend):
             i += 1
         calls[t] = i
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    run_in_threads(worker, [(t,) for t in range(8)])
     assert not failures, f"results differ from the serial run at (thread, input) {failures[:5]}"
     assert all(c > 0 for c in calls), calls
     print(f"{backend}: {sum(calls)} concurrent calls in {seconds} s")

@@ -18,6 +18,7 @@ import ktfp8.hf  # noqa: E402
 from hf_oracle import PROMPT, experts_module, logits, model_folders, tiny_model_settings  # noqa: E402
 from ktfp8.hf import op  # noqa: E402
 from moe_oracle import nmse  # noqa: E402
+from threads import run_in_threads  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 
@@ -182,11 +183,7 @@ def test_threads_calling_a_model_before_its_first_forward_quantize_each_layer_on
         except Exception as err:      # noqa: BLE001 -- reported below, by thread
             results[i] = err
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(call, [(i,) for i in range(6)])
     errors = [r for r in results.values() if isinstance(r, Exception)]
     assert not errors, errors[0]
     assert len(registered) == len(ktfp8.hf.experts.experts_modules(model))

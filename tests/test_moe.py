@@ -2,7 +2,6 @@
 the KTransformers-named classes, the functional and router-logits forms.  What each kernel computes
 (every variant x weight format x token count, edge cases) is test_kernels.py's, via kernel_tester."""
 import dataclasses
-import threading
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +13,7 @@ from ktfp8.experts import MAX_SCALE
 from ktfp8.moe import MoE
 from kernel_tester import BF16, kernel, moe_config
 from moe_oracle import make_experts, moe_fp64, nmse, random_routing
+from threads import run_in_threads
 
 E, H, I, K = 6, 200, 72, 3  # odd sizes on purpose: no multiple-of-32 anywhere
 FORMATS = ["fp8_per_channel", "fp8_block", "bf16"]
@@ -169,11 +169,7 @@ def test_concurrent_calls_match_serial_calls():
         for _ in range(5):
             results[i] = moe(*inputs[i])
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(work, [(i,) for i in range(len(inputs))])
     for got, want in zip(results, serial):
         np.testing.assert_array_equal(got, want)
 
