@@ -96,13 +96,13 @@ static void *alloc_stream(size_t bytes) {
     return p;
 }
 
-/* The dram walk: WALK_L3_MULTIPLE x this CPU's L3, as python -m ktfp8.bench walks its layers, and at
- * least WALK_MIN_BYTES.  256 MiB alone lay within the Emerald Rapids VM's 300 MiB L3: there K = 2048,
- * m = 64 took 5.5-6.8 us a tile pair (the L3 being shared, it varied), against 7.1 us over 1.5 GiB. */
+/* The dram walk for an L3 of l3 bytes: WALK_L3_MULTIPLE x it, as python -m ktfp8.bench walks its
+ * layers, and at least WALK_MIN_BYTES.  256 MiB alone lay within the Emerald Rapids VM's 300 MiB L3:
+ * there K = 2048, m = 64 took 5.5-6.8 us a tile pair (the L3 being shared, it varied), against 7.1 us
+ * over 1.5 GiB. */
 #define WALK_MIN_BYTES ((size_t)256 << 20)
 #define WALK_L3_MULTIPLE 4
-static size_t walk_bytes(void) {
-    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE); /* glibc, from CPUID; 0 or -1 where unknown */
+static size_t walk_bytes(long l3) {
     const size_t walk = l3 > 0 ? WALK_L3_MULTIPLE * (size_t)l3 : 0;
     return walk > WALK_MIN_BYTES ? walk : WALK_MIN_BYTES;
 }
@@ -153,8 +153,9 @@ int main(int argc, char **argv) {
     ktfp8_amx_permission();
     const int dram = argv[1][0] == 'd';
     const int64_t k = atoll(argv[2]), tile = k * NB; /* FP8 code bytes of one tile */
-    const size_t walk = walk_bytes(), pairs = dram ? walk / (2 * tile) : 1;
-    if (dram) printf("dram: a walk of %zu MiB (L3 %ld KiB)\n", walk >> 20, sysconf(_SC_LEVEL3_CACHE_SIZE) >> 10);
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE); /* glibc, from CPUID; 0 or -1 where unknown */
+    const size_t walk = walk_bytes(l3), pairs = dram ? walk / (2 * tile) : 1;
+    if (dram) printf("dram: a walk of %zu MiB (L3 %ld KiB)\n", walk >> 20, l3 >> 10);
     uint8_t *w = alloc_stream(pairs * 2 * tile);
     random_codes(w, pairs * 2 * tile);
     const int64_t n_kblocks = block_k ? (k + block_k - 1) / block_k : 1;
