@@ -70,11 +70,14 @@ KERNELS = {
     # m < AMX_MIN_M: the avx512_bf16 micro-kernel; from it on tiles of CHUNK tokens (one short
     # tile below CHUNK, whole ones from it on), PAIR_CHUNKS per pass of two weight tiles (the third
     # one's second C tile in another register), CHUNKS per pass of one (FP8 weights of PAIR_CHUNKS
-    # CHUNK + 1 .. CHUNKS CHUNK tokens go one weight tile at a time); past that, passes of PAIR_CHUNKS
-    # (two full ones, then a single chunk after them)
-    "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 2, "CHUNK": 16, "PAIR_CHUNKS": 3, "CHUNKS": 5},
+    # CHUNK + 1 .. PARK_MAX_CHUNKS CHUNK tokens take both weight tiles in one pass, the chunks after
+    # the first PAIR_CHUNKS parked between K blocks); past that, passes of PAIR_CHUNKS (two full ones,
+    # then a single chunk after them)
+    "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 2, "CHUNK": 16, "PAIR_CHUNKS": 3, "CHUNKS": 5,
+                                      "PARK_MAX_CHUNKS": 5},
                   lambda d: (d["AMX_MIN_M"], d["CHUNK"], 2 * d["CHUNK"], d["CHUNK"] * d["PAIR_CHUNKS"],
-                             d["CHUNK"] * d["CHUNKS"], 2 * d["CHUNK"] * d["PAIR_CHUNKS"])),
+                             d["CHUNK"] * d["CHUNKS"], d["CHUNK"] * d["PARK_MAX_CHUNKS"],
+                             2 * d["CHUNK"] * d["PAIR_CHUNKS"])),
 }
 
 

@@ -62,6 +62,20 @@ def test_bfloat16_input(variant, fmt):
     check(variant, Case(fmt=fmt, m=token_counts(variant), x_dtype=BF16, seed=5))
 
 
+AMX = [v for v in VARIANTS if v.removesuffix("_emulated") == "amx"]
+
+
+@pytest.mark.skipif(not AMX, reason="no amx variant in this build")
+@pytest.mark.parametrize("fmt", ["per_channel", "block128", "bf16"])
+@pytest.mark.parametrize("variant", AMX)
+def test_amx_parked_chunks_over_several_k_blocks(variant, fmt):
+    """Experts of 49..80 tokens over a K of several of amx's parked-pass K blocks (8 slabs of 32):
+    hidden 704 = 22 slabs (blocks of 8, 8, 6), intermediate 288 = 9 (8, 1), so the chunks beyond
+    the third are parked and picked up again across block ends in both projections; block-wise
+    weights with a short last scale block (704 = 5.5 x 128), BF16 weights on their own path."""
+    check(variant, Case(fmt=fmt, hidden=704, inter=288, m=(49, 64, 65, 80), seed=17))
+
+
 @pytest.mark.parametrize("variant", NATIVE_FAST)  # software emulation is ~100x slower: T <= 65 above
 def test_many_tokens(variant):
     """Hundreds of rows per expert: the prefill paths reuse a converted tile many times."""

@@ -106,6 +106,28 @@ def test_paired_tiles_give_the_bits_of_single_tiles(variant, fmt, K):
                                           err_msg=f"{variant} {fmt} m={m} tile {t}: the rows past m changed it")
 
 
+# amx's parked pass (49..80 tokens of FP8 weights) runs K in blocks of up to 8 slabs: 22 slabs make
+# blocks of 8, 8, 6; a scale block of 10 slabs (320) makes blocks of 5, its last one of 2 slabs
+PARKED_K = 704
+PARKED_FORMATS = {"per_channel": ("fp8_per_channel", 0), "block64": ("fp8_block", 64),
+                  "block320": ("fp8_block", 320)}
+
+
+@pytest.mark.parametrize("fmt", list(PARKED_FORMATS))
+@pytest.mark.parametrize("variant", [v for v in PAIRED if v.removesuffix("_emulated") == "amx"])
+def test_amx_parked_pass_gives_the_bits_of_single_tiles(variant, fmt, monkeypatch):
+    monkeypatch.setitem(FORMATS, fmt, PARKED_FORMATS[fmt])
+    rng, jobs = job_pair(fmt, PARKED_K)
+    a_stride = PARKED_K + 32
+    for m in (49, 50, 63, 64, 65, 79, 80):
+        a = random_activations(rng, variant, -(-m // ROW_TILE) * ROW_TILE * a_stride)
+        paired, single = (run_pair(variant, p, jobs, a, a_stride, m) for p in (True, False))
+        for t in range(2):
+            assert np.isfinite(paired[t]).all(), (m, t)
+            np.testing.assert_array_equal(paired[t].view(np.uint32), single[t].view(np.uint32),
+                                          err_msg=f"{variant} {fmt} m={m} tile {t}")
+
+
 def test_tile_pair_refuses_jobs_its_buffers_do_not_fit():
     K = KS[0]
     w = np.zeros(K * NB, np.uint8)

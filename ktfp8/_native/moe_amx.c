@@ -25,10 +25,10 @@
  *
  * Blocking.  Two weight tiles over the same tokens (tile_matmul2: gate and up, or two adjacent down
  * tiles): 3 A x 2 B -> 6 C through one A and one B register, 7 tile loads per 6 TDPBF16PS (see pass
- * and PAIR_CHUNKS), 48 tokens per pass, except for FP8 weights and 49..80 tokens, measured faster one
- * tile at a time (one_tile_at_a_time).  One weight tile (tile_matmul): 5 A x 1 B -> 5 C, 6 loads per
- * 5 TDPs, 80 tokens per pass (see CHUNKS).  Either way each converted B tile feeds every chunk of a
- * pass.
+ * and PAIR_CHUNKS), 48 tokens per pass; FP8 weights and 49..80 tokens in one pass that parks the C
+ * tiles of the chunks after the third between K blocks (parked_pass).  One weight tile (tile_matmul):
+ * 5 A x 1 B -> 5 C, 6 loads per 5 TDPs, 80 tokens per pass (see CHUNKS).  Either way each converted B
+ * tile feeds every chunk of a pass.
  *
  * Tiles (palette 1, configured at the start of every call and released at its end, so a thread
  * never holds AMX state between calls):
@@ -71,22 +71,13 @@
 #define NB 16        /* weight rows per tile = C tile columns */
 #define AMX_MIN_M 2  /* tokens from which the tile path runs (see above) */
 #define CHUNK 16     /* tokens per A / C tile */
-/* C tiles per pass: chunks per pass for one weight tile, two for two.  Five, not four: an expert of
- * 65..80 tokens (about half of them at T = 512 on the benchmark layer) then runs one tile at a time
- * in a single pass (one_tile_at_a_time), where with four it took 2 A x 2 B passes that convert both
- * whole tiles into L2 and read them back.  tools/kernel_ab on the Xeon (Emerald Rapids, family 6
- * model 207) VM, five against four, per tile pair: K = 2048 m = 72 0.83x hot and 0.88x from DRAM,
- * m = 80 0.79x-0.85x and 0.84x, K = 768 m = 72 / 80 0.87x / 0.86x from DRAM, m = 48 / 64 0.99x-1.02x
- * (one run 1.09x); benchmark layer (tools/ab_builds.py, 2 threads) T = 512 0.936x-0.975x (three
- * runs; 1 thread 0.942x, block-wise 0.929x, BF16 weights 1.005x), T = 128 0.996x, T = 64 0.998x.
- * Those are the VM's fast AMX mode (2.2-2.4 TFLOP/s per core at the peak).  In its slow mode (the
- * peak loop at 0.9-1.0 TFLOP/s, minutes at a time, from outside the VM: perhaps another tenant's AMX
- * work on the same physical core) five C tiles took 1.10x-1.20x the time of four at m = 72 / 80
- * (K = 2048, hot and from DRAM; K = 768 1.08x; benchmark layer T = 512 1.037x and 1.051x), as
- * every blocking that touches more tile registers did there (an earlier Xeon VM, model 167,
- * measured five C tiles 1.02x-1.49x, mostly in that mode).  Kept for the fast mode, a core of one's
- * own.  Past one pass passes of both tiles stay faster: one tile at a time at m = 96 / 128 took
- * 1.07x-1.13x the time of 2 A x 2 B passes (since then three chunks a pass, PAIR_CHUNKS). */
+/* Chunks per pass of one weight tile (tile_matmul).  Five, not four, chosen while FP8 experts of
+ * 65..80 tokens (about half of them at T = 512 on the benchmark layer) ran one weight tile at a time
+ * (parked_pass takes them since): tools/kernel_ab on the Emerald Rapids VM (family 6 model 207), five
+ * against four, per tile pair, m = 72 / 80 0.79x-0.88x, m = 48 / 64 0.99x-1.02x; in the VM's slow
+ * AMX mode (the peak loop at 0.9-1.0 TFLOP/s, minutes at a time, from outside the VM: perhaps
+ * another tenant's AMX work on the same core) 1.08x-1.20x, as every blocking with more tile
+ * registers took there.  Kept for the fast mode, a core of one's own. */
 #define CHUNKS 5
 /* Chunks per pass of two weight tiles: three (six C tiles, the sixth in tmm7), not two.  An expert of
  * 33..48 tokens then takes one pass that converts both tiles into L1 rings, where with two it took 2
@@ -193,6 +184,19 @@ INLINE void prefetch_bf16_slab(const ktfp8_prefetch_ahead *ahead, int64_t s) {
     const uintptr_t base = ktfp8_prefetch_run(ahead, offset, &until);
     for (int line = 0; line < SLAB_BYTES / 64; line++)
         _mm_prefetch((const char *)(base + (uintptr_t)(offset + 64 * line)), _MM_HINT_T0);
+}
+
+/* Rows row0 .. row0 + rows - 1 of a job's output from its C tile c (stored), K block kb: per-channel
+ * and block 0 write C x scale, later blocks add it in one rounding.  The FMA is spelled out: GCC
+ * contracts a multiply and an add of vectors as it sees fit (-ffp-contract=fast), which gave the
+ * first row of each C tile other bits in one caller's inlined copy than in another's. */
+INLINE void c_rows_out(const ktfp8_tile_job *j, const float (*c)[NB], int64_t row0, int64_t rows, int64_t kb) {
+    const __m512 scale = j->format == KTFP8_FMT_BF16 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(j->scale + kb * NB);
+    for (int64_t i = 0; i < rows; i++) {
+        float *out = j->c + (row0 + i) * j->c_stride;
+        const __m512 ci = _mm512_load_ps(c[i]);
+        _mm512_storeu_ps(out, kb > 0 ? _mm512_fmadd_ps(ci, scale, _mm512_loadu_ps(out)) : _mm512_mul_ps(ci, scale));
+    }
 }
 
 /* Tokens m0 .. m0 + 16 * chunks - 1 of NW jobs sharing their activations and K (those before m
@@ -302,23 +306,163 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
         STORE_C(4, 4);
         STORE_C(5, TILE_C5);
 
-        /* C rows to the FP32 outputs: per-channel and block 0 write, later blocks add */
-        for (int w = 0; w < NW; w++) {
-            const ktfp8_tile_job *jw = jobs[w];
-            const __m512 scale = jw->format == KTFP8_FMT_BF16 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(jw->scale + kb * NB);
-            for (int64_t i = 0; i < rows; i++) {
-                float *out = jw->c + (m0 + i) * jw->c_stride;
-                __m512 v = _mm512_mul_ps(_mm512_load_ps(cbuf[(i / CHUNK) * NW + w][i % CHUNK]), scale);
-                if (kb > 0) v = _mm512_add_ps(v, _mm512_loadu_ps(out));
-                _mm512_storeu_ps(out, v);
-            }
-        }
+        compiler_barrier();
+        for (int w = 0; w < NW; w++)
+            for (int64_t i = 0; i < rows; i += CHUNK)
+                c_rows_out(jobs[w], cbuf[(i / CHUNK) * NW + w], m0 + i, rows - i < CHUNK ? rows - i : CHUNK, kb);
     }
 }
 #undef ZERO_C
 #undef STORE_C
 #undef LOAD_A
 #undef DOT1
+
+/* Two FP8 weight tiles over 49..80 tokens (4 or 5 chunks) in one pass over K that converts each
+ * slab once: chunks 0..2 x both tiles in C tiles 0..5 for the whole K (as a pass of PAIR_CHUNKS),
+ * and after every PARK_K_BLOCK slabs the other chunks x both tiles over the same slabs, each chunk's
+ * two C tiles parked in L1 between blocks (tmm4 and tmm7, whose C tiles 4 and 5 are parked meanwhile;
+ * block-wise weights run one scale block's slabs at a time, or a divisor of them).  The B slabs come
+ * from a ring of PARK_K_BLOCK + 1 slabs a weight tile (18 KiB for both), so those of a block are
+ * still there for the parked chunks while the next block's first slab is converted.
+ * Why: the 8 tile registers hold the C tiles of 3 chunks x 2 tiles, not of 4 or 5, and every other
+ * way to run these tokens either streamed the codes one tile at a time, 4 or 5 A loads (from L2) a
+ * slab for each tile's products, or made a second pass over L2: one tile at a time took 1.43x the
+ * time of a 48-token pass of both tiles at m = 64 (K = 2048, from DRAM: 7.3 against 5.1 us a tile
+ * pair), passes of 3 + 1 chunks 1.02x-1.05x the time of one at a time, 2 + 2 chunks converting the
+ * codes again (from L2) in the second pass 1.04x-1.08x, 3 + 1 that way 1.08x-1.10x.
+ * Measured on the Emerald Rapids VM (family 6 model 207), tools/kernel_ab over DRAM (a 1200 MiB walk),
+ * against one tile at a time, per tile pair: K = 2048 m = 49 / 64 / 72 / 80 0.784x / 0.810x / 0.855x /
+ * 0.881x (block-wise 128: m = 64 0.888x, m = 80 0.996x); a first prototype K = 768 m = 56 / 64 0.915x
+ * / 0.919x, m = 72 / 80 0.977x / 0.985x, and m = 96 / 128 0.995x / 0.977x against passes of
+ * PAIR_CHUNKS (so not taken there).  Blocks of 8 slabs against 4, 6, 12 and 16: 1.028x, 1.027x,
+ * 1.052x and 1.118x the time of 8 (m = 64).  Prefetching the next block's codes during the parked
+ * chunks' products: 1.33x.  Benchmark layer (tools/ab_builds.py, 12 rounds): T = 512 0.925x on 2
+ * threads (the prototype 0.937x), 0.922x on 1; T = 64 1.004x. */
+#define PARK_K_BLOCK 8
+#define PARK_RING (PARK_K_BLOCK + 1)
+#define PARK_MAX_CHUNKS 5
+/* C tile registers the parked chunks borrow */
+#define TILE_P0 4
+#define TILE_P1 TILE_C5
+
+/* Slabs per K block of parked_pass: PARK_K_BLOCK, or for block-wise weights the largest divisor of
+ * a scale block's slabs that is no more, so that no K block straddles two scale blocks. */
+static int64_t park_block_slabs(const ktfp8_tile_job *j) {
+    if (j->format != KTFP8_FMT_FP8_BLOCK) return PARK_K_BLOCK;
+    const int64_t scale_slabs = j->block_k / SLAB;
+    int64_t d = PARK_K_BLOCK;
+    while (scale_slabs % d) d--;
+    return d;
+}
+
+/* Whether parked_pass takes this pair of jobs. */
+static int parks(const ktfp8_tile_job *j) {
+    return j->format != KTFP8_FMT_BF16 && j->m > PAIR_CHUNKS * CHUNK && j->m <= PARK_MAX_CHUNKS * CHUNK;
+}
+
+/* Under configure(CHUNK). */
+static void parked_pass(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
+    const ktfp8_tile_job *jobs[2] = {j0, j1};
+    const uint16_t *a = (const uint16_t *)j0->a;
+    const int64_t a_stride = j0->a_stride, a_bytes = a_stride * 2, m = j0->m, slabs = j0->k / SLAB;
+    const int64_t scale_slabs = j0->format == KTFP8_FMT_FP8_BLOCK ? j0->block_k / SLAB : slabs;
+    const int64_t block_slabs = park_block_slabs(j0), chunks = (m + CHUNK - 1) / CHUNK;
+    const uint8_t *codes[2] = {(const uint8_t *)j0->w, (const uint8_t *)j1->w};
+    uint8_t *ring[2] = {(uint8_t *)j0->scratch, (uint8_t *)j0->scratch + PARK_RING * SLAB_BYTES};
+    ktfp8_prefetch_ahead ahead[2];
+    for (int w = 0; w < 2; w++)
+        ahead[w] = ktfp8_prefetch_ahead_of(jobs[w]->w, jobs[w]->w_next, j0->k * NB, KTFP8_AVX512_PREFETCH_BYTES);
+    float c03[4][CHUNK][NB] __attribute__((aligned(64))); /* C tiles 0..3 at a scale block's end */
+    float c45[2][CHUNK][NB] __attribute__((aligned(64))); /* C tiles 4, 5 while the parked chunks run */
+    float parked[PARK_MAX_CHUNKS - PAIR_CHUNKS][2][CHUNK][NB] __attribute__((aligned(64)));
+#define SLOT(w, s_) (ring[w] + ((s_) % PARK_RING) * SLAB_BYTES)
+#define CONVERT(w, s_)                                                                                      \
+    if ((s_) < slabs) {                                                                                     \
+        const int64_t at = (s_) * SLAB * NB; /* the slab's first code */                                    \
+        compiler_barrier();                                                                                 \
+        ktfp8_e4m3_tile_to_bf16(codes[w] + at, SLAB, (uint16_t *)SLOT(w, s_), &ahead[w], at);               \
+        compiler_barrier();                                                                                 \
+    }
+#define LOAD_A(ch) _tile_stream_loadd(TILE_A, a + (ch) * CHUNK * a_stride + s * SLAB, a_bytes)
+    CONVERT(0, 0);
+    CONVERT(1, 0);
+    for (int64_t s0 = 0; s0 < slabs; s0 += block_slabs) {
+        const int64_t s1 = s0 + block_slabs < slabs ? s0 + block_slabs : slabs, kb = s0 / scale_slabs;
+        const int first = s0 % scale_slabs == 0, last = s1 % scale_slabs == 0 || s1 == slabs; /* of a scale block */
+        if (first) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_zero(TILE_C5);
+        }
+        /* chunks 0..2, in pass's order for two weight tiles (A0 B0, A0 B1, A1 B1, A1 B0, A2 B0, A2 B1) */
+        for (int64_t s = s0; s < s1; s++) {
+            CONVERT(0, s + 1);
+            LOAD_A(0);
+            _tile_loadd(TILE_B, SLOT(0, s), NB * 4);
+            _tile_dpbf16ps(0, TILE_A, TILE_B);
+            _tile_loadd(TILE_B, SLOT(1, s), NB * 4);
+            _tile_dpbf16ps(1, TILE_A, TILE_B);
+            CONVERT(1, s + 1);
+            LOAD_A(1);
+            _tile_dpbf16ps(3, TILE_A, TILE_B);
+            _tile_loadd(TILE_B, SLOT(0, s), NB * 4);
+            _tile_dpbf16ps(2, TILE_A, TILE_B);
+            LOAD_A(2);
+            _tile_dpbf16ps(4, TILE_A, TILE_B);
+            _tile_loadd(TILE_B, SLOT(1, s), NB * 4);
+            _tile_dpbf16ps(TILE_C5, TILE_A, TILE_B);
+        }
+        _tile_stored(4, c45[0], NB * 4);
+        _tile_stored(TILE_C5, c45[1], NB * 4);
+        /* the other chunks over the same slabs, still in the ring */
+        for (int64_t ch = PAIR_CHUNKS; ch < chunks; ch++) {
+            float(*p)[CHUNK][NB] = parked[ch - PAIR_CHUNKS];
+            if (first) {
+                _tile_zero(TILE_P0);
+                _tile_zero(TILE_P1);
+            } else {
+                _tile_loadd(TILE_P0, p[0], NB * 4);
+                _tile_loadd(TILE_P1, p[1], NB * 4);
+            }
+            for (int64_t s = s0; s < s1; s++) {
+                LOAD_A(ch);
+                _tile_loadd(TILE_B, SLOT(0, s), NB * 4);
+                _tile_dpbf16ps(TILE_P0, TILE_A, TILE_B);
+                _tile_loadd(TILE_B, SLOT(1, s), NB * 4);
+                _tile_dpbf16ps(TILE_P1, TILE_A, TILE_B);
+            }
+            _tile_stored(TILE_P0, p[0], NB * 4);
+            _tile_stored(TILE_P1, p[1], NB * 4);
+            if (last) {
+                compiler_barrier();
+                const int64_t rows = m - ch * CHUNK < CHUNK ? m - ch * CHUNK : CHUNK;
+                for (int w = 0; w < 2; w++) c_rows_out(jobs[w], p[w], ch * CHUNK, rows, kb);
+            }
+        }
+        if (last) {
+            _tile_stored(0, c03[0], NB * 4);
+            _tile_stored(1, c03[1], NB * 4);
+            _tile_stored(2, c03[2], NB * 4);
+            _tile_stored(3, c03[3], NB * 4);
+            compiler_barrier();
+            for (int w = 0; w < 2; w++) {
+                c_rows_out(jobs[w], c03[w], 0, CHUNK, kb);
+                c_rows_out(jobs[w], c03[2 + w], CHUNK, CHUNK, kb);
+                c_rows_out(jobs[w], c45[w], 2 * CHUNK, CHUNK, kb);
+            }
+        } else {
+            compiler_barrier();
+            _tile_loadd(4, c45[0], NB * 4);
+            _tile_loadd(TILE_C5, c45[1], NB * 4);
+        }
+    }
+#undef SLOT
+#undef CONVERT
+#undef LOAD_A
+}
 
 /* All m tokens of NW jobs, under configure(chunk_rows(m)): fewer than 16 in one short chunk, else
  * in whole chunks: full passes (constant shape, no per-chunk tests), then the rest. */
@@ -368,54 +512,16 @@ static void tile_matmul(const ktfp8_tile_job *j) {
     _tile_release();
 }
 
-/* Whether two FP8 jobs run faster one after the other, each in a single pass of 5 A x 1 B with its
- * B tiles from an L1 ring, than together in passes of 2 A x 2 B (which for m > 32 convert both
- * whole tiles into L2 scratch and read them back in later passes).  tools/kernel_ab, one over the
- * other, per tile pair, on the model 167 Xeon VM above, four C tiles (both AMX modes, 2-4 runs each):
- *   K = 2048: m = 17 0.59x-0.66x hot, 0.82x from DRAM; 32 0.75x-0.88x, 0.91x-1.02x; 48 0.81x-0.85x,
- *             0.88x-0.89x; 64 0.86x-0.91x, 0.88x-0.90x; 72 0.92x-0.97x, 0.99x; 128 0.91x-0.95x, 0.97x-0.98x
- *   K = 7168: m = 17 0.62x-0.68x, 0.74x-0.90x; 64 0.85x-0.86x, 0.89x-0.92x; 72 1.02x-1.05x; 128 1.20x-1.29x
- *   K = 768:  m = 17 0.62x-0.65x, 0.83x-0.85x; 48 0.89x-0.91x, 0.94x-0.95x; 64 0.94x-0.98x, 0.93x-0.99x;
- *             72 1.04x, 1.08x; 96 1.00x, 1.05x-1.18x
- *   m = 4 and 16 from DRAM 1.17x-1.21x (the two tiles' codes no longer stream side by side).
- * So from 17 tokens up to what one pass of a single tile holds: 64 then, 80 with five C tiles
- * (CHUNKS).  Against the later 2 A x 2 B order (one B register, see pass), m = 52..64: 0.91x-1.00x
- * from DRAM (K = 2048, two runs), hot 1.02x-1.06x in the VM's slow AMX mode (K = 768 and 2048) and
- * 0.97x in its fast one.
- * On the Emerald Rapids VM (family 6 model 207), with five C tiles, 17..32 tokens went the other way:
- * both tiles in their one 2 A x 2 B pass, the two code streams side by side into L1 rings, took
- * 0.77x-0.79x the time of one tile at a time from DRAM (K = 2048, two runs; K = 768 0.81x-0.83x; hot
- * 0.79x-0.83x), while from 33 tokens on one at a time stayed faster (2 A x 2 B passes 1.10x-1.13x
- * from DRAM at m = 33..64, 1.19x-1.20x at 72 and 80).  Benchmark layer (tools/ab_builds.py, 2
- * threads): T = 128 0.902x-0.920x (1 thread 0.933x, block-wise 0.955x), T = 256 0.903x-0.935x, T =
- * 512 1.002x, T = 64 0.995x-1.022x.  So one at a time from 33 tokens: the older figures came from
- * a kernel without the one-register 2 A x 2 B order and the single configuration per call.  In the
- * VM's slow AMX mode (see CHUNKS) the pass of both tiles took 0.89x-0.92x from DRAM and 1.15x-1.17x
- * hot at m = 24 / 32; benchmark layer T = 256 0.937x, T = 128 0.976x.
- * With three chunks a pass (PAIR_CHUNKS), 33..48 tokens went back to both tiles in one pass; from 49
- * on one at a time stayed ahead, 3 A x 2 B passes (3 + 1 or 3 + 2 chunks, B from L2 in the second)
- * taking 1.02x-1.05x its time (K = 2048 m = 56..80 from DRAM, two runs). */
-static int one_tile_at_a_time(const ktfp8_tile_job *j) {
-    return j->format != KTFP8_FMT_BF16 && j->m > PAIR_CHUNKS * CHUNK && j->m <= CHUNKS * CHUNK;
-}
-
 /* Gate and up, or two adjacent down tiles (any two jobs over the same activations): each A tile
- * feeds both B tiles, or each job runs on its own (one_tile_at_a_time). */
+ * feeds both B tiles (parked_pass for FP8 weights and 49..80 tokens). */
 static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
     if (!amx_takes(j0)) {
         SMALL_M_KERNEL.tile_matmul2(j0, j1);
         return;
     }
-    if (one_tile_at_a_time(j0)) {
-        /* the weight stream goes on from the first tile to the second, then to where the first
-         * one's stream was going (the driver's chain for kernels without tile_matmul2) */
-        ktfp8_tile_job first = *j0, second = *j1;
-        first.w_next = j1->w;
-        second.w_next = j0->w_next;
-        const ktfp8_tile_job *jobs0[1] = {&first}, *jobs1[1] = {&second};
-        configure(chunk_rows(j0->m));
-        run_passes(jobs0, 1);
-        run_passes(jobs1, 1);
+    if (parks(j0)) {
+        configure(CHUNK);
+        parked_pass(j0, j1);
         _tile_release();
         return;
     }
@@ -426,7 +532,8 @@ static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
 }
 
 static size_t tile_scratch_bytes(int64_t k) {
-    const size_t own = 2 * (size_t)k * NB * 2; /* the two converted weight tiles of tile_matmul2 */
+    size_t own = 2 * (size_t)k * NB * 2; /* the two converted weight tiles of tile_matmul2 */
+    if (own < 2 * PARK_RING * SLAB_BYTES) own = 2 * PARK_RING * SLAB_BYTES; /* parked_pass's rings */
     const size_t small = SMALL_M_KERNEL.tile_scratch_bytes ? SMALL_M_KERNEL.tile_scratch_bytes(k) : 0;
     return own > small ? own : small;
 }

@@ -3,13 +3,13 @@
  * docs/tuning-notes.md's "Why a tile pair runs at two thirds of the peak" and later).
  *
  * One tile pair as T = 512 gives it on the benchmark layer: m = 64 tokens (4 chunks of 16), two weight
- * tiles (32 columns), K = 2048 (64 slabs of 32), BF16 weights, run as moe_amx.c runs FP8 tiles of
- * 49..80 tokens (one_tile_at_a_time): weight tile 0, then weight tile 1, each in one pass of 4 A x 1 B
- * -> 4 C tiles, its B tiles from a ring of two slabs in L1.  (Until 2026-12-06 it timed two passes of
- * 2 A x 2 B -> 4 C with B from the whole converted tile pair in L2, an older blocking of the kernel:
- * the notes' amx_limits figures before the Emerald Rapids VM's fourth session are of that loop.)  Each
- * round times every variant once, in a rotating order; the report gives each one's median time per
- * tile pair and its share of the resident-operand peak measured in the same rounds.
+ * tiles (32 columns), K = 2048 (64 slabs of 32), BF16 weights, run as moe_amx.c ran FP8 tiles of
+ * 49..80 tokens until parked_pass took them (2026-12-06): weight tile 0, then weight tile 1, each in
+ * one pass of 4 A x 1 B -> 4 C tiles, its B tiles from a ring of two slabs in L1.  (Before that it
+ * timed two passes of 2 A x 2 B -> 4 C with B from the whole converted tile pair in L2, an older
+ * blocking still: the notes' amx_limits figures before the Emerald Rapids VM's fourth session are of
+ * that loop.)  Each round times every variant once, in a rotating order; the report gives each one's
+ * median time per tile pair and its share of the resident-operand peak measured in the same rounds.
  *
  *   peak        the same tdpbf16ps count on tiles loaded once (no tile loads in the loop)
  *   passes      the passes as moe_amx.c runs them: each A tile loaded with the non-temporal hint
