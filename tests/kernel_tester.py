@@ -74,7 +74,7 @@ KERNELS = {
     # the first PAIR_CHUNKS parked between K blocks); past that, passes of PAIR_CHUNKS (two full ones,
     # then a single chunk after them)
     "amx": Kernel("moe_amx.c", BF16, {"AMX_MIN_M": 2, "CHUNK": 16, "PAIR_CHUNKS": 3, "CHUNKS": 5,
-                                      "PARK_MAX_CHUNKS": 5},
+                                      "PARK_MAX_CHUNKS": 16},
                   lambda d: (d["AMX_MIN_M"], d["CHUNK"], 2 * d["CHUNK"], d["CHUNK"] * d["PAIR_CHUNKS"],
                              d["CHUNK"] * d["CHUNKS"], d["CHUNK"] * d["PARK_MAX_CHUNKS"],
                              2 * d["CHUNK"] * d["PAIR_CHUNKS"])),

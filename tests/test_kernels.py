@@ -69,11 +69,12 @@ AMX = [v for v in VARIANTS if v.removesuffix("_emulated") == "amx"]
 @pytest.mark.parametrize("fmt", ["per_channel", "block128", "bf16"])
 @pytest.mark.parametrize("variant", AMX)
 def test_amx_parked_chunks_over_several_k_blocks(variant, fmt):
-    """Experts of 49..80 tokens over a K of several of amx's parked-pass K blocks (8 slabs of 32):
+    """Experts of 49..256 tokens over a K of several of amx's parked-pass K blocks (8 slabs of 32):
     hidden 704 = 22 slabs (blocks of 8, 8, 6), intermediate 288 = 9 (8, 1), so the chunks beyond
-    the third are parked and picked up again across block ends in both projections; block-wise
-    weights with a short last scale block (704 = 5.5 x 128), BF16 weights on their own path."""
-    check(variant, Case(fmt=fmt, hidden=704, inter=288, m=(49, 64, 65, 80), seed=17))
+    the third (up to 13 of them, the last one short) are parked and picked up again across block
+    ends in both projections; block-wise weights with a short last scale block (704 = 5.5 x 128),
+    BF16 weights on their own path."""
+    check(variant, Case(fmt=fmt, hidden=704, inter=288, m=(49, 64, 80, 81, 250), seed=17))
 
 
 @pytest.mark.parametrize("variant", NATIVE_FAST)  # software emulation is ~100x slower: T <= 65 above

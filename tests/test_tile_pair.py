@@ -106,7 +106,7 @@ def test_paired_tiles_give_the_bits_of_single_tiles(variant, fmt, K):
                                           err_msg=f"{variant} {fmt} m={m} tile {t}: the rows past m changed it")
 
 
-# amx's parked pass (49..80 tokens of FP8 weights) runs K in blocks of up to 8 slabs: 22 slabs make
+# amx's parked pass (49..256 tokens of FP8 weights) runs K in blocks of up to 8 slabs: 22 slabs make
 # blocks of 8, 8, 6; a scale block of 10 slabs (320) makes blocks of 5, its last one of 2 slabs
 PARKED_K = 704
 PARKED_FORMATS = {"per_channel": ("fp8_per_channel", 0), "block64": ("fp8_block", 64),
@@ -119,7 +119,7 @@ def test_amx_parked_pass_gives_the_bits_of_single_tiles(variant, fmt, monkeypatc
     monkeypatch.setitem(FORMATS, fmt, PARKED_FORMATS[fmt])
     rng, jobs = job_pair(fmt, PARKED_K)
     a_stride = PARKED_K + 32
-    for m in (49, 50, 63, 64, 65, 79, 80):
+    for m in (49, 50, 63, 64, 65, 80, 81, 250, 256):
         a = random_activations(rng, variant, -(-m // ROW_TILE) * ROW_TILE * a_stride)
         paired, single = (run_pair(variant, p, jobs, a, a_stride, m) for p in (True, False))
         for t in range(2):

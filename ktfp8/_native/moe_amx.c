@@ -25,7 +25,7 @@
  *
  * Blocking.  Two weight tiles over the same tokens (tile_matmul2: gate and up, or two adjacent down
  * tiles): 3 A x 2 B -> 6 C through one A and one B register, 7 tile loads per 6 TDPBF16PS (see pass
- * and PAIR_CHUNKS), 48 tokens per pass; FP8 weights and 49..80 tokens in one pass that parks the C
+ * and PAIR_CHUNKS), 48 tokens per pass; FP8 weights and 49..256 tokens in one pass that parks the C
  * tiles of the chunks after the third between K blocks (parked_pass).  One weight tile (tile_matmul):
  * 5 A x 1 B -> 5 C, 6 loads per 5 TDPs, 80 tokens per pass (see CHUNKS).  Either way each converted B
  * tile feeds every chunk of a pass.
@@ -317,30 +317,37 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
 #undef LOAD_A
 #undef DOT1
 
-/* Two FP8 weight tiles over 49..80 tokens (4 or 5 chunks) in one pass over K that converts each
+/* Two FP8 weight tiles over 49..256 tokens (4 to 16 chunks) in one pass over K that converts each
  * slab once: chunks 0..2 x both tiles in C tiles 0..5 for the whole K (as a pass of PAIR_CHUNKS),
  * and after every PARK_K_BLOCK slabs the other chunks x both tiles over the same slabs, each chunk's
- * two C tiles parked in L1 between blocks (tmm4 and tmm7, whose C tiles 4 and 5 are parked meanwhile;
- * block-wise weights run one scale block's slabs at a time, or a divisor of them).  The B slabs come
- * from a ring of PARK_K_BLOCK + 1 slabs a weight tile (18 KiB for both), so those of a block are
- * still there for the parked chunks while the next block's first slab is converted.
- * Why: the 8 tile registers hold the C tiles of 3 chunks x 2 tiles, not of 4 or 5, and every other
- * way to run these tokens either streamed the codes one tile at a time, 4 or 5 A loads (from L2) a
- * slab for each tile's products, or made a second pass over L2: one tile at a time took 1.43x the
- * time of a 48-token pass of both tiles at m = 64 (K = 2048, from DRAM: 7.3 against 5.1 us a tile
- * pair), passes of 3 + 1 chunks 1.02x-1.05x the time of one at a time, 2 + 2 chunks converting the
- * codes again (from L2) in the second pass 1.04x-1.08x, 3 + 1 that way 1.08x-1.10x.
- * Measured on the Emerald Rapids VM (family 6 model 207), tools/kernel_ab over DRAM (a 1200 MiB walk),
- * against one tile at a time, per tile pair: K = 2048 m = 49 / 64 / 72 / 80 0.784x / 0.810x / 0.855x /
- * 0.881x (block-wise 128: m = 64 0.888x, m = 80 0.996x); a first prototype K = 768 m = 56 / 64 0.915x
- * / 0.919x, m = 72 / 80 0.977x / 0.985x, and m = 96 / 128 0.995x / 0.977x against passes of
- * PAIR_CHUNKS (so not taken there).  Blocks of 8 slabs against 4, 6, 12 and 16: 1.028x, 1.027x,
+ * two C tiles parked in L1 between blocks (in tmm4 and tmm7 while they run, C tiles 4 and 5 parked
+ * meanwhile; block-wise weights run one scale block's slabs at a time, or a divisor of them).  The B
+ * slabs come from a ring of PARK_K_BLOCK + 1 slabs a weight tile (18 KiB for both), so those of a
+ * block are still there for the parked chunks while the next block's first slab is converted.
+ * Why: the 8 tile registers hold the C tiles of 3 chunks x 2 tiles, and every other way to run more
+ * tokens either streamed the codes one tile at a time, 4 or 5 A loads (from L2) a slab for each
+ * tile's products (49..80 tokens), or made more passes over K, reading the converted tiles back from
+ * L2 (81 on).  One tile at a time took 1.43x the time of a 48-token pass of both tiles at m = 64
+ * (K = 2048, from DRAM: 7.3 against 5.1 us a tile pair); passes of 3 + 1 chunks 1.02x-1.05x the time
+ * of one at a time, 2 + 2 chunks converting the codes again (from L2) in the second pass
+ * 1.04x-1.08x, 3 + 1 that way 1.08x-1.10x.
+ * Measured on the Emerald Rapids VM (family 6 model 207), tools/kernel_ab over DRAM (a 1200 MiB
+ * walk), per tile pair, against one tile at a time: K = 2048 m = 49 / 64 / 72 / 80 0.784x / 0.810x-
+ * 0.827x / 0.855x / 0.881x-0.892x (block-wise 128: m = 64 0.888x, m = 80 0.996x), a first prototype
+ * K = 768 m = 56 / 64 0.915x / 0.919x, m = 72 / 80 0.977x / 0.985x; against passes of PAIR_CHUNKS:
+ * K = 2048 m = 96 / 112 / 128 0.943x / 0.906x / 0.934x, 160 / 192 / 256 0.929x / 0.982x / 0.935x,
+ * K = 768 m = 96 / 128 0.932x / 0.935x, but m = 384 1.144x (the parked C tiles outgrow the L1) and
+ * m = 512 0.994x: so up to 16 chunks.  Blocks of 8 slabs against 4, 6, 12 and 16: 1.028x, 1.027x,
  * 1.052x and 1.118x the time of 8 (m = 64).  Prefetching the next block's codes during the parked
- * chunks' products: 1.33x.  Benchmark layer (tools/ab_builds.py, 12 rounds): T = 512 0.925x on 2
- * threads (the prototype 0.937x), 0.922x on 1; T = 64 1.004x. */
+ * chunks' products: 1.33x.  Benchmark layer (tools/ab_builds.py, 8-12 rounds): T = 512 0.925x and
+ * 0.885x on 2 threads (49..80 tokens parked: 0.937x), 0.922x on 1; T = 1024 0.969x and 0.995x (1
+ * thread 0.982x), T = 2048 0.999x, T = 256 0.988x, T = 64 1.004x. */
 #define PARK_K_BLOCK 8
 #define PARK_RING (PARK_K_BLOCK + 1)
-#define PARK_MAX_CHUNKS 5
+#define PARK_MAX_CHUNKS 16
+/* parked_pass's scratch: a ring per weight tile, then the parked chunks' C tiles (44 KiB in all) */
+#define PARK_RING_BYTES (PARK_RING * SLAB_BYTES)
+#define PARK_SCRATCH_BYTES (2 * PARK_RING_BYTES + (PARK_MAX_CHUNKS - PAIR_CHUNKS) * 2 * CHUNK * NB * sizeof(float))
 /* C tile registers the parked chunks borrow */
 #define TILE_P0 4
 #define TILE_P1 TILE_C5
@@ -368,13 +375,13 @@ static void parked_pass(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
     const int64_t scale_slabs = j0->format == KTFP8_FMT_FP8_BLOCK ? j0->block_k / SLAB : slabs;
     const int64_t block_slabs = park_block_slabs(j0), chunks = (m + CHUNK - 1) / CHUNK;
     const uint8_t *codes[2] = {(const uint8_t *)j0->w, (const uint8_t *)j1->w};
-    uint8_t *ring[2] = {(uint8_t *)j0->scratch, (uint8_t *)j0->scratch + PARK_RING * SLAB_BYTES};
+    uint8_t *ring[2] = {(uint8_t *)j0->scratch, (uint8_t *)j0->scratch + PARK_RING_BYTES};
+    float(*parked)[2][CHUNK][NB] = (float(*)[2][CHUNK][NB])((uint8_t *)j0->scratch + 2 * PARK_RING_BYTES);
     ktfp8_prefetch_ahead ahead[2];
     for (int w = 0; w < 2; w++)
         ahead[w] = ktfp8_prefetch_ahead_of(jobs[w]->w, jobs[w]->w_next, j0->k * NB, KTFP8_AVX512_PREFETCH_BYTES);
     float c03[4][CHUNK][NB] __attribute__((aligned(64))); /* C tiles 0..3 at a scale block's end */
     float c45[2][CHUNK][NB] __attribute__((aligned(64))); /* C tiles 4, 5 while the parked chunks run */
-    float parked[PARK_MAX_CHUNKS - PAIR_CHUNKS][2][CHUNK][NB] __attribute__((aligned(64)));
 #define SLOT(w, s_) (ring[w] + ((s_) % PARK_RING) * SLAB_BYTES)
 #define CONVERT(w, s_)                                                                                      \
     if ((s_) < slabs) {                                                                                     \
@@ -513,7 +520,7 @@ static void tile_matmul(const ktfp8_tile_job *j) {
 }
 
 /* Gate and up, or two adjacent down tiles (any two jobs over the same activations): each A tile
- * feeds both B tiles (parked_pass for FP8 weights and 49..80 tokens). */
+ * feeds both B tiles (parked_pass for FP8 weights and 49..256 tokens). */
 static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
     if (!amx_takes(j0)) {
         SMALL_M_KERNEL.tile_matmul2(j0, j1);
@@ -533,7 +540,7 @@ static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
 
 static size_t tile_scratch_bytes(int64_t k) {
     size_t own = 2 * (size_t)k * NB * 2; /* the two converted weight tiles of tile_matmul2 */
-    if (own < 2 * PARK_RING * SLAB_BYTES) own = 2 * PARK_RING * SLAB_BYTES; /* parked_pass's rings */
+    if (own < PARK_SCRATCH_BYTES) own = PARK_SCRATCH_BYTES;
     const size_t small = SMALL_M_KERNEL.tile_scratch_bytes ? SMALL_M_KERNEL.tile_scratch_bytes(k) : 0;
     return own > small ? own : small;
 }
