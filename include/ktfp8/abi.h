@@ -136,6 +136,11 @@ typedef struct ktfp8_moe_kernel {
      * gate and up tiles of one expert), computed together so each activation tile read feeds both
      * weight tiles.  scratch is first's; it must hold tile_scratch_bytes(k). */
     void (*tile_matmul2)(const ktfp8_tile_job *first, const ktfp8_tile_job *second);
+    /* Optional (NULL: nothing to let go): frees what this thread's tile_matmul calls kept for the
+     * next one (amx: the tile configuration).  Whoever calls tile_matmul calls it on each thread after
+     * that thread's last call of a run (the driver: of a forward), before other code that may use
+     * the same CPU state. */
+    void (*release)(void);
     const ktfp8_epilogue_ops *epilogue;      /* KTFP8_EPILOGUE_OPS in the variant's unit */
 } ktfp8_moe_kernel;
 

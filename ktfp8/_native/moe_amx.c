@@ -30,8 +30,8 @@
  * 5 A x 1 B -> 5 C, 6 loads per 5 TDPs, 80 tokens per pass (see CHUNKS).  Either way each converted B
  * tile feeds every chunk of a pass.
  *
- * Tiles (palette 1, configured at the start of every call and released at its end, so a thread
- * never holds AMX state between calls):
+ * Tiles (palette 1, configured by a call unless this thread's last call left the same
+ * configuration, and released by the driver after the thread's last call of a forward: release):
  *   tmm0..4  C: FP32 [16][16]; C tile ch * NW + w = chunk ch (16 tokens) x weight tile w
  *   tmm5     A: bf16 [16][32] of a chunk, one 32-K slab (row stride a_stride * 2 bytes)
  *   tmm6     B: bf16 pairs [16][16][2], one 32-K slab of a weight tile
@@ -121,13 +121,23 @@ extern const ktfp8_moe_kernel SMALL_M_KERNEL;
  * config and the converted weights are in memory first. */
 INLINE void compiler_barrier(void) { __asm__ __volatile__("" ::: "memory"); }
 
-/* One configuration for all the passes of a call: the 5 C tiles, A and both B tiles, with `rows`
- * rows in the C and A tiles (16, or m for one short chunk), whether a pass uses every tile or not.
- * LDTILECFG and TILERELEASE once per call, not per run of passes (two runs for one weight tile at a
- * time, two configurations for whole passes and the last one): tools/kernel_ab on the Xeon VM with
- * AMX, per tile pair, K = 768: m = 64 0.90x-0.93x hot and 0.95x from DRAM, m = 48 0.97x-1.00x, m =
- * 72 and 80 0.97x-0.98x, m = 8 1.00x; K = 2048 m = 64 0.98x-0.99x, K = 256 m = 64 0.90x. */
+/* The `rows` of the configuration this thread's calls last loaded (0: none loaded, or released).
+ * One configuration for all the passes of a call: the 5 C tiles, A and both B tiles, with `rows`
+ * rows in the C and A tiles (16, or m for one short chunk), whether a pass uses every tile or not;
+ * and it stays from one call to the next, as long as the rows do, until release().  LDTILECFG and
+ * TILERELEASE once per call, not per run of passes (two runs for one weight tile at a time, two
+ * configurations for whole passes and the last one), measured on the Xeon VM with AMX, per tile
+ * pair, K = 768: m = 64 0.90x-0.93x hot and 0.95x from DRAM, m = 48 0.97x-1.00x, m = 72 and 80
+ * 0.97x-0.98x, m = 8 1.00x; K = 2048 m = 64 0.98x-0.99x, K = 256 m = 64 0.90x.  Once per thread and
+ * forward rather than per call, against once per call, on the Emerald Rapids VM: tools/kernel_ab
+ * over DRAM K = 768 m = 64 0.934x (0.16 us a call), K = 2048 m = 8 / 64 / 80 0.985x / 0.976x /
+ * 0.979x; benchmark layer (tools/ab_builds.py, 2 threads) T = 512 0.982x (1 thread 0.981x), T = 64
+ * 0.979x. */
+static _Thread_local int configured_rows;
+
 static void configure(int rows) {
+    if (configured_rows == rows) return;
+    configured_rows = rows;
     ktfp8_amx_tilecfg cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
@@ -143,6 +153,14 @@ static void configure(int rows) {
     }
     compiler_barrier();
     _tile_loadconfig(&cfg);
+}
+
+/* The tiles configured by this thread's calls, let go (kernel.release: the driver calls it on every
+ * thread of a forward after its last kernel call, so no thread holds AMX state between forwards). */
+static void release(void) {
+    if (!configured_rows) return;
+    _tile_release();
+    configured_rows = 0;
 }
 
 /* The C and A tiles' rows for m tokens: whole chunks from 16 tokens on, else one short chunk. */
@@ -516,7 +534,6 @@ static void tile_matmul(const ktfp8_tile_job *j) {
     const ktfp8_tile_job *jobs[1] = {j};
     configure(chunk_rows(j->m));
     run_passes(jobs, 1);
-    _tile_release();
 }
 
 /* Gate and up, or two adjacent down tiles (any two jobs over the same activations): each A tile
@@ -529,13 +546,11 @@ static void tile_matmul2(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
     if (parks(j0)) {
         configure(CHUNK);
         parked_pass(j0, j1);
-        _tile_release();
         return;
     }
     const ktfp8_tile_job *jobs[2] = {j0, j1};
     configure(chunk_rows(j0->m));
     run_passes(jobs, 2);
-    _tile_release();
 }
 
 static size_t tile_scratch_bytes(int64_t k) {
@@ -553,5 +568,6 @@ const ktfp8_moe_kernel KTFP8_SYM(ktfp8_moe) = {
     .tile_scratch_bytes = tile_scratch_bytes,
     .tile_matmul = tile_matmul,
     .tile_matmul2 = tile_matmul2,
+    .release = release,
     .epilogue = &epilogue,
 };

@@ -591,6 +591,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
             }
             y_columns_store(c, t0, t1, g0, gc, yacc, gcols);
         }
+        if (kern->release) kern->release(); /* after this thread's last kernel call */
         ktfp8_arena_trim(KTFP8_ARENA_TILE);
         ktfp8_fpenv_restore(csr);
     }

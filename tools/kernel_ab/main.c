@@ -47,16 +47,24 @@ static double median(double *v, int n) {
     return v[n / 2];
 }
 
+/* What a build's calls kept for the next one (amx: its tile configuration), let go before the other
+ * build runs, as the driver lets go after a forward's last call (kernel.release). */
+static void release(const ktfp8_moe_kernel *table) {
+    if (table->release) table->release();
+}
+
 /* Both builds on the same tile pair, into outputs of their own: whether every output of new lies within
  * AGREE_TOL of the largest |old| output (the builds may sum K in different orders, so not bit for bit;
  * with K up to a few thousand FP32 terms the rounding differences stay below 1e-5 of it). */
 #define AGREE_TOL 1e-4
-static int builds_agree(void (*const build[2])(const ktfp8_tile_job *, const ktfp8_tile_job *), ktfp8_tile_job j0,
-                        ktfp8_tile_job j1, float *out[2][2], int m) {
+static int builds_agree(void (*const build[2])(const ktfp8_tile_job *, const ktfp8_tile_job *),
+                        const ktfp8_moe_kernel *const table[2], ktfp8_tile_job j0, ktfp8_tile_job j1, float *out[2][2],
+                        int m) {
     for (int b = 0; b < 2; b++) {
         j0.c = out[b][0];
         j1.c = out[b][1];
         build[b](&j0, &j1);
+        release(table[b]);
     }
     double biggest = 0, worst = 0;
     for (int w = 0; w < 2; w++)
@@ -218,7 +226,7 @@ int main(int argc, char **argv) {
         j1.c = c1;
         j0.w = w;
         j1.w = w + tile;
-        if (!timing_only && !builds_agree(build, j0, j1, agree_out, m)) return 1;
+        if (!timing_only && !builds_agree(build, table, j0, j1, agree_out, m)) return 1;
         const size_t calls = dram ? pairs : 4000 / m + 100;
         double seconds[2][ROUNDS], ratio[ROUNDS];
         size_t pos = 0;
@@ -234,6 +242,7 @@ int main(int argc, char **argv) {
                     j1.w_next = w + 2 * tile * next + tile;
                     build[b](&j0, &j1);
                 }
+                release(table[b]);
                 seconds[b][r] = (now() - t0) / calls;
             }
             ratio[r] = seconds[1][r] / seconds[0][r];

@@ -64,6 +64,7 @@ int ktfp8_testing_tile_pair(const ktfp8_variant *variant, int paired, int format
         kern->tile_matmul(&job[0]);
         kern->tile_matmul(&job[1]);
     }
+    if (kern->release) kern->release();
     int rc = 0;
     for (size_t i = scratch_bytes; i < alloc; i++) rc |= scratch[i] != GUARD_BYTE;
     free(scratch);
