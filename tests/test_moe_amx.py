@@ -3,6 +3,7 @@ tokens per expert, passes of 4 x 16 tokens, every weight format, block 48 splitt
 is checked by test_kernels.py through kernel_tester, as `amx_emulated` (the same source compiled
 against the tile emulation, any CPU with AVX2) and as native `amx` where the CPU and OS allow it."""
 import numpy as np
+import pytest
 
 from ktfp8 import backends
 from kernel_tester import KERNELS, Case, inputs, layer, run
@@ -24,3 +25,17 @@ def test_threshold_splits_the_two_paths():
 def test_amx_emulated_is_listed_but_never_chosen():
     assert "amx_emulated" in backends.compiled_variants()
     assert "amx_emulated" not in backends.available_backends()
+
+
+@pytest.mark.skipif("amx" not in backends.usable_variants(), reason="this CPU (or OS) runs no AMX tiles")
+def test_a_forward_leaves_no_tiles_configured():
+    """The kernel keeps its tile configuration from one call to the next and the driver lets it go
+    after each thread's last call (kernel.release): on one thread the calling thread runs every
+    call, and holds no tiles afterwards, whichever path the last call took."""
+    _testing = pytest.importorskip("ktfp8._native._testing", reason="the test module is not built")
+    for m in ((64, 5), (5, 64), (1,)):  # last call: a short chunk, parked_pass, the small-m kernel
+        case = Case(m=m, seed=len(m))
+        experts, _ = layer(case)
+        x, ids, w = inputs(case)
+        run("amx", experts, x, ids, w, threads=1)
+        assert _testing.tile_palette() == 0, m

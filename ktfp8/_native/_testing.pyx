@@ -29,6 +29,7 @@ cdef extern from *:
                                 const float *const scale[2], const size_t scale_bytes[2], const void *a,
                                 size_t a_bytes, int64_t a_stride, int64_t m, float *const c[2],
                                 const size_t c_bytes[2]);
+    int ktfp8_testing_tile_palette(void);
     """
     const ktfp8_variant_entry *ktfp8_emulated_variants(int *count)
     int ktfp8_amx_emulated_dpbf16ps(const void *cfg, int d, int a, int b, const void *c, long c_stride,
@@ -40,6 +41,7 @@ cdef extern from *:
                                 const float *const scale[2], const size_t scale_bytes[2], const void *a,
                                 size_t a_bytes, int64_t a_stride, int64_t m, float *const c[2],
                                 const size_t c_bytes[2]) nogil
+    int ktfp8_testing_tile_palette() nogil
 
 
 def variant_table():
@@ -104,3 +106,9 @@ def tile_pair(variant, bint paired, int fmt, int64_t k, int64_t block_k, int64_t
         raise AssertionError(f"{variant.name!r} wrote past tile_scratch_bytes(k = {k})")
     if rc == -3:
         raise MemoryError("tile_pair: scratch")
+
+
+def tile_palette():
+    """The palette of the AMX tile configuration the calling thread holds: 0 when it holds none.
+    Only on a CPU whose native `amx` variant is usable (else SIGILL)."""
+    return ktfp8_testing_tile_palette()
