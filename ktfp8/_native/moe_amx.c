@@ -370,11 +370,9 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
 #define TILE_P0 4
 #define TILE_P1 TILE_C5
 
-/* Slabs per K block of parked_pass: PARK_K_BLOCK, or for block-wise weights the largest divisor of
- * a scale block's slabs that is no more, so that no K block straddles two scale blocks. */
-static int64_t park_block_slabs(const ktfp8_tile_job *j) {
-    if (j->format != KTFP8_FMT_FP8_BLOCK) return PARK_K_BLOCK;
-    const int64_t scale_slabs = j->block_k / SLAB;
+/* Slabs per K block of parked_pass for block-wise weights: the largest divisor of a scale block's
+ * scale_slabs that is at most PARK_K_BLOCK, so that no K block straddles two scale blocks. */
+static int64_t park_block_slabs(int64_t scale_slabs) {
     int64_t d = PARK_K_BLOCK;
     while (scale_slabs % d) d--;
     return d;
@@ -390,8 +388,10 @@ static void parked_pass(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
     const ktfp8_tile_job *jobs[2] = {j0, j1};
     const uint16_t *a = (const uint16_t *)j0->a;
     const int64_t a_stride = j0->a_stride, a_bytes = a_stride * 2, m = j0->m, slabs = j0->k / SLAB;
-    const int64_t scale_slabs = j0->format == KTFP8_FMT_FP8_BLOCK ? j0->block_k / SLAB : slabs;
-    const int64_t block_slabs = park_block_slabs(j0), chunks = (m + CHUNK - 1) / CHUNK;
+    const int blockwise = j0->format == KTFP8_FMT_FP8_BLOCK;
+    const int64_t scale_slabs = blockwise ? j0->block_k / SLAB : slabs; /* per-channel: one scale block */
+    const int64_t block_slabs = blockwise ? park_block_slabs(scale_slabs) : PARK_K_BLOCK;
+    const int64_t chunks = (m + CHUNK - 1) / CHUNK;
     const uint8_t *codes[2] = {(const uint8_t *)j0->w, (const uint8_t *)j1->w};
     uint8_t *ring[2] = {(uint8_t *)j0->scratch, (uint8_t *)j0->scratch + PARK_RING_BYTES};
     float(*parked)[2][CHUNK][NB] = (float(*)[2][CHUNK][NB])((uint8_t *)j0->scratch + 2 * PARK_RING_BYTES);
