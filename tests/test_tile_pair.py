@@ -61,10 +61,10 @@ def random_tile(rng, fmt, K):
     return codes
 
 
-def job_pair(fmt, K):
-    """Two weight tiles of K in format `fmt` (a FORMATS key) and their scales, and the random stream
-    that made them (seeded by the format), for the activations."""
-    name, block_k = FORMATS[fmt]
+def job_pair(fmt, K, formats=FORMATS):
+    """Two weight tiles of K in format `fmt` (a key of `formats`) and their scales, and the random
+    stream that made them (seeded by the format), for the activations."""
+    name, block_k = formats[fmt]
     code = _FORMAT_CODES[name]
     n_kblocks = -(-K // block_k) if block_k else 1
     rng = np.random.default_rng(code * 100 + block_k)
@@ -115,9 +115,8 @@ PARKED_FORMATS = {"per_channel": ("fp8_per_channel", 0), "block64": ("fp8_block"
 
 @pytest.mark.parametrize("fmt", list(PARKED_FORMATS))
 @pytest.mark.parametrize("variant", [v for v in PAIRED if v.removesuffix("_emulated") == "amx"])
-def test_amx_parked_pass_gives_the_bits_of_single_tiles(variant, fmt, monkeypatch):
-    monkeypatch.setitem(FORMATS, fmt, PARKED_FORMATS[fmt])
-    rng, jobs = job_pair(fmt, PARKED_K)
+def test_amx_parked_pass_gives_the_bits_of_single_tiles(variant, fmt):
+    rng, jobs = job_pair(fmt, PARKED_K, PARKED_FORMATS)
     a_stride = PARKED_K + 32
     for m in (49, 50, 63, 64, 65, 80, 81, 250, 256):
         a = random_activations(rng, variant, -(-m // ROW_TILE) * ROW_TILE * a_stride)
