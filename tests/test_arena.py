@@ -1,9 +1,9 @@
 """A call's buffers (include/ktfp8/arena.h): a run of long calls reuses them, a one-off long call
 gives its memory back.
 
-A call larger than KTFP8_ARENA_KEEP_BYTES (64 MiB) of gathered activations and h used to map fresh
-memory and fault it in on every call; a long prompt prefilled in chunks makes such calls one after
-another.  The page faults a call takes (getrusage) and the process's resident memory (/proc) show
+A call larger than KTFP8_ARENA_KEEP_BYTES (64 MiB) of h (silu(gate) * up of every (token, expert)
+pair, the largest of a call's buffers here) used to map fresh memory and fault it in on every call; a
+long prompt prefilled in chunks makes such calls one after another.  The page faults a call takes (getrusage) and the process's resident memory (/proc) show
 which buffers were reused and which were freed."""
 import resource
 
@@ -14,8 +14,8 @@ import ktfp8
 from kernel_tester import kernel
 
 KEEP_BYTES = 64 << 20
-E, K, H, I = 8, 8, 4096, 16
-LONG_T = 2048  # 16384 (token, expert) rows of 4096 activations: 128 MiB in BF16, 256 in FP32
+E, K, H, I = 8, 8, 16, 4096
+LONG_T = 2048  # 16384 (token, expert) rows of h, 4096 activations each: 128 MiB in BF16, 256 in FP32
 
 
 def _rss_bytes():
@@ -47,9 +47,9 @@ def layer():
 
 
 def _tokens_for(moe, mib):
-    """T whose gathered activation rows (K per token, H activations in the backend's dtype) take
-    about `mib` MiB of the call's buffer."""
-    return int((mib << 20) / (K * H * np.dtype(kernel(moe.backend).act).itemsize))
+    """T whose rows of h (K per token, I activations in the backend's dtype) take about `mib` MiB of
+    the call's buffer."""
+    return int((mib << 20) / (K * I * np.dtype(kernel(moe.backend).act).itemsize))
 
 
 @pytest.mark.skipif(not hasattr(resource, "getrusage"), reason="needs getrusage")
@@ -74,7 +74,7 @@ def test_a_one_off_long_call_gives_its_memory_back(layer):
     before = _rss_bytes()
     y = moe(*long)
     assert y.shape == (LONG_T, H) and np.isfinite(y).all()
-    del y  # 32 MiB of output, not the call's buffers
+    del y
     assert _rss_bytes() - before < KEEP_BYTES // 4
 
 

@@ -12,8 +12,9 @@
 #include <stddef.h>
 
 enum ktfp8_arena_slot {
-    KTFP8_ARENA_CALL = 0, /* the caller's per-call buffers (grouping, gathered x, h, y accumulator) */
-    KTFP8_ARENA_TILE = 1, /* a worker's per-tile buffers (gate / up / down results, kernel scratch) */
+    KTFP8_ARENA_CALL = 0, /* the caller's per-call buffers (grouping, h) */
+    KTFP8_ARENA_TILE = 1, /* a worker's buffers (gathered x rows, gate / up / down results, y accumulator,
+                           * kernel scratch) */
     KTFP8_ARENA_SLOTS = 2
 };
 

@@ -1,10 +1,11 @@
 /* The MoE forward, shared by every variant.  Only tile_matmul is ISA code.
  *
  * Experts first: the (token, slot) pairs are counting-sorted by expert, so each active expert's
- * weights stream from memory once per call whatever T is.  One parallel region, three phases:
- *   0. items (pair): gather each pair's token row, in the activation dtype, zero padded to K;
- *   1. items (expert, intermediate tile): gate and up tiles over all of the expert's tokens, then
- *      h = silu(g) * u in FP32, rounded once to the activation dtype for the down projection;
+ * weights stream from memory once per call whatever T is.  One parallel region, two phases:
+ *   1. items (expert, intermediate tile): the expert's token rows gathered into the thread's buffer
+ *      in the activation dtype, zero padded to K, where its items start on that thread
+ *      (gather_expert); gate and up tiles over all of the expert's tokens, then h = silu(g) * u in
+ *      FP32, rounded once to the activation dtype for the down projection;
  *   2. items (hidden tile, or two adjacent ones when the kernel has tile_matmul2), handed out in
  *      groups of adjacent items (of one token block's tokens: a long call's phase 2 runs in token
  *      blocks, phase2_block_tokens): for every active expert in id order, for every item of the
@@ -17,14 +18,15 @@
  *      Each group owns its tokens x columns of y and visits the experts of each in id order, so no
  *      atomics are needed and the result does not depend on the thread count or the schedule.
  * Kernels whose FP8 conversion leaves the weights times a power of two (layout.act_exp) get x and h
- * times its inverse: phase 0 scales the rows as it gathers them, and a pass after phase 1 scales h,
+ * times its inverse: phase 1 scales the rows as it gathers them, and a pass after phase 1 scales h,
  * each by 2^act_exp unless the call's largest finite value would then overflow (activation_exp).
  * Each job names the tile its thread runs next (w_next), so that the kernel's software prefetch runs
  * on from one tile into the next as one stream (prefetch_ahead.h).
  * Buffers come from per-thread arenas (arena.h): no allocation and no zeroing in the hot path;
  * only the K padding of the gathered rows and of h is written with zeros, as the kernels read it,
- * and for a kernel that reads whole tiles of rows (layout.row_pad) the rows after the last pair's
- * where an expert has more than a tile of them. */
+ * and for a kernel that reads whole tiles of rows (layout.row_pad) the rows after an expert's that
+ * hold nothing yet (gather_expert) and those after the last pair's row of h, where an expert has
+ * more than a tile of pairs. */
 #include <float.h>
 #include <math.h>
 
@@ -83,11 +85,10 @@ typedef struct call_buffers {
     int64_t *fill;         /* [E] counting-sort cursor */
     int64_t *pair_token;   /* [n_pairs] */
     float *pair_weight;    /* [n_pairs] */
-    void *xa;              /* [n_pairs][x_stride] gathered token rows, activation dtype, K padded to Hp */
     void *h;               /* [n_pairs][h_stride] silu(gate) * up, activation dtype, K padded to Ip */
     int64_t *block_start;  /* [n_blocks + 1][n_active]: first pair of active expert a whose token is in
                             * phase-2 token block tb or later (block_starts) */
-    int64_t x_stride, h_stride; /* elements */
+    int64_t x_stride, h_stride; /* elements: of a gathered token row (gather_expert) and of h */
     int64_t n_pairs, n_active, max_m;
     int64_t block_tokens, n_blocks; /* phase 2's token blocks (phase2_block_tokens) */
 } call_buffers;
@@ -147,11 +148,12 @@ static void block_starts(call_buffers *b) {
 }
 
 /* Carves every per-call buffer out of one arena allocation, groups the pairs and finds where each
- * phase-2 token block of block_tokens tokens starts in each expert's pairs.  The gathered rows and h
- * have room for row_pad - 1 rows after the last pair's: a kernel that reads row_pad rows at a time
+ * phase-2 token block of block_tokens tokens starts in each expert's pairs.  h has room for
+ * row_pad - 1 rows after the last pair's: a kernel that reads row_pad rows at a time
  * (layout.row_pad) may read that far past an expert's rows of more than row_pad pairs.  They are
  * zeroed only where some expert has that many: at decode (no expert past 16 pairs) zeroing them
- * took 0.3-1.0 % of an amx call on the benchmark layer (15 rows of x and h, 86 KB). */
+ * took 0.3-1.0 % of an amx call on the benchmark layer (15 rows of h, and of the gathered x rows,
+ * then a buffer like h: 86 KB). */
 static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t esz, int64_t row_pad,
                         int64_t block_tokens, call_buffers *b) {
     const int64_t E = c->shape->experts;
@@ -164,8 +166,7 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     b->n_blocks = (c->tokens + block_tokens - 1) / block_tokens;
     const size_t sizes[] = {
         sizeof(int64_t) * (size_t)(E + 1), sizeof(int64_t) * (size_t)E, sizeof(int64_t) * (size_t)E,
-        sizeof(int64_t) * n, sizeof(float) * n, esz * (n + pad) * (size_t)b->x_stride,
-        esz * (n + pad) * (size_t)b->h_stride, sizeof(int64_t) * (size_t)(b->n_blocks + 1) * (size_t)E};
+        sizeof(int64_t) * n, sizeof(float) * n, esz * (n + pad) * (size_t)b->h_stride, sizeof(int64_t) * (size_t)(b->n_blocks + 1) * (size_t)E};
     enum { N_BUFS = sizeof(sizes) / sizeof(sizes[0]) };
     size_t total = 0;
     for (int i = 0; i < N_BUFS; i++) total += ALIGN64(sizes[i]);
@@ -181,16 +182,12 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     b->fill = at[2];
     b->pair_token = at[3];
     b->pair_weight = at[4];
-    b->xa = at[5];
-    b->h = at[6];
-    b->block_start = at[7];
+    b->h = at[5];
+    b->block_start = at[6];
     b->n_pairs = routed;
     group_pairs(c, b);
     block_starts(b);
-    if (b->max_m > row_pad) {
-        memset((char *)b->xa + esz * n * (size_t)b->x_stride, 0, esz * pad * (size_t)b->x_stride);
-        memset((char *)b->h + esz * n * (size_t)b->h_stride, 0, esz * pad * (size_t)b->h_stride);
-    }
+    if (b->max_m > row_pad) memset((char *)b->h + esz * n * (size_t)b->h_stride, 0, esz * pad * (size_t)b->h_stride);
     return 0;
 }
 
@@ -395,12 +392,10 @@ static const void *x_row(const ktfp8_moe_call *c, int64_t t) {
     return (const char *)c->x + (c->x_dtype == KTFP8_F32 ? 4 : 2) * (size_t)(t * c->shape->hidden);
 }
 
-/* Phase 0: pair p's token row of x into its gathered row (activation dtype) times 2^x_exp, zeros to
- * Hp; and the K padding [I, Ip) of its h row, which phase 1 never writes. */
-static void gather_row(const ktfp8_moe_call *c, const call_buffers *b, int64_t p, int act, size_t esz,
-                       int64_t Hp, int64_t Ip, int x_exp) {
-    const int64_t H = c->shape->hidden, I = c->shape->inter;
-    char *row = (char *)b->xa + esz * (size_t)(p * b->x_stride);
+/* Pair p's token row of x into `row` (activation dtype) times 2^x_exp, zeros to Hp. */
+static void gather_row(const ktfp8_moe_call *c, const call_buffers *b, int64_t p, char *row, int act, size_t esz,
+                       int64_t Hp, int x_exp) {
+    const int64_t H = c->shape->hidden;
     const void *src = x_row(c, b->pair_token[p]);
     if (c->x_dtype == act)
         memcpy(row, src, esz * (size_t)H);
@@ -410,7 +405,23 @@ static void gather_row(const ktfp8_moe_call *c, const call_buffers *b, int64_t p
         ktfp8_store_row(row, act, (const float *)src, H);
     if (x_exp) scale_row((float *)row, H, x_exp); /* act_exp kernels read FP32 */
     memset(row + esz * (size_t)H, 0, esz * (size_t)(Hp - H));
-    memset((char *)b->h + esz * (size_t)(p * b->h_stride + I), 0, esz * (size_t)(Ip - I));
+}
+
+/* Phase 1's activations for the m pairs from p0 on (one expert's): their token rows gathered into this
+ * thread's xg[][x_stride] (gather_row), and rows m .. round_up(m, row_pad) - 1 readable and finite
+ * for a kernel that reads whole tiles of rows (abi.h, layout.row_pad): rows an earlier expert of this
+ * call left there, or zeros where none did (*ready: rows of xg this call has written).
+ * Why per expert and thread, not all pairs' rows into one buffer before phase 1: that buffer (16 MiB
+ * at T = 512 on the benchmark layer) went out to L3 as it was written and came back for each expert's
+ * first tile, where this copy stays in the thread's L2 for all of the expert's tiles. */
+static void gather_expert(const ktfp8_moe_call *c, const call_buffers *b, int64_t p0, int64_t m, char *xg,
+                          int64_t *ready, int64_t row_pad, int act, size_t esz, int64_t Hp, int x_exp) {
+    const size_t row_bytes = esz * (size_t)b->x_stride;
+    for (int64_t i = 0; i < m; i++) gather_row(c, b, p0 + i, xg + row_bytes * (size_t)i, act, esz, Hp, x_exp);
+    const int64_t readable = m > row_pad ? (m + row_pad - 1) / row_pad * row_pad : m;
+    const int64_t from = m > *ready ? m : *ready;
+    if (readable > from) memset(xg + row_bytes * (size_t)from, 0, row_bytes * (size_t)(readable - from));
+    *ready = readable > *ready ? readable : *ready;
 }
 
 /* Phase 2 prologue / epilogue: the block of y that one item owns, tokens [t0, t1) x columns [n0, n0 +
@@ -477,16 +488,20 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
     const int64_t groups2 = (items2 + group - 1) / group;
     const int64_t gcols = group * dcols; /* y columns per phase-2 group: row stride of yacc */
     const size_t yacc_bytes = ALIGN64(sizeof(float) * (size_t)(b.block_tokens * gcols));
+    const int64_t row_pad = l->row_pad > 1 ? l->row_pad : 1;
+    /* phase 1's gathered rows (gather_expert): an expert's, and a whole tile of rows past them */
+    const size_t xg_bytes = ALIGN64(esz * (size_t)((b.max_m + row_pad - 1) * b.x_stride));
     int failed = 0;
     float x_amax = 0.0f, h_amax = 0.0f; /* largest finite |x| and |h|, where act_exp scales them */
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const unsigned csr = ktfp8_fpenv_ieee();
         /* this thread's gate / up results [max_m][NB] (together the down results [max_m][DW * NB]),
-         * its y accumulator [block_tokens][group * DW * NB] and the kernel's scratch */
-        char *tbuf = ktfp8_arena_get(KTFP8_ARENA_TILE, 2 * gu_bytes + yacc_bytes + ALIGN64(scratch_bytes));
+         * its y accumulator [block_tokens][group * DW * NB], its gathered rows and the kernel's scratch */
+        char *tbuf = ktfp8_arena_get(KTFP8_ARENA_TILE, 2 * gu_bytes + yacc_bytes + xg_bytes + ALIGN64(scratch_bytes));
         float *gbuf = (float *)tbuf, *ubuf = (float *)(tbuf + gu_bytes), *yacc = (float *)(tbuf + 2 * gu_bytes);
-        void *scratch = scratch_bytes && tbuf ? tbuf + 2 * gu_bytes + yacc_bytes : NULL;
+        char *xg = tbuf + 2 * gu_bytes + yacc_bytes;
+        void *scratch = scratch_bytes && tbuf ? xg + xg_bytes : NULL;
         const int ok = tbuf != NULL;
         failed |= !ok;
 
@@ -498,24 +513,29 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
             }
         }
         const int x_exp = activation_exp(act_exp, x_amax);
+        if (Ip > I) { /* the K padding of h, which phase 1 never writes */
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < b.n_pairs; p++) gather_row(c, &b, p, act, esz, Hp, Ip, x_exp);
+            for (int64_t p = 0; p < b.n_pairs; p++)
+                memset((char *)b.h + esz * (size_t)(p * b.h_stride + I), 0, esz * (size_t)(Ip - I));
+        }
 
         /* phase 1: h = silu(x @ gate^T) * (x @ up^T), per (expert, intermediate tile), in runs
          * (phase1_runs: the dynamic schedule's chunks, spelled out so that an item knows its successor) */
         const int64_t tiles1 = proj[KTFP8_GATE].n_tiles, items1 = b.n_active * tiles1;
         const phase1_runs runs1 = phase1_runs_of(items1, threads);
+        int64_t gathered = -1, xg_ready = 0; /* the expert whose rows xg holds; xg's rows written */
 #pragma omp for schedule(dynamic, 1) reduction(max : h_amax)
         for (int64_t r = 0; r < runs1.count; r++) {
             const int64_t end = run_end(&runs1, r);
             for (int64_t it = run_start(&runs1, r); ok && it < end; it++) {
                 const int64_t e = b.active[it / tiles1], tile = it % tiles1;
                 const int64_t p0 = b.offset[e], m = b.offset[e + 1] - p0;
-                const void *a = (const char *)b.xa + esz * (size_t)(p0 * b.x_stride);
+                if (e != gathered) gather_expert(c, &b, p0, m, xg, &xg_ready, row_pad, act, esz, Hp, x_exp);
+                gathered = e;
                 const int rescale = act_exp - x_exp;
-                ktfp8_tile_job gate = tile_job(kern, s, &proj[KTFP8_GATE], e, tile, a, b.x_stride, act, m, gbuf,
+                ktfp8_tile_job gate = tile_job(kern, s, &proj[KTFP8_GATE], e, tile, xg, b.x_stride, act, m, gbuf,
                                                scratch, rescale);
-                ktfp8_tile_job up = tile_job(kern, s, &proj[KTFP8_UP], e, tile, a, b.x_stride, act, m, ubuf,
+                ktfp8_tile_job up = tile_job(kern, s, &proj[KTFP8_UP], e, tile, xg, b.x_stride, act, m, ubuf,
                                              scratch, rescale);
                 /* the weight streams go on with the run's next item: gate, up, gate, ... one tile at a
                  * time, or gate and up side by side with tile_matmul2 */
