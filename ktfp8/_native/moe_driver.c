@@ -166,7 +166,8 @@ static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t 
     b->n_blocks = (c->tokens + block_tokens - 1) / block_tokens;
     const size_t sizes[] = {
         sizeof(int64_t) * (size_t)(E + 1), sizeof(int64_t) * (size_t)E, sizeof(int64_t) * (size_t)E,
-        sizeof(int64_t) * n, sizeof(float) * n, esz * (n + pad) * (size_t)b->h_stride, sizeof(int64_t) * (size_t)(b->n_blocks + 1) * (size_t)E};
+        sizeof(int64_t) * n, sizeof(float) * n, esz * (n + pad) * (size_t)b->h_stride,
+        sizeof(int64_t) * (size_t)(b->n_blocks + 1) * (size_t)E};
     enum { N_BUFS = sizeof(sizes) / sizeof(sizes[0]) };
     size_t total = 0;
     for (int i = 0; i < N_BUFS; i++) total += ALIGN64(sizes[i]);
