@@ -22,7 +22,8 @@
  *       dst[k/2][16][2] in natural order: row kk of dst is one AMX B-tile row (16 columns x 2 K).
  *       To convert a K range [k0, k0 + n) (k0, n multiples of 4) pass codes + 16 * k0,
  *       n, dst + 16 * k0, offset 16 * k0.  The codes are prefetched from the tile's software
- *       prefetch `ahead` (prefetch_ahead.h), codes being tile byte `offset`.
+ *       prefetch `ahead` (prefetch_ahead.h: far into L2, near into L1), codes being tile byte
+ *       `offset`.
  *
  * Values: a code's bf16 is its exact E4M3 value (E4M3 has 3 mantissa bits, BF16 has 7; subnormals
  * 0x01..0x07 = m * 2^-9 are normal in BF16); zero codes give +-0; the NaN codes 0x7F / 0xFF give
@@ -87,18 +88,20 @@ ktfp8_e4m3x64_to_bf16(const ktfp8_e4m3_bf16_lut *lut, const void *codes64, __m51
 }
 
 static inline void ktfp8_e4m3_tile_to_bf16(const uint8_t *codes, int64_t k, uint16_t *dst,
-                                           const ktfp8_prefetch_ahead *ahead, int64_t offset) {
+                                           const ktfp8_prefetch_two *ahead, int64_t offset) {
     ktfp8_e4m3_bf16_lut lut;
     ktfp8_e4m3_bf16_lut_load(&lut);
     /* each 64-byte group holds 4 K (2 pairs x 16 rows x 2) and yields two dst rows; the codes come
      * from DRAM, so they are prefetched ahead */
-    for (int64_t g = 0; g < k / 4;) { /* in two runs, one per prefetch base (prefetch_ahead.h) */
+    for (int64_t g = 0; g < k / 4;) { /* in up to three runs, one per pair of prefetch bases */
         int64_t until;
-        const uintptr_t ahead_base = ktfp8_prefetch_run(ahead, offset + 64 * g, &until);
+        uintptr_t far_base, near_base;
+        ktfp8_prefetch_two_run(ahead, offset + 64 * g, &far_base, &near_base, &until);
         const int64_t stop = ktfp8_prefetch_bound(until - offset, 64, 1, k / 4);
         for (; g < stop; g++) {
             __m512i a, b;
-            _mm_prefetch((const char *)(ahead_base + (uintptr_t)(offset + 64 * g)), _MM_HINT_T0);
+            _mm_prefetch((const char *)(far_base + (uintptr_t)(offset + 64 * g)), _MM_HINT_T1);
+            _mm_prefetch((const char *)(near_base + (uintptr_t)(offset + 64 * g)), _MM_HINT_T0);
             ktfp8_e4m3x64_to_bf16(&lut, codes + 64 * g, &a, &b);
             _mm512_storeu_si512((void *)(dst + 64 * g), a);
             _mm512_storeu_si512((void *)(dst + 64 * g + 32), b);

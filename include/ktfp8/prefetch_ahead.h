@@ -29,7 +29,8 @@
  * for a K = 768 down tile) was then some other thread's; now the prefetch runs on from a tile's end
  * into the tile this thread reads next.  4 KiB in the MoE is not yet timed on AMX hardware.
  * avx512_bf16's decode loop prefetches this far into L2 only, and 1 KiB ahead into L1
- * (ktfp8_prefetch_two below); the amx and avx512 kernels prefetch this far into L1. */
+ * (ktfp8_prefetch_two below); the avx512 kernel prefetches this far into L1, and so does amx for BF16
+ * weights (FP8 codes: its own two distances, moe_amx.c, weight_prefetch). */
 #define KTFP8_AVX512_PREFETCH_BYTES 4096
 
 typedef struct ktfp8_prefetch_ahead {

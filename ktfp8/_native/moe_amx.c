@@ -189,6 +189,29 @@ static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
         _tile_dpbf16ps(c, TILE_A, TILE_B); \
     }
 
+/* Software prefetch of FP8 codes: into L2 PREFETCH_L2_BYTES ahead of the slab converted, into L1
+ * PREFETCH_L1_BYTES ahead (ktfp8_prefetch_two: a prefetcht0 holds an L1 miss buffer until its line
+ * arrives, a prefetcht1 waits in L2's larger queue).  Against one prefetcht0 4 KiB ahead
+ * (KTFP8_AVX512_PREFETCH_BYTES), tools/ab_builds.py on the Emerald Rapids VM (benchmark layer, FP8
+ * per-channel, 2 threads, 10 rounds): T = 512 0.953x, 0.968x, 0.962x, 0.952x (1 thread 0.965x;
+ * block-wise 0.982x), T = 2048 0.983x, T = 128 0.970x, T = 64 0.940x, T = 16 0.978x.  Other
+ * distances at T = 512 (L2 / L1): 8 / 1 KiB 0.970x, 8 / 2 KiB 0.966x, 16 KiB / 512 B 0.959x, 16 / 2
+ * KiB 0.978x, 24 / 1 KiB 0.985x, 32 / 1 KiB 0.975x, 4 / 1 KiB 0.993x; one prefetcht0 8 KiB ahead
+ * 1.002x.  (Where the distance passes a whole tile, as for the 12 KiB down tiles of K = 768, the
+ * prefetch runs on past w_next's end into the down tile after it in memory, which a later item reads.) */
+#define PREFETCH_L2_BYTES 16384
+#define PREFETCH_L1_BYTES 1024
+/* BF16 weights: one prefetcht0 stream 4 KiB ahead (prefetch_bf16_slab) */
+#define BF16_PREFETCH_BYTES KTFP8_AVX512_PREFETCH_BYTES
+
+/* The software prefetch of a job's weights, running on into w_next (prefetch_ahead.h): FP8 codes
+ * at two distances; BF16 weights at one, as `near`. */
+static ktfp8_prefetch_two weight_prefetch(const ktfp8_tile_job *j) {
+    if (j->format == KTFP8_FMT_BF16)
+        return ktfp8_prefetch_two_of(j->w, j->w_next, j->k * NB * 2, BF16_PREFETCH_BYTES, BF16_PREFETCH_BYTES);
+    return ktfp8_prefetch_two_of(j->w, j->w_next, j->k * NB, PREFETCH_L2_BYTES, PREFETCH_L1_BYTES);
+}
+
 /* BF16 weights need no conversion, so the first pass's B tile loads read them straight from DRAM,
  * and no conversion loop prefetches them as it does FP8 codes.  This asks for the 16 lines of the
  * slab 4 KiB ahead of slab s (the stream `ahead`, prefetch_ahead.h, which runs on into the next
@@ -224,10 +247,10 @@ INLINE void c_rows_out(const ktfp8_tile_job *j, const float (*c)[NB], int64_t ro
  * the only pass, so no slab is read twice and the scratch is a ring of two slabs per weight tile
  * (2 KiB, in L1) instead of the whole converted tile (64 KiB at K = 2048, written to L2 and read
  * back); slab s + 1 overwrites slab s - 1, whose tile loads came before in program order.
- * ahead[w]: the software prefetch of codes[w], or with fetch_bf16 (the first pass over BF16
+ * ahead[w]: the software prefetch of codes[w] (weight_prefetch), or with fetch_bf16 (the first pass over BF16
  * weights) of w_bf16[w]. */
 INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes, const uint8_t *const *w_bf16,
-                 const ktfp8_prefetch_ahead *ahead, const int NW, int64_t m0, const int chunks, const int ring,
+                 const ktfp8_prefetch_two *ahead, const int NW, int64_t m0, const int chunks, const int ring,
                  const int fetch_bf16) {
     const ktfp8_tile_job *j = jobs[0];
     const uint16_t *a = (const uint16_t *)j->a;
@@ -257,7 +280,7 @@ INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes,
         for (int64_t s = s0; s < s1; s++) {
 #define SLAB_AT(w, s_) (w_bf16[w] + (ring ? (s_) & 1 : (s_)) * SLAB_BYTES)
             if (fetch_bf16)
-                for (int w = 0; w < NW; w++) prefetch_bf16_slab(&ahead[w], s);
+                for (int w = 0; w < NW; w++) prefetch_bf16_slab(&ahead[w].near, s);
             if (NW == 1 || two_b) _tile_loadd(TILE_B, SLAB_AT(0, s), NB * 4);
             if (two_b) _tile_loadd(TILE_B2, SLAB_AT(1, s), NB * 4);
             /* slab s + 1 of weight tile w into its slot; slab s's tile loads read the other one */
@@ -395,9 +418,7 @@ static void parked_pass(const ktfp8_tile_job *j0, const ktfp8_tile_job *j1) {
     const uint8_t *codes[2] = {(const uint8_t *)j0->w, (const uint8_t *)j1->w};
     uint8_t *ring[2] = {(uint8_t *)j0->scratch, (uint8_t *)j0->scratch + PARK_RING_BYTES};
     float(*parked)[2][CHUNK][NB] = (float(*)[2][CHUNK][NB])((uint8_t *)j0->scratch + 2 * PARK_RING_BYTES);
-    ktfp8_prefetch_ahead ahead[2];
-    for (int w = 0; w < 2; w++)
-        ahead[w] = ktfp8_prefetch_ahead_of(jobs[w]->w, jobs[w]->w_next, j0->k * NB, KTFP8_AVX512_PREFETCH_BYTES);
+    const ktfp8_prefetch_two ahead[2] = {weight_prefetch(j0), weight_prefetch(j1)};
     float c03[4][CHUNK][NB] __attribute__((aligned(64))); /* C tiles 0..3 at a scale block's end */
     float c45[2][CHUNK][NB] __attribute__((aligned(64))); /* C tiles 4, 5 while the parked chunks run */
 #define SLOT(w, s_) (ring[w] + ((s_) % PARK_RING) * SLAB_BYTES)
@@ -505,12 +526,11 @@ INLINE void run_passes(const ktfp8_tile_job *const *jobs, const int NW) {
      * scratch holds 2 whole tiles: a 2-slab ring at k = 32 would run past it) */
     const size_t whole = (size_t)j->k * NB * 2, tile_bytes = ring && whole > 2 * SLAB_BYTES ? 2 * SLAB_BYTES : whole;
     const uint8_t *codes[2] = {NULL, NULL}, *w_bf16[2] = {NULL, NULL};
-    ktfp8_prefetch_ahead ahead[2];
+    ktfp8_prefetch_two ahead[2];
     for (int w = 0; w < NW; w++) {
         codes[w] = jobs[w]->format == KTFP8_FMT_BF16 ? NULL : (const uint8_t *)jobs[w]->w;
         w_bf16[w] = codes[w] ? (const uint8_t *)j->scratch + w * tile_bytes : (const uint8_t *)jobs[w]->w;
-        ahead[w] = ktfp8_prefetch_ahead_of(jobs[w]->w, jobs[w]->w_next, j->k * NB * (codes[w] ? 1 : 2),
-                                           KTFP8_AVX512_PREFETCH_BYTES);
+        ahead[w] = weight_prefetch(jobs[w]);
     }
     const uint8_t *none[2] = {NULL, NULL};
     const int bf16 = codes[0] == NULL;
