@@ -32,6 +32,10 @@
  * (ktfp8_prefetch_two below); the avx512 kernel prefetches this far into L1, and so does amx for BF16
  * weights (FP8 codes: its own two distances, moe_amx.c, weight_prefetch). */
 #define KTFP8_AVX512_PREFETCH_BYTES 4096
+/* The amx kernel's FP8 code stream: into L2 this far ahead, into L1 this far (moe_amx.c,
+ * weight_prefetch, says why). */
+#define KTFP8_AMX_PREFETCH_L2_BYTES 16384
+#define KTFP8_AMX_PREFETCH_L1_BYTES 1024
 
 typedef struct ktfp8_prefetch_ahead {
     uintptr_t within; /* + offset: what to prefetch while reading tile byte offset < cut */

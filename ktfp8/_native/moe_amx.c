@@ -189,9 +189,10 @@ static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
         _tile_dpbf16ps(c, TILE_A, TILE_B); \
     }
 
-/* Software prefetch of FP8 codes: into L2 PREFETCH_L2_BYTES ahead of the slab converted, into L1
- * PREFETCH_L1_BYTES ahead (ktfp8_prefetch_two: a prefetcht0 holds an L1 miss buffer until its line
- * arrives, a prefetcht1 waits in L2's larger queue).  Against one prefetcht0 4 KiB ahead
+/* Software prefetch of FP8 codes: into L2 KTFP8_AMX_PREFETCH_L2_BYTES (16 KiB) ahead of the slab
+ * converted, into L1 KTFP8_AMX_PREFETCH_L1_BYTES (1 KiB) ahead (ktfp8_prefetch_two: a prefetcht0
+ * holds an L1 miss buffer until its line arrives, a prefetcht1 waits in L2's larger queue).  Against
+ * one prefetcht0 4 KiB ahead
  * (KTFP8_AVX512_PREFETCH_BYTES), tools/ab_builds.py on the Emerald Rapids VM (benchmark layer, FP8
  * per-channel, 2 threads, 10 rounds): T = 512 0.953x, 0.968x, 0.962x, 0.952x (1 thread 0.965x;
  * block-wise 0.982x), T = 2048 0.983x, T = 128 0.970x, T = 64 0.940x, T = 16 0.978x.  Other
@@ -199,8 +200,6 @@ static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
  * KiB 0.978x, 24 / 1 KiB 0.985x, 32 / 1 KiB 0.975x, 4 / 1 KiB 0.993x; one prefetcht0 8 KiB ahead
  * 1.002x.  (Where the distance passes a whole tile, as for the 12 KiB down tiles of K = 768, the
  * prefetch runs on past w_next's end into the down tile after it in memory, which a later item reads.) */
-#define PREFETCH_L2_BYTES 16384
-#define PREFETCH_L1_BYTES 1024
 /* BF16 weights: one prefetcht0 stream 4 KiB ahead (prefetch_bf16_slab) */
 #define BF16_PREFETCH_BYTES KTFP8_AVX512_PREFETCH_BYTES
 
@@ -209,7 +208,7 @@ static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
 static ktfp8_prefetch_two weight_prefetch(const ktfp8_tile_job *j) {
     if (j->format == KTFP8_FMT_BF16)
         return ktfp8_prefetch_two_of(j->w, j->w_next, j->k * NB * 2, BF16_PREFETCH_BYTES, BF16_PREFETCH_BYTES);
-    return ktfp8_prefetch_two_of(j->w, j->w_next, j->k * NB, PREFETCH_L2_BYTES, PREFETCH_L1_BYTES);
+    return ktfp8_prefetch_two_of(j->w, j->w_next, j->k * NB, KTFP8_AMX_PREFETCH_L2_BYTES, KTFP8_AMX_PREFETCH_L1_BYTES);
 }
 
 /* BF16 weights need no conversion, so the first pass's B tile loads read them straight from DRAM,

@@ -79,7 +79,8 @@ static const uint8_t *ring_slab(int w, int slab) { return ring[w] + (slab & 1) *
 static void convert_slab(int w, int slab) {
     if (slab >= SLABS) return;
     const uint8_t *tile = codes + (size_t)w * K * 16;
-    const ktfp8_prefetch_ahead ahead = ktfp8_prefetch_ahead_of(tile, NULL, K * 16, KTFP8_AVX512_PREFETCH_BYTES);
+    const ktfp8_prefetch_two ahead =
+        ktfp8_prefetch_two_of(tile, NULL, K * 16, KTFP8_AMX_PREFETCH_L2_BYTES, KTFP8_AMX_PREFETCH_L1_BYTES);
     ktfp8_e4m3_tile_to_bf16(tile + (size_t)slab * 512, 32, (uint16_t *)ring_slab(w, slab), &ahead, (int64_t)slab * 512);
 }
 
