@@ -152,8 +152,8 @@ static void block_starts(call_buffers *b) {
  * row_pad - 1 rows after the last pair's: a kernel that reads row_pad rows at a time
  * (layout.row_pad) may read that far past an expert's rows of more than row_pad pairs.  They are
  * zeroed only where some expert has that many: at decode (no expert past 16 pairs) zeroing them
- * took 0.3-1.0 % of an amx call on the benchmark layer (15 rows of h, and of the gathered x rows,
- * then a buffer like h: 86 KB). */
+ * took 0.3-1.0 % of an amx call on the benchmark layer (15 rows of h and of the gathered x rows,
+ * then a call buffer too: 86 KB). */
 static int prepare_call(const ktfp8_moe_call *c, int64_t Hp, int64_t Ip, size_t esz, int64_t row_pad,
                         int64_t block_tokens, call_buffers *b) {
     const int64_t E = c->shape->experts;
