@@ -11,12 +11,16 @@ from ktfp8.experts import ExpertWeights
 from ktfp8.moe import MoE
 from kernel_tester import F32, kernel
 
-N, T = 256, 48  # H = I = N; T tokens of N values each
+T = 48  # tokens of N values each, H = I = N
+# 256: every row through the epilogues' full-width paths (a tile of 16 columns to the SiLU, one or a
+# pair to the scatter, moe_epilogue.h); 264: a last tile of 8 columns; 272: 17 tiles, the last down
+# item a single tile for the kernels that take two a call
+WIDTHS = (256, 264, 272)
 SILU_MAX_ULP = 2  # of silu(x) * x against float64, FP32 activations (moe_epilogue.h)
 ONE = 0x38  # e4m3 code of 1.0
 
 
-def _identity_layer(backend):
+def _identity_layer(backend, N):
     eye = np.zeros((1, N, N), np.uint8)
     eye[0, np.arange(N), np.arange(N)] = ONE
     ones = np.ones((1, N, 1), np.float32)
@@ -26,7 +30,7 @@ def _identity_layer(backend):
     return MoE(cfg, ExpertWeights("fp8_per_channel", eye, eye, eye, ones, ones, ones), backend=backend)
 
 
-def _inputs():
+def _inputs(N):
     """Dense near 0 where silu bends, then out to where e^-|x| underflows; never 0 (relative error)."""
     x = np.concatenate([np.linspace(-12, 12, T * N // 2), np.linspace(-95, 95, T * N // 2)])
     x = x[x != 0].astype(np.float32)
@@ -40,10 +44,11 @@ def _silu_times_x(x):
         return x / (1 + np.exp(-x)) * x
 
 
+@pytest.mark.parametrize("N", WIDTHS)
 @pytest.mark.parametrize("backend", backends.usable_variants())
-def test_silu_times_up_against_float64(backend):
-    moe = _identity_layer(backend)
-    x = _inputs()
+def test_silu_times_up_against_float64(backend, N):
+    moe = _identity_layer(backend, N)
+    x = _inputs(N)
     ids, w = np.zeros((T, 1), np.int64), np.ones((T, 1), np.float32)
     y = moe(x, ids, w).astype(np.float64)
     if kernel(backend).act is F32:  # FP32 activations: only the epilogue rounds
