@@ -12,9 +12,8 @@ from ktfp8.moe import MoE
 from kernel_tester import F32, kernel
 
 T = 48  # tokens of N values each, H = I = N
-# 256: every row through the epilogues' full-width paths (a tile of 16 columns to the SiLU, one or a
-# pair to the scatter, moe_epilogue.h); 264: a last tile of 8 columns; 272: 17 tiles, the last down
-# item a single tile for the kernels that take two a call
+# 256: whole tiles of 16 columns (pairs of them to the scatter, for the kernels that take two a call);
+# 264: a last tile of 8 columns; 272: 17 tiles, the last down item a single one
 WIDTHS = (256, 264, 272)
 SILU_MAX_ULP = 2  # of silu(x) * x against float64, FP32 activations (moe_epilogue.h)
 ONE = 0x38  # e4m3 code of 1.0

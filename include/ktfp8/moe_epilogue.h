@@ -108,40 +108,17 @@ static inline void ktfp8_axpy(float *restrict y, float w, const float *restrict 
     for (int64_t i = 0; i < n; i++) y[i] += w * z[i];
 }
 
-/* The row widths the driver passes for every tile but a layer's last: one tile of 16 columns (the
- * rows_per_tile of every SIMD kernel) to the SiLU, one or two tiles to the scatter.  The epilogues
- * spell those widths out as constants, so that GCC turns each row into straight-line vector code (and
- * an FP32 row's copy into two stores rather than a memcpy call) instead of a loop with a vector part
- * and tails set up again for every row.  Measured on the Emerald Rapids VM (tools/ab_builds.py,
- * benchmark layer, amx, FP8 per-channel): T = 512 0.968x and 0.978x on 2 threads, 0.950x on 1; T =
- * 64 0.995x. */
-#define KTFP8_EPILOGUE_TILE_COLS 16
-
 static inline void ktfp8_epilogue_silu_mul_store(float *g, const float *u, int64_t m, int64_t nb, int64_t cols,
                                           void *h, int64_t h_stride, int act) {
     const size_t esz = act == KTFP8_BF16 ? 2 : 4;
     ktfp8_silu_mul(g, u, m * nb);
-    if (cols == KTFP8_EPILOGUE_TILE_COLS) {
-        for (int64_t i = 0; i < m; i++)
-            ktfp8_store_row((char *)h + esz * (size_t)(i * h_stride), act, g + i * nb, KTFP8_EPILOGUE_TILE_COLS);
-        return;
-    }
     for (int64_t i = 0; i < m; i++) ktfp8_store_row((char *)h + esz * (size_t)(i * h_stride), act, g + i * nb, cols);
 }
 
 static inline void ktfp8_epilogue_scatter_add(float *acc, int64_t acc_stride, const int64_t *token, int64_t token0,
                                               const float *weight, const float *z, int64_t z_stride, int64_t m,
                                               int64_t cols) {
-#define KTFP8_SCATTER_ROWS(width) \
-    for (int64_t i = 0; i < m; i++)  \
-    ktfp8_axpy(acc + (token[i] - token0) * acc_stride, weight[i], z + i * z_stride, width)
-    if (cols == 2 * KTFP8_EPILOGUE_TILE_COLS)
-        KTFP8_SCATTER_ROWS(2 * KTFP8_EPILOGUE_TILE_COLS);
-    else if (cols == KTFP8_EPILOGUE_TILE_COLS)
-        KTFP8_SCATTER_ROWS(KTFP8_EPILOGUE_TILE_COLS);
-    else
-        KTFP8_SCATTER_ROWS(cols);
-#undef KTFP8_SCATTER_ROWS
+    for (int64_t i = 0; i < m; i++) ktfp8_axpy(acc + (token[i] - token0) * acc_stride, weight[i], z + i * z_stride, cols);
 }
 
 #define KTFP8_EPILOGUE_OPS(name)                                 \
