@@ -29,8 +29,8 @@
  * for a K = 768 down tile) was then some other thread's; now the prefetch runs on from a tile's end
  * into the tile this thread reads next.  4 KiB in the MoE is not yet timed on AMX hardware.
  * avx512_bf16's decode loop prefetches this far into L2 only, and 1 KiB ahead into L1
- * (ktfp8_prefetch_two below); the avx512 kernel prefetches this far into L1, and so does amx for BF16
- * weights (FP8 codes: its own two distances, moe_amx.c, weight_prefetch). */
+ * (ktfp8_prefetch_two below); avx512 and amx prefetch their FP8 codes into L2 and L1 at distances of
+ * their own (moe_avx512.c; moe_amx.c, weight_prefetch), and amx its BF16 weights this far into L1. */
 #define KTFP8_AVX512_PREFETCH_BYTES 4096
 /* The amx kernel's FP8 code stream: into L2 this far ahead, into L1 this far (moe_amx.c,
  * weight_prefetch, says why). */

@@ -10,7 +10,7 @@
  * become finite, but their rows carry a NaN scale (moe_pack.c), so outputs are NaN exactly as the
  * reference's.  BF16 weights have no scale: their bits << 16 are the fp32 value.
  *
- * Decode (m <= DECODE_M): codes stream once (prefetched PREFETCH_BYTES ahead), converted in
+ * Decode (m <= DECODE_M): codes stream once (prefetched ahead, PREFETCH_L2_BYTES), converted in
  * registers, four accumulators per token for the FMA latency.  Prefill: MR tokens per pass; the
  * first pass streams the weights in the same way and, when more passes follow, stores each converted
  * row into scratch (fp32 [k][16]), which the later passes reuse.  (The avx2 kernel measured a
@@ -34,7 +34,15 @@
 #define NB 16       /* rows per tile: one zmm of fp32 outputs */
 #define DECODE_M 4  /* tokens up to which weights are converted in registers on the fly */
 #define MR 8        /* prefill register block: tokens per pass over the converted tile */
-#define PREFETCH_BYTES KTFP8_AVX512_PREFETCH_BYTES /* of the FP8 code stream */
+/* Software prefetch distances of the FP8 code stream: into L2 8 KiB ahead, into L1 1 KiB ahead
+ * (ktfp8_prefetch_two says why both).  Against one prefetcht0 4 KiB ahead
+ * (KTFP8_AVX512_PREFETCH_BYTES), tools/ab_builds.py with KTFP8_BACKEND=avx512 on the Emerald Rapids
+ * VM (no AVX-512 CPU without BF16 was at hand, so the kernel forced there; benchmark layer, FP8
+ * per-channel, 2 threads): T = 1 0.967x and 0.969x (1 thread 0.966x), T = 64
+ * 1.000x, T = 512 0.971x; 4 KiB / 1 KiB T = 1 0.989x (1 thread 0.972x), 16 KiB / 1 KiB 0.981x (1
+ * thread 0.974x). */
+#define PREFETCH_L2_BYTES 8192
+#define PREFETCH_L1_BYTES 1024
 
 #define INLINE static inline __attribute__((always_inline))
 _Static_assert(DECODE_M == 4 && MR == 8, "the first prefill pass dispatches with KTFP8_FOR_M5_TO_8");
@@ -72,7 +80,7 @@ INLINE void rows2(const enum wsrc src, const void *w, int64_t s, __m512 *w0, __m
  * where the prefill's first pass (M > DECODE_M, so the U = 2 loop) stores the converted rows, row
  * s at keep + 16 s.  ahead: the FP8 codes' software prefetch. */
 INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_stride, const int M,
-                int64_t s0, int64_t s1, __m512 *sum, float *keep, const ktfp8_prefetch_ahead *ahead) {
+                int64_t s0, int64_t s1, __m512 *sum, float *keep, const ktfp8_prefetch_two *ahead) {
     enum { UMAX = 4 };
     const int U = M <= DECODE_M ? 4 : 2;
     __m512 acc[MR][UMAX];
@@ -81,15 +89,18 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_st
         for (int q = 0; q < UMAX; q++) acc[i][q] = _mm512_setzero_ps();
     __m512 w0, w1, w2, w3;
     int64_t s = s0;
-    while (s < s1) { /* in two runs, one per prefetch base of the codes (prefetch_ahead.h) */
+    while (s < s1) { /* in up to three runs, one per pair of prefetch bases of the codes (prefetch_ahead.h) */
         int64_t until;
-        const uintptr_t ahead_base = ktfp8_prefetch_run(ahead, NB * s, &until);
+        uintptr_t far_base, near_base;
+        ktfp8_prefetch_two_run(ahead, NB * s, &far_base, &near_base, &until);
         const int64_t stop = ktfp8_prefetch_bound(until, NB, 1, s1);  /* this run's K steps: s < stop */
         const int64_t stop4 = ktfp8_prefetch_bound(until, NB, 4, s1); /* its 4-step groups: s + 4 <= stop4 */
         if (U == 4) {
             for (; s + 4 <= stop4; s += 4) {
-                if (src == SRC_FP8) /* 4 K steps = one 64-byte line of codes */
-                    _mm_prefetch((const char *)(ahead_base + (uintptr_t)(NB * s)), _MM_HINT_T0);
+                if (src == SRC_FP8) { /* 4 K steps = one 64-byte line of codes */
+                    _mm_prefetch((const char *)(far_base + (uintptr_t)(NB * s)), _MM_HINT_T1);
+                    _mm_prefetch((const char *)(near_base + (uintptr_t)(NB * s)), _MM_HINT_T0);
+                }
                 rows2(src, w, s, &w0, &w1);
                 rows2(src, w, s + 2, &w2, &w3);
 #pragma GCC unroll 8
@@ -103,8 +114,10 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_st
             }
         }
         for (; s < stop; s += 2) { /* U = 2, or the steps after U = 4's groups */
-            if (src == SRC_FP8 && (s & 3) == 0) /* the prefill's first pass streams the codes */
-                _mm_prefetch((const char *)(ahead_base + (uintptr_t)(NB * s)), _MM_HINT_T0);
+            if (src == SRC_FP8 && (s & 3) == 0) { /* the prefill's first pass streams the codes */
+                _mm_prefetch((const char *)(far_base + (uintptr_t)(NB * s)), _MM_HINT_T1);
+                _mm_prefetch((const char *)(near_base + (uintptr_t)(NB * s)), _MM_HINT_T0);
+            }
             rows2(src, w, s, &w0, &w1);
             if (keep) {
                 _mm512_storeu_ps(keep + NB * s, w0);
@@ -131,7 +144,8 @@ INLINE void tile_rows(const ktfp8_tile_job *j, const enum wsrc src, const void *
                       const int M, float *keep) {
     const int blockwise = j->format == KTFP8_FMT_FP8_BLOCK;
     const int64_t nkb = blockwise ? j->n_kblocks : 1, block = blockwise ? j->block_k : j->k;
-    const ktfp8_prefetch_ahead ahead = ktfp8_prefetch_ahead_of(w, j->w_next, j->k * NB, PREFETCH_BYTES);
+    const ktfp8_prefetch_two ahead =
+        ktfp8_prefetch_two_of(w, j->w_next, j->k * NB, PREFETCH_L2_BYTES, PREFETCH_L1_BYTES);
     __m512 res[MR], sum[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < M; i++) res[i] = _mm512_setzero_ps();
