@@ -3,8 +3,9 @@ gives its memory back.
 
 A call larger than KTFP8_ARENA_KEEP_BYTES (64 MiB) of h (silu(gate) * up of every (token, expert)
 pair, the largest of a call's buffers here) used to map fresh memory and fault it in on every call; a
-long prompt prefilled in chunks makes such calls one after another.  The page faults a call takes (getrusage) and the process's resident memory (/proc) show
-which buffers were reused and which were freed."""
+long prompt prefilled in chunks makes such calls one after another.  The page faults a call takes
+(getrusage) and the process's resident memory (/proc) show which buffers were reused and which were
+freed."""
 import resource
 
 import numpy as np

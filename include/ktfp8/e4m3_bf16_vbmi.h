@@ -100,8 +100,7 @@ static inline void ktfp8_e4m3_tile_to_bf16(const uint8_t *codes, int64_t k, uint
         const int64_t stop = ktfp8_prefetch_bound(until - offset, 64, 1, k / 4);
         for (; g < stop; g++) {
             __m512i a, b;
-            _mm_prefetch((const char *)(far_base + (uintptr_t)(offset + 64 * g)), _MM_HINT_T1);
-            _mm_prefetch((const char *)(near_base + (uintptr_t)(offset + 64 * g)), _MM_HINT_T0);
+            ktfp8_prefetch_two_line(far_base, near_base, offset + 64 * g);
             ktfp8_e4m3x64_to_bf16(&lut, codes + 64 * g, &a, &b);
             _mm512_storeu_si512((void *)(dst + 64 * g), a);
             _mm512_storeu_si512((void *)(dst + 64 * g + 32), b);

@@ -101,4 +101,11 @@ static inline void ktfp8_prefetch_two_run(const ktfp8_prefetch_two *p, int64_t o
     if (until_near < *until) *until = until_near;
 }
 
+/* Stream byte `offset` of a run (ktfp8_prefetch_two_run's bases): the far line into L2, the near one
+ * into L1 (prefetcht1, prefetcht0). */
+static inline void ktfp8_prefetch_two_line(uintptr_t far_base, uintptr_t near_base, int64_t offset) {
+    __builtin_prefetch((const void *)(far_base + (uintptr_t)offset), 0, 2);
+    __builtin_prefetch((const void *)(near_base + (uintptr_t)offset), 0, 3);
+}
+
 #endif

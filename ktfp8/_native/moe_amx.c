@@ -192,9 +192,8 @@ static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
 /* Software prefetch of FP8 codes: into L2 KTFP8_AMX_PREFETCH_L2_BYTES (16 KiB) ahead of the slab
  * converted, into L1 KTFP8_AMX_PREFETCH_L1_BYTES (1 KiB) ahead (ktfp8_prefetch_two: a prefetcht0
  * holds an L1 miss buffer until its line arrives, a prefetcht1 waits in L2's larger queue).  Against
- * one prefetcht0 4 KiB ahead
- * (KTFP8_AVX512_PREFETCH_BYTES), tools/ab_builds.py on the Emerald Rapids VM (benchmark layer, FP8
- * per-channel, 2 threads, 10 rounds): T = 512 0.953x, 0.968x, 0.962x, 0.952x (1 thread 0.965x;
+ * one prefetcht0 4 KiB ahead (KTFP8_AVX512_PREFETCH_BYTES), tools/ab_builds.py on the Emerald Rapids
+ * VM (benchmark layer, FP8 per-channel, 2 threads, 10 rounds): T = 512 0.953x, 0.968x, 0.962x, 0.952x (1 thread 0.965x;
  * block-wise 0.982x), T = 2048 0.983x, T = 128 0.970x, T = 64 0.940x, T = 16 0.978x.  Other
  * distances at T = 512 (L2 / L1): 8 / 1 KiB 0.970x, 8 / 2 KiB 0.966x, 16 KiB / 512 B 0.959x, 16 / 2
  * KiB 0.978x, 24 / 1 KiB 0.985x, 32 / 1 KiB 0.975x, 4 / 1 KiB 0.993x; one prefetcht0 8 KiB ahead
@@ -246,8 +245,8 @@ INLINE void c_rows_out(const ktfp8_tile_job *j, const float (*c)[NB], int64_t ro
  * the only pass, so no slab is read twice and the scratch is a ring of two slabs per weight tile
  * (2 KiB, in L1) instead of the whole converted tile (64 KiB at K = 2048, written to L2 and read
  * back); slab s + 1 overwrites slab s - 1, whose tile loads came before in program order.
- * ahead[w]: the software prefetch of codes[w] (weight_prefetch), or with fetch_bf16 (the first pass over BF16
- * weights) of w_bf16[w]. */
+ * ahead[w]: the software prefetch of codes[w] (weight_prefetch), or with fetch_bf16 (the first pass
+ * over BF16 weights) of w_bf16[w]. */
 INLINE void pass(const ktfp8_tile_job *const *jobs, const uint8_t *const *codes, const uint8_t *const *w_bf16,
                  const ktfp8_prefetch_two *ahead, const int NW, int64_t m0, const int chunks, const int ring,
                  const int fetch_bf16) {

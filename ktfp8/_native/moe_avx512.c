@@ -38,9 +38,8 @@
  * (ktfp8_prefetch_two says why both).  Against one prefetcht0 4 KiB ahead
  * (KTFP8_AVX512_PREFETCH_BYTES), tools/ab_builds.py with KTFP8_BACKEND=avx512 on the Emerald Rapids
  * VM (no AVX-512 CPU without BF16 was at hand, so the kernel forced there; benchmark layer, FP8
- * per-channel, 2 threads): T = 1 0.967x and 0.969x (1 thread 0.966x), T = 64
- * 1.000x, T = 512 0.971x; 4 KiB / 1 KiB T = 1 0.989x (1 thread 0.972x), 16 KiB / 1 KiB 0.981x (1
- * thread 0.974x). */
+ * per-channel, 2 threads): T = 1 0.967x and 0.969x (1 thread 0.966x), T = 64 1.000x, T = 512
+ * 0.971x; 4 KiB / 1 KiB T = 1 0.989x (1 thread 0.972x), 16 KiB / 1 KiB 0.981x (1 thread 0.974x). */
 #define PREFETCH_L2_BYTES 8192
 #define PREFETCH_L1_BYTES 1024
 
@@ -97,10 +96,8 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_st
         const int64_t stop4 = ktfp8_prefetch_bound(until, NB, 4, s1); /* its 4-step groups: s + 4 <= stop4 */
         if (U == 4) {
             for (; s + 4 <= stop4; s += 4) {
-                if (src == SRC_FP8) { /* 4 K steps = one 64-byte line of codes */
-                    _mm_prefetch((const char *)(far_base + (uintptr_t)(NB * s)), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(near_base + (uintptr_t)(NB * s)), _MM_HINT_T0);
-                }
+                if (src == SRC_FP8) /* 4 K steps = one 64-byte line of codes */
+                    ktfp8_prefetch_two_line(far_base, near_base, NB * s);
                 rows2(src, w, s, &w0, &w1);
                 rows2(src, w, s + 2, &w2, &w3);
 #pragma GCC unroll 8
@@ -114,10 +111,8 @@ INLINE void dot(const enum wsrc src, const void *w, const float *a, int64_t a_st
             }
         }
         for (; s < stop; s += 2) { /* U = 2, or the steps after U = 4's groups */
-            if (src == SRC_FP8 && (s & 3) == 0) { /* the prefill's first pass streams the codes */
-                _mm_prefetch((const char *)(far_base + (uintptr_t)(NB * s)), _MM_HINT_T1);
-                _mm_prefetch((const char *)(near_base + (uintptr_t)(NB * s)), _MM_HINT_T0);
-            }
+            if (src == SRC_FP8 && (s & 3) == 0) /* the prefill's first pass streams the codes */
+                ktfp8_prefetch_two_line(far_base, near_base, NB * s);
             rows2(src, w, s, &w0, &w1);
             if (keep) {
                 _mm512_storeu_ps(keep + NB * s, w0);
