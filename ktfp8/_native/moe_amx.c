@@ -193,12 +193,13 @@ static int chunk_rows(int64_t m) { return m < CHUNK ? (int)m : CHUNK; }
  * converted, into L1 KTFP8_AMX_PREFETCH_L1_BYTES (1 KiB) ahead (ktfp8_prefetch_two: a prefetcht0
  * holds an L1 miss buffer until its line arrives, a prefetcht1 waits in L2's larger queue).  Against
  * one prefetcht0 4 KiB ahead (KTFP8_AVX512_PREFETCH_BYTES), tools/ab_builds.py on the Emerald Rapids
- * VM (benchmark layer, FP8 per-channel, 2 threads, 10 rounds): T = 512 0.953x, 0.968x, 0.962x, 0.952x (1 thread 0.965x;
- * block-wise 0.982x), T = 2048 0.983x, T = 128 0.970x, T = 64 0.940x, T = 16 0.978x.  Other
- * distances at T = 512 (L2 / L1): 8 / 1 KiB 0.970x, 8 / 2 KiB 0.966x, 16 KiB / 512 B 0.959x, 16 / 2
- * KiB 0.978x, 24 / 1 KiB 0.985x, 32 / 1 KiB 0.975x, 4 / 1 KiB 0.993x; one prefetcht0 8 KiB ahead
- * 1.002x.  (Where the distance passes a whole tile, as for the 12 KiB down tiles of K = 768, the
- * prefetch runs on past w_next's end into the down tile after it in memory, which a later item reads.) */
+ * VM (benchmark layer, FP8 per-channel, 2 threads, 10 rounds): T = 512 0.953x, 0.968x, 0.962x,
+ * 0.952x (1 thread 0.965x; block-wise 0.982x), T = 2048 0.983x, T = 128 0.970x, T = 64 0.940x, T =
+ * 16 0.978x.  Other distances at T = 512 (L2 / L1): 8 / 1 KiB 0.970x, 8 / 2 KiB 0.966x, 16 KiB / 512
+ * B 0.959x, 16 / 2 KiB 0.978x, 24 / 1 KiB 0.985x, 32 / 1 KiB 0.975x, 4 / 1 KiB 0.993x; one
+ * prefetcht0 8 KiB ahead 1.002x.  (Where the distance passes a whole tile, as for the 12 KiB down
+ * tiles of K = 768, the prefetch runs on past w_next's end into the down tile after it in memory,
+ * which a later item reads.) */
 /* BF16 weights: one prefetcht0 stream 4 KiB ahead (prefetch_bf16_slab) */
 #define BF16_PREFETCH_BYTES KTFP8_AVX512_PREFETCH_BYTES
 

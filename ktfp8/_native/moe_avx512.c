@@ -10,15 +10,15 @@
  * become finite, but their rows carry a NaN scale (moe_pack.c), so outputs are NaN exactly as the
  * reference's.  BF16 weights have no scale: their bits << 16 are the fp32 value.
  *
- * Decode (m <= DECODE_M): codes stream once (prefetched ahead, PREFETCH_L2_BYTES), converted in
- * registers, four accumulators per token for the FMA latency.  Prefill: MR tokens per pass; the
- * first pass streams the weights in the same way and, when more passes follow, stores each converted
- * row into scratch (fp32 [k][16]), which the later passes reuse.  (The avx2 kernel measured a
- * separate conversion pass at a quarter of a T = 64 call on Zen 3 and this form 0.89-0.91x the
- * time.  Here llvm-mca-16 -mcpu=skylake-avx512 on the compiled loops, cycles per two K steps of a
- * tile with 8 tokens: 4.17 (conversion pass) + 9.61 (pass over the scratch) before, 13.81 for the
- * first pass now: the same port time, with the codes arriving while the FMAs run.  Not yet timed
- * on AVX-512 hardware.)
+ * Decode (m <= DECODE_M): codes stream once (prefetched into L2 and L1, PREFETCH_L2_BYTES and
+ * PREFETCH_L1_BYTES ahead), converted in registers, four accumulators per token for the FMA
+ * latency.  Prefill: MR tokens per pass; the first pass streams the weights in the same way and,
+ * when more passes follow, stores each converted row into scratch (fp32 [k][16]), which the later
+ * passes reuse.  (The avx2 kernel measured a separate conversion pass at a quarter of a T = 64 call
+ * on Zen 3 and this form 0.89-0.91x the time.  Here llvm-mca-16 -mcpu=skylake-avx512 on the
+ * compiled loops, cycles per two K steps of a tile with 8 tokens: 4.17 (conversion pass) + 9.61
+ * (pass over the scratch) before, 13.81 for the first pass now: the same port time, with the codes
+ * arriving while the FMAs run.  Not yet timed on AVX-512 hardware.)
  * Per-channel scale once after the K reduction; block-wise per K block; K ranges are always an
  * even number of steps (k % 32 == 0, block_k even). */
 #include <string.h>
