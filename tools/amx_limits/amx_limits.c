@@ -3,28 +3,32 @@
  * docs/tuning-notes.md's "Why a tile pair runs at two thirds of the peak" and later).
  *
  * One tile pair as T = 512 gives it on the benchmark layer: m = 64 tokens (4 chunks of 16), two weight
- * tiles (32 columns), K = 2048 (64 slabs of 32), BF16 weights, run as moe_amx.c ran FP8 tiles of
- * 49..80 tokens until parked_pass took them (2026-12-06): weight tile 0, then weight tile 1, each in
- * one pass of 4 A x 1 B -> 4 C tiles, its B tiles from a ring of two slabs in L1.  (Before that it
- * timed two passes of 2 A x 2 B -> 4 C with B from the whole converted tile pair in L2, an older
- * blocking still: the notes' amx_limits figures before the Emerald Rapids VM's fourth session are of
- * that loop.)  Each round times every variant once, in a rotating order; the report gives each one's
- * median time per tile pair and its share of the resident-operand peak measured in the same rounds.
+ * tiles (32 columns), K = 2048 (64 slabs of 32), BF16 weights, run as moe_amx.c's parked_pass runs FP8
+ * tiles of 49..256 tokens: chunks 0..2 against both weight tiles in 6 C tiles for the whole K (one A
+ * and one B register, 7 tile loads per 6 products), and after every 8 slabs chunk 3 over the same
+ * slabs, its two C tiles parked in L1 between blocks (in tmm4 and tmm7, whose C tiles are parked
+ * meanwhile); B tiles from a ring of 9 slabs a weight tile in L1.  (Until the Emerald Rapids VM's
+ * eighth session in docs/tuning-notes.md it timed the loop of one weight tile at a time, 4 A x 1 B ->
+ * 4 C, that parked_pass replaced, and before the fourth two passes of 2 A x 2 B -> 4 C with B from
+ * the whole converted tile pair in L2: the notes' earlier amx_limits figures are of those loops.)
+ * Each round times every variant once, in a rotating order; the report gives each one's median time
+ * per tile pair and its share of the resident-operand peak measured in the same rounds.
  *
  *   peak        the same tdpbf16ps count on tiles loaded once (no tile loads in the loop)
- *   passes      the passes as moe_amx.c runs them: each A tile loaded with the non-temporal hint
+ *   passes      the pass as parked_pass runs it: each A tile loaded with the non-temporal hint
  *               (TILELOADDT1) from the activations (64 rows of K, 256 KiB: L2), B from the ring (L1)
  *   passes A1   every A tile from one address (TILELOADD, L1)
  *   convert     the pair's 64 K FP8 codes -> BF16, slab by slab into the ring (the codes, 64 KiB, in L2)
- *   passes+cvt  each slab of a pass also converts the next slab of its tile's codes into the ring
+ *   passes+cvt  each slab also converts both tiles' next slabs into the ring, where parked_pass does
  *   A1+cvt      the same with every A tile from one address
- *   passes+alu  each slab also runs that many register-only vector instructions (128 unless given:
- *               amx_limits.sh 16) of one mix: "mix" (the default) half vpermt2b and half vpaddw;
+ *   passes+alu  each slab also runs, twice (where passes+cvt converts), that many register-only
+ *               vector instructions (128 unless given: amx_limits.sh 16) of one mix: "mix" (the
+ *               default) half vpermt2b and half vpaddw;
  *               "permute" vpermt2b (port 5 only), "shift" vpsllw / vpsrlw (port 0 only), "add" vpaddw
  *               (port 0 or 5): amx_limits.sh 128 shift.  Which ports these take: Intel's optimization
  *               manual's tables for Ice Lake and later (512-bit work on ports 0 and 5).
  *   alu         those instructions alone          peak+alu  beside the peak loop (no tile loads)
- *   loads       the passes' 640 tile loads alone, no tdpbf16ps (A from L2, B from the ring, as in passes)
+ *   loads       the pass's 640 tile loads (and its parked C tiles' loads and stores), no tdpbf16ps
  *   loads L1    the same loads, every A tile from one address
  * Needs AMX-TILE, AMX-BF16, AVX-512 BW and VBMI, and Linux's permission to use the tiles. */
 #include <stdint.h>
@@ -47,8 +51,11 @@
 
 static uint16_t *a_rows;         /* [M][A_STRIDE] bf16 activations */
 static uint8_t *codes;           /* [2][K * 16] FP8 codes, moe_pack.c's order */
-static uint8_t ring[2][2 * SLAB_BYTES] __attribute__((aligned(64))); /* [weight tile][slab & 1] BF16 B tiles */
-static float c_out[4][16 * 16] __attribute__((aligned(64)));
+#define PARK_BLOCK 8             /* slabs per K block of the parked chunk: moe_amx.c's PARK_K_BLOCK */
+#define RING_SLABS (PARK_BLOCK + 1)
+static uint8_t ring[2][RING_SLABS * SLAB_BYTES] __attribute__((aligned(64))); /* [weight tile][slab % 9] BF16 B */
+static float c_out[6][16 * 16] __attribute__((aligned(64)));  /* C tiles 0..5 at the end */
+static float c_parked[2][16 * 16] __attribute__((aligned(64))); /* chunk 3's C tiles between K blocks */
 static int alu_ops = ALU_OPS_DEFAULT; /* per slab, a multiple of 4 (the command line's argument) */
 
 static double now(void) {
@@ -73,7 +80,7 @@ static void configure(void) {
 }
 
 static const uint16_t *a_tile(int chunk, int slab) { return a_rows + (size_t)chunk * 16 * A_STRIDE + slab * 32; }
-static const uint8_t *ring_slab(int w, int slab) { return ring[w] + (slab & 1) * SLAB_BYTES; }
+static const uint8_t *ring_slab(int w, int slab) { return ring[w] + (slab % RING_SLABS) * SLAB_BYTES; }
 
 /* Slab `slab` of weight tile w's codes into its slot of the ring (nothing past the tile's last slab). */
 static void convert_slab(int w, int slab) {
@@ -136,7 +143,102 @@ static void alu_work(void) {
 enum { EXTRA_NONE, EXTRA_CONVERT, EXTRA_ALU };
 enum { FROM_L2, A_FIXED };
 
-/* The 4 C tiles (tmm0..3) of a pass: zeroed before it, stored after it. */
+/* Chunk ch's A tile of slab s into tmm5: from the activations with the non-temporal hint, as
+ * moe_amx.c loads them, or (A_FIXED) from one address with a plain load. */
+#define LOAD_A(ch, from, s)                                                  \
+    do {                                                                     \
+        if ((from) == A_FIXED)                                               \
+            _tile_loadd(5, a_tile(0, 0), A_STRIDE * 2);                      \
+        else                                                                 \
+            _tile_stream_loadd(5, a_tile(ch, s), A_STRIDE * 2);              \
+    } while (0)
+/* A product, or nothing where only the loads are timed (`products` is a constant after inlining) */
+#define DP(c, a, b)                             \
+    do {                                        \
+        if (products) _tile_dpbf16ps(c, a, b);  \
+    } while (0)
+
+/* The work beside the products at one of the two places parked_pass converts a slab. */
+static inline __attribute__((always_inline)) void beside(int extra, int w, int slab) {
+    compiler_barrier();
+    if (extra == EXTRA_CONVERT) convert_slab(w, slab);
+    if (extra == EXTRA_ALU) alu_work();
+    compiler_barrier();
+}
+
+/* moe_amx.c's parked_pass for m = 64 (4 chunks): chunks 0..2 x weight tiles 0, 1 in C tiles 0..4 and
+ * tmm7, A in tmm5, B in tmm6 (A0 B0, A0 B1, A1 B1, A1 B0, A2 B0, A2 B1); after each K block of 8
+ * slabs, chunk 3 over the same slabs in tmm4 and tmm7, their own C tiles parked meanwhile. */
+static inline __attribute__((always_inline)) void pair_pass(int from, int extra, int products) {
+    if (extra == EXTRA_CONVERT) {
+        convert_slab(0, 0);
+        convert_slab(1, 0);
+    }
+    for (int s0 = 0; s0 < SLABS; s0 += PARK_BLOCK) {
+        const int s1 = s0 + PARK_BLOCK;
+        if (s0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_zero(7);
+        }
+        for (int s = s0; s < s1; s++) {
+            beside(extra, 0, s + 1);
+            LOAD_A(0, from, s);
+            _tile_loadd(6, ring_slab(0, s), 64);
+            DP(0, 5, 6);
+            _tile_loadd(6, ring_slab(1, s), 64);
+            DP(1, 5, 6);
+            beside(extra, 1, s + 1);
+            LOAD_A(1, from, s);
+            DP(3, 5, 6);
+            _tile_loadd(6, ring_slab(0, s), 64);
+            DP(2, 5, 6);
+            LOAD_A(2, from, s);
+            DP(4, 5, 6);
+            _tile_loadd(6, ring_slab(1, s), 64);
+            DP(7, 5, 6);
+        }
+        _tile_stored(4, c_out[4], 64);
+        _tile_stored(7, c_out[5], 64);
+        compiler_barrier();
+        if (s0 == 0) {
+            _tile_zero(4);
+            _tile_zero(7);
+        } else {
+            _tile_loadd(4, c_parked[0], 64);
+            _tile_loadd(7, c_parked[1], 64);
+        }
+        for (int s = s0; s < s1; s++) {
+            LOAD_A(3, from, s);
+            _tile_loadd(6, ring_slab(0, s), 64);
+            DP(4, 5, 6);
+            _tile_loadd(6, ring_slab(1, s), 64);
+            DP(7, 5, 6);
+        }
+        _tile_stored(4, c_parked[0], 64);
+        _tile_stored(7, c_parked[1], 64);
+        compiler_barrier();
+        if (s1 < SLABS) {
+            _tile_loadd(4, c_out[4], 64);
+            _tile_loadd(7, c_out[5], 64);
+        }
+    }
+    _tile_stored(0, c_out[0], 64);
+    _tile_stored(1, c_out[1], 64);
+    _tile_stored(2, c_out[2], 64);
+    _tile_stored(3, c_out[3], 64);
+    compiler_barrier();
+}
+
+static void passes(int from, int extra) { pair_pass(from, extra, 1); }
+
+/* The pass's tile loads without its products: what the loads alone cost. */
+static void loads(int from) { pair_pass(from, EXTRA_NONE, 0); }
+
+/* The 4 C tiles (tmm0..3) of the peak loop: zeroed before it, stored after it. */
 static void zero_c(void) {
     _tile_zero(0);
     _tile_zero(1);
@@ -149,54 +251,6 @@ static void store_c(void) {
     _tile_stored(1, c_out[1], 64);
     _tile_stored(2, c_out[2], 64);
     _tile_stored(3, c_out[3], 64);
-}
-
-/* Chunk ch's A tile of slab s into tmm5: from the activations with the non-temporal hint, as
- * moe_amx.c loads them, or (A_FIXED) from one address with a plain load. */
-#define LOAD_A(ch, from, s)                                                  \
-    do {                                                                     \
-        if ((from) == A_FIXED)                                               \
-            _tile_loadd(5, a_tile(0, 0), A_STRIDE * 2);                      \
-        else                                                                 \
-            _tile_stream_loadd(5, a_tile(ch, s), A_STRIDE * 2);              \
-    } while (0)
-
-/* moe_amx.c's one-tile passes of the pair: weight tile w's B tile of slab s (tmm6) against chunks
- * 0..3 (tmm5 in turn) into C tiles 0..3. */
-static void passes(int from, int extra) {
-    for (int w = 0; w < 2; w++) {
-        if (extra == EXTRA_CONVERT) convert_slab(w, 0);
-        zero_c();
-        for (int s = 0; s < SLABS; s++) {
-            compiler_barrier();
-            _tile_loadd(6, ring_slab(w, s), 64);
-            compiler_barrier();
-            if (extra == EXTRA_CONVERT) convert_slab(w, s + 1);
-            if (extra == EXTRA_ALU) alu_work();
-            compiler_barrier();
-            LOAD_A(0, from, s);
-            _tile_dpbf16ps(0, 5, 6);
-            LOAD_A(1, from, s);
-            _tile_dpbf16ps(1, 5, 6);
-            LOAD_A(2, from, s);
-            _tile_dpbf16ps(2, 5, 6);
-            LOAD_A(3, from, s);
-            _tile_dpbf16ps(3, 5, 6);
-        }
-        store_c();
-    }
-}
-
-/* The passes' tile loads without their products: what the loads alone cost. */
-static void loads(int from) {
-    for (int w = 0; w < 2; w++)
-        for (int s = 0; s < SLABS; s++) {
-            _tile_loadd(6, ring_slab(w, s), 64);
-            LOAD_A(0, from, s);
-            LOAD_A(1, from, s);
-            LOAD_A(2, from, s);
-            LOAD_A(3, from, s);
-        }
 }
 
 /* The same tdpbf16ps count with every operand tile loaded once. */
