@@ -315,6 +315,25 @@ def test_goals_are_the_issues_four_on_the_default_backend():
     assert g["measured"] == pytest.approx(floor_ms / 100.0) and g["reached"] is False
 
 
+@pytest.mark.parametrize("peak_gflops", [1000.0, 4000.0])
+def test_t512_roofline_note_names_both_floors_and_the_probes_they_come_from(peak_gflops):
+    """On an AMX machine the T=512 goal's floor is the memory floor in some minutes and the compute
+    floor in others (a VM's tiles at half speed): the note gives both, with the probes' medians."""
+    flops, active = 40e9, 1e9                # 1 GB at 100 GB/s: a 10 ms memory floor
+    rec = {"2": dict(ms=40.0, read_gbs=100.0, peak_gflops=peak_gflops)}
+    entry = dict(rounds=[rec], active_bytes=active, flops=flops, unit="amx", calls=1)
+    res = {"rounds": [], "decode_skipped": "T=1 is not in the plan (--tokens)", "roofline": {"512": entry},
+           "figures": {"roofline": {"512": dict(over_memory_floor=4.0, peak_fraction=None, roofline_fraction=0.5)}}}
+    lim = _limits(amx=2000.0)
+    g = next(g for g in report.goals([], lim, "L", "amx", res) if g["goal"].startswith("T=512: fraction"))
+    compute_ms = flops / (peak_gflops * 1e9) * 1e3  # 40 ms or 10 ms against the 10 ms memory floor
+    assert g["measured"] == 0.5
+    assert f"40.00 ms vs floor {max(10.0, compute_ms):.2f} ms" in g["note"]
+    assert "memory floor 10.00 ms at 100.0 GB/s" in g["note"]
+    assert f"compute floor {compute_ms:.2f} ms at the {roofline.UNIT_NAMES['amx']} peak of {peak_gflops:.0f} GFLOP/s" \
+        in g["note"]
+
+
 def test_prefill_goal_names_the_peak_it_divides_by_on_an_amx_machine_with_another_default():
     """KTFP8_BACKEND=avx512_bf16 on an AMX machine: the roofline goal is drawn with the vdpbf16ps peak
     (the default's unit, as the rows and the interleaved step measure it) and used to say 'AMX peak'."""

@@ -204,8 +204,12 @@ def goals(rows, limits, layer, default, interleaved=None, choice=None, peers=Non
         peak_name = "AMX" if unit == "amx" else roofline.UNIT_NAMES[unit]
         goal = f"T=512: fraction of the roofline (max(bytes / bandwidth, FLOPs / {peak_name} peak))"
         if roof:
+            # both floors and the probes they come from: which one bounds depends on the minute (a
+            # VM's tiles ran at half speed for minutes at a time, and its bus at twice the speed)
             add(goal, "fraction", 0.5, roof["figures"]["roofline_fraction"],
-                f"{roof['how']}; {roof['ms']:.2f} ms vs floor {roof['floor_ms']:.2f} ms (medians over rounds)")
+                f"{roof['how']}; {roof['ms']:.2f} ms vs floor {roof['floor_ms']:.2f} ms: memory floor "
+                f"{roof['memory_ms']:.2f} ms at {roof['read_gbs']:.1f} GB/s, compute floor {roof['compute_ms']:.2f} "
+                f"ms at the {roof['unit_name']} peak of {roof['peak_gflops']:.0f} GFLOP/s (medians over rounds)")
         else:
             floor = max(machine_floor_ms(r, limits)) if r else None
             add(goal, "fraction", 0.5, floor / r["ms"] if r else None,
@@ -301,7 +305,7 @@ def roofline_goal_figures(interleaved, tokens):
     compute_ms = entry["flops"] / (peak * 1e9) * 1e3 if peak else 0.0
     unit_name = roofline.UNIT_NAMES[entry["unit"]]
     return dict(figures=interleaved["figures"]["roofline"][str(tokens)], ms=ms, memory_ms=memory_ms,
-                compute_ms=compute_ms, floor_ms=max(memory_ms, compute_ms), unit_name=unit_name,
+                compute_ms=compute_ms, floor_ms=max(memory_ms, compute_ms), unit_name=unit_name, read_gbs=read,
                 gflops=entry["flops"] / (ms / 1e3) / 1e9, peak_gflops=peak,
                 how=(f"interleaved: {len(rounds)} rounds alternating read probe / {unit_name} "
                      f"peak probe / {entry['calls']} T={tokens} calls, median of per-round ratios"))
