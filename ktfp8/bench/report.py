@@ -204,8 +204,8 @@ def goals(rows, limits, layer, default, interleaved=None, choice=None, peers=Non
         peak_name = "AMX" if unit == "amx" else roofline.UNIT_NAMES[unit]
         goal = f"T=512: fraction of the roofline (max(bytes / bandwidth, FLOPs / {peak_name} peak))"
         if roof:
-            # both floors and the probes they come from: which one bounds depends on the minute (a
-            # VM's tiles ran at half speed for minutes at a time, and its bus at twice the speed)
+            # both floors and the probes they come from: which one bounds can change from minute to
+            # minute (the Emerald Rapids VM's tiles ran at half speed for minutes at a time)
             add(goal, "fraction", 0.5, roof["figures"]["roofline_fraction"],
                 f"{roof['how']}; {roof['ms']:.2f} ms vs floor {roof['floor_ms']:.2f} ms: memory floor "
                 f"{roof['memory_ms']:.2f} ms at {roof['read_gbs']:.1f} GB/s, compute floor {roof['compute_ms']:.2f} "
