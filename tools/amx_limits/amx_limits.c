@@ -143,6 +143,21 @@ static void alu_work(void) {
 enum { EXTRA_NONE, EXTRA_CONVERT, EXTRA_ALU };
 enum { FROM_L2, A_FIXED };
 
+/* C tiles 0..3 (tmm0..3), of the peak loop and of pair_pass: zeroed before it, stored after it. */
+static void zero_c(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+static void store_c(void) {
+    _tile_stored(0, c_out[0], 64);
+    _tile_stored(1, c_out[1], 64);
+    _tile_stored(2, c_out[2], 64);
+    _tile_stored(3, c_out[3], 64);
+}
+
 /* Chunk ch's A tile of slab s into tmm5: from the activations with the non-temporal hint, as
  * moe_amx.c loads them, or (A_FIXED) from one address with a plain load. */
 #define LOAD_A(ch, from, s)                                                  \
@@ -177,10 +192,7 @@ static inline __attribute__((always_inline)) void pair_pass(int from, int extra,
     for (int s0 = 0; s0 < SLABS; s0 += PARK_BLOCK) {
         const int s1 = s0 + PARK_BLOCK;
         if (s0 == 0) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_c();
             _tile_zero(4);
             _tile_zero(7);
         }
@@ -226,10 +238,7 @@ static inline __attribute__((always_inline)) void pair_pass(int from, int extra,
             _tile_loadd(7, c_out[5], 64);
         }
     }
-    _tile_stored(0, c_out[0], 64);
-    _tile_stored(1, c_out[1], 64);
-    _tile_stored(2, c_out[2], 64);
-    _tile_stored(3, c_out[3], 64);
+    store_c();
     compiler_barrier();
 }
 
@@ -237,21 +246,6 @@ static void passes(int from, int extra) { pair_pass(from, extra, 1); }
 
 /* The pass's tile loads without its products: what the loads alone cost. */
 static void loads(int from) { pair_pass(from, EXTRA_NONE, 0); }
-
-/* The 4 C tiles (tmm0..3) of the peak loop: zeroed before it, stored after it. */
-static void zero_c(void) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-}
-
-static void store_c(void) {
-    _tile_stored(0, c_out[0], 64);
-    _tile_stored(1, c_out[1], 64);
-    _tile_stored(2, c_out[2], 64);
-    _tile_stored(3, c_out[3], 64);
-}
 
 /* The same tdpbf16ps count with every operand tile loaded once. */
 static void peak(int extra) {
