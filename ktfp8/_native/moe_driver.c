@@ -77,6 +77,21 @@
  * first lines are in flight together, and the scales (read after the K loop) arrive early too.
  * 32 lines measured no better than 8. */
 #define HEAD_LINES 8
+/* Bytes of each half of a tile asked for into L2 where a thread's weight stream starts cold: a run's
+ * first item in phase 1, a group's first in phase 2 (within a run or group, w_next carries the stream
+ * on).  The kernels prefetch a fixed distance ahead of what they read, so a stream's first distance
+ * would otherwise come on demand and through the few L1 prefetches, and avx512_bf16 (amx's few-token
+ * path too) reads a tile's K halves as two streams (decode_halves); a kernel that reads a tile as one
+ * stream finds its second half's head in L2 when it gets there.  Measured on the Zen 4 VM (rdtsc
+ * around each kernel call, benchmark layer, T = 1, 1 thread, the heads' requests inside the timed
+ * span): an expert's first phase-1 tile pair took 3680-3770 TSC ticks (1.4 us) more than the tile
+ * pairs after it without them, 2090-2250 with (five runs; a sixth 3280); heads of 2 KiB 2500-3530,
+ * 8 KiB 2220-2320, 16 KiB 2480-2590.  A phase-2 group's first item: 2780-2890 more without, 1760-2240
+ * with.  tools/ab_builds.py new / old, and in brackets old / new with the builds' places swapped (an
+ * A/A read 0.975x-1.004x): T = 1 on 1 thread 0.994x, 0.994x (150 rounds; 1.015x, 1.007x), on 2
+ * threads 0.999x, 0.996x (1.003x, 1.009x; the bus the limit there); T = 4 0.998x on 1 and 2 threads
+ * (1.007x, 1.006x); T = 64 1.004x (1.023x); T = 512 0.992x (0.989x). */
+#define COLD_HEAD_BYTES 4096
 
 /* Pairs grouped by expert, and the buffers of one call, carved from the caller's arena. */
 typedef struct call_buffers {
@@ -230,6 +245,17 @@ static void prefetch_tile(const ktfp8_packed_proj *p, int64_t e, int64_t tile) {
     for (int line = 0; line < HEAD_LINES; line++) __builtin_prefetch(w + 64 * line, 0, 3);
     const float *scale = p->scale + tile_at(p, e, tile) * p->tile_scale_floats;
     for (size_t f = 0; f < p->tile_scale_floats; f += 16) __builtin_prefetch(scale + f, 0, 3); /* 16 floats a line */
+}
+
+/* The first COLD_HEAD_BYTES of each half of the n tiles at w (tile_bytes each) into L2, every
+ * stream's first lines first. */
+static void prefetch_cold_heads(const char *const *w, int n, size_t tile_bytes) {
+    const size_t half = tile_bytes / 2, head = half < COLD_HEAD_BYTES ? half : COLD_HEAD_BYTES;
+    for (size_t b = 0; b < head; b += 64)
+        for (int t = 0; t < n; t++) {
+            __builtin_prefetch(w[t] + b, 0, 2); /* locality 2: prefetcht1 */
+            __builtin_prefetch(w[t] + half + b, 0, 2);
+        }
 }
 
 static int64_t run_length(int64_t items, int threads, int runs_per_thread) {
@@ -527,8 +553,8 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
         int64_t gathered = -1, xg_ready = 0; /* the expert whose rows xg holds; xg's rows written */
 #pragma omp for schedule(dynamic, 1) reduction(max : h_amax)
         for (int64_t r = 0; r < runs1.count; r++) {
-            const int64_t end = run_end(&runs1, r);
-            for (int64_t it = run_start(&runs1, r); ok && it < end; it++) {
+            const int64_t start = run_start(&runs1, r), end = run_end(&runs1, r);
+            for (int64_t it = start; ok && it < end; it++) {
                 const int64_t e = b.active[it / tiles1], tile = it % tiles1;
                 const int64_t p0 = b.offset[e], m = b.offset[e + 1] - p0;
                 if (e != gathered) gather_expert(c, &b, p0, m, xg, &xg_ready, row_pad, act, esz, Hp, x_exp);
@@ -546,6 +572,10 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                 up.w_next = kern->tile_matmul2 && e_next >= 0 ? tile_w(&proj[KTFP8_UP], e_next, tile_next) : gate_next;
                 prefetch_tile(&proj[KTFP8_GATE], e, tile);
                 prefetch_tile(&proj[KTFP8_UP], e, tile);
+                if (it == start) {
+                    const char *heads[2] = {(const char *)gate.w, (const char *)up.w};
+                    prefetch_cold_heads(heads, 2, proj[KTFP8_GATE].tile_w_bytes);
+                }
                 if (kern->tile_matmul2) {
                     kern->tile_matmul2(&gate, &up);
                 } else {
@@ -600,6 +630,10 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                         if (a == first) prefetch_tile(&proj[KTFP8_DOWN], e, tile + d);
                         if (a_next < b.n_active) /* the next expert's first tile: a short read, far from this one */
                             prefetch_tile(&proj[KTFP8_DOWN], b.active[a_next], tile + d);
+                    }
+                    if (a == first && it == it0) {
+                        const char *heads[2] = {(const char *)jobs[0].w, (const char *)jobs[pair].w};
+                        prefetch_cold_heads(heads, 1 + pair, proj[KTFP8_DOWN].tile_w_bytes);
                     }
                     if (pair)
                         kern->tile_matmul2(&jobs[0], &jobs[1]);
