@@ -39,14 +39,16 @@
 #include "ktfp8/team.h"
 
 #define ALIGN64(x) (((x) + 63) & ~(size_t)63)
+#define INLINE static inline __attribute__((always_inline))
 
 /* Runs per thread of phase 1 (phase 2 takes half as many, below): the items are handed out in runs
  * (dynamic schedule, chunk items / (this x threads)).  Consecutive items are adjacent tiles of one
  * expert (phase 1) or adjacent column tiles (phase 2), so a run reads each expert's weights as one
  * stream that the hardware prefetcher follows across tile boundaries; single items alternated
  * between threads, restarting it at every tile.  Runs this short still balance prefill's uneven
- * experts and a thread that shares its core.  Measured on Zen 3 with HEAD_LINES below (benchmark
- * layer, weights from DRAM, 2 threads, the old and new schedule alternated in one process), time
+ * experts and a thread that shares its core.  Measured on Zen 3 (benchmark layer, weights from
+ * DRAM, 2 threads, the old and new schedule alternated in one process; HEAD_LINES below was in the
+ * source but, as it turned out later, not in the machine code), time
  * against single items: T = 1 0.94x (0.80x in a slow minute of the VM's memory), T = 64 0.98x,
  * T = 512 0.98x; T = 1 with another process spinning on one of the two cores 0.67x.  Runs of
  * items / 2 .. items / 64 were within the noise of each other. */
@@ -72,10 +74,14 @@
 #define PHASE2_RUNS_PER_THREAD 4
 /* Most token blocks phase 2 cuts a call into (phase2_block_tokens). */
 #define PHASE2_MAX_BLOCKS 32
-/* Lines of a job's weights requested before the kernel runs it.  The kernels prefetch a fixed
- * distance ahead within a tile, so without this each tile starts on demand misses; with it the
- * first lines are in flight together, and the scales (read after the K loop) arrive early too.
- * 32 lines measured no better than 8. */
+/* Lines of a job's weights requested into L1 before the kernel runs it, with its scales (read after
+ * the K loop).  Mostly lines the previous tile's prefetch already brought (w_next), so cheap; they
+ * matter where a stream starts (COLD_HEAD_BYTES below).  Until 2026-12-06 GCC compiled these out
+ * (prefetch_tile says why), so the figures measured for them before then, 32 lines no better than
+ * 8 among them, timed nothing.  Since: tools/ab_builds.py on the Zen 4 VM, with them against without
+ * (both with the cold heads), and in brackets without against with, the builds' places swapped:
+ * T = 1 on 1 thread 0.991x and 1.000x (150 rounds; 1.015x, 1.004x), on 2 threads 0.991x (1.001x),
+ * T = 4 0.999x (1.004x), T = 64 0.997x (1.017x), T = 512 1.012x (1.034x). */
 #define HEAD_LINES 8
 /* Bytes of each half of a tile asked for into L2 where a thread's weight stream starts cold: a run's
  * first item in phase 1, a group's first in phase 2 (within a run or group, w_next carries the stream
@@ -239,8 +245,13 @@ static ktfp8_tile_job tile_job(const ktfp8_moe_kernel *kern, const ktfp8_moe_sha
     return job;
 }
 
+/* The prefetch helpers are always inlined: GCC finds a function that only prefetches "looping pure"
+ * (__builtin_prefetch has no effect it models) and, its result unused, deletes every call to it.
+ * So it did with prefetch_tile from its start (0 prefetch instructions in the driver's object) until
+ * 2026-12-06; tests/test_driver_prefetch.py counts them in the compiled driver. */
+
 /* Asks for the first HEAD_LINES lines of expert e's tile `tile` of projection p, and all of its scales. */
-static void prefetch_tile(const ktfp8_packed_proj *p, int64_t e, int64_t tile) {
+INLINE void prefetch_tile(const ktfp8_packed_proj *p, int64_t e, int64_t tile) {
     const char *w = tile_w(p, e, tile);
     for (int line = 0; line < HEAD_LINES; line++) __builtin_prefetch(w + 64 * line, 0, 3);
     const float *scale = p->scale + tile_at(p, e, tile) * p->tile_scale_floats;
@@ -249,7 +260,7 @@ static void prefetch_tile(const ktfp8_packed_proj *p, int64_t e, int64_t tile) {
 
 /* The first COLD_HEAD_BYTES of each half of the n tiles at w (tile_bytes each) into L2, every
  * stream's first lines first. */
-static void prefetch_cold_heads(const char *const *w, int n, size_t tile_bytes) {
+INLINE void prefetch_cold_heads(const char *const *w, int n, size_t tile_bytes) {
     const size_t half = tile_bytes / 2, head = half < COLD_HEAD_BYTES ? half : COLD_HEAD_BYTES;
     for (size_t b = 0; b < head; b += 64)
         for (int t = 0; t < n; t++) {
