@@ -102,8 +102,10 @@ static inline void ktfp8_prefetch_two_run(const ktfp8_prefetch_two *p, int64_t o
 }
 
 /* Stream byte `offset` of a run (ktfp8_prefetch_two_run's bases): the far line into L2, the near one
- * into L1 (prefetcht1, prefetcht0). */
-static inline void ktfp8_prefetch_two_line(uintptr_t far_base, uintptr_t near_base, int64_t offset) {
+ * into L1 (prefetcht1, prefetcht0).  Always inlined: GCC deletes the calls to a function that only
+ * prefetches once it has not inlined it (moe_driver.c, before prefetch_tile, says why). */
+static inline __attribute__((always_inline)) void ktfp8_prefetch_two_line(uintptr_t far_base, uintptr_t near_base,
+                                                                          int64_t offset) {
     __builtin_prefetch((const void *)(far_base + (uintptr_t)offset), 0, 2);
     __builtin_prefetch((const void *)(near_base + (uintptr_t)offset), 0, 3);
 }
