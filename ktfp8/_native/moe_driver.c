@@ -90,7 +90,7 @@
  * path too) reads a tile's K halves as two streams (decode_halves); a kernel that reads a tile as one
  * stream finds its second half's head in L2 when it gets there.  Measured on the Zen 4 VM (rdtsc
  * around each kernel call, benchmark layer, T = 1, 1 thread, the heads' requests inside the timed
- * span): an expert's first phase-1 tile pair took 3680-3770 TSC ticks (1.4 us) more than the tile
+ * span; HEAD_LINES not yet in the machine code): an expert's first phase-1 tile pair took 3680-3770 TSC ticks (1.4 us) more than the tile
  * pairs after it without them, 2090-2250 with (five runs; a sixth 3280); heads of 2 KiB 2500-3530,
  * 8 KiB 2220-2320, 16 KiB 2480-2590.  A phase-2 group's first item: 2780-2890 more without, 1760-2240
  * with.  tools/ab_builds.py new / old, and in brackets old / new with the builds' places swapped (an
