@@ -90,13 +90,14 @@
  * path too) reads a tile's K halves as two streams (decode_halves); a kernel that reads a tile as one
  * stream finds its second half's head in L2 when it gets there.  Measured on the Zen 4 VM (rdtsc
  * around each kernel call, benchmark layer, T = 1, 1 thread, the heads' requests inside the timed
- * span; HEAD_LINES not yet in the machine code): an expert's first phase-1 tile pair took 3680-3770 TSC ticks (1.4 us) more than the tile
- * pairs after it without them, 2090-2250 with (five runs; a sixth 3280); heads of 2 KiB 2500-3530,
- * 8 KiB 2220-2320, 16 KiB 2480-2590.  A phase-2 group's first item: 2780-2890 more without, 1760-2240
- * with.  tools/ab_builds.py new / old, and in brackets old / new with the builds' places swapped (an
- * A/A read 0.975x-1.004x): T = 1 on 1 thread 0.994x, 0.994x (150 rounds; 1.015x, 1.007x), on 2
- * threads 0.999x, 0.996x (1.003x, 1.009x; the bus the limit there); T = 4 0.998x on 1 and 2 threads
- * (1.007x, 1.006x); T = 64 1.004x (1.023x); T = 512 0.992x (0.989x). */
+ * span; HEAD_LINES not yet in the machine code): an expert's first phase-1 tile pair took 3680-3770
+ * TSC ticks (1.4 us) more than the tile pairs after it without them, 2090-2250 with (five runs; a
+ * sixth 3280); heads of 2 KiB 2500-3530, 8 KiB 2220-2320, 16 KiB 2480-2590.  A phase-2 group's first
+ * item: 2780-2890 more without, 1760-2240 with.  tools/ab_builds.py new / old, and in brackets old /
+ * new with the builds' places swapped (an A/A read 0.975x-1.004x): T = 1 on 1 thread 0.994x, 0.994x
+ * (150 rounds; 1.015x, 1.007x), on 2 threads 0.999x, 0.996x (1.003x, 1.009x; the bus the limit
+ * there); T = 4 0.998x on 1 and 2 threads (1.007x, 1.006x); T = 64 1.004x (1.023x); T = 512 0.992x
+ * (0.989x). */
 #define COLD_HEAD_BYTES 4096
 
 /* Pairs grouped by expert, and the buffers of one call, carved from the caller's arena. */
