@@ -51,7 +51,13 @@
  * source but, as it turned out later, not in the machine code), time
  * against single items: T = 1 0.94x (0.80x in a slow minute of the VM's memory), T = 64 0.98x,
  * T = 512 0.98x; T = 1 with another process spinning on one of the two cores 0.67x.  Runs of
- * items / 2 .. items / 64 were within the noise of each other. */
+ * items / 2 .. items / 64 were within the noise of each other.
+ * One thread has nothing to balance, so it takes phase 1 as one run and each phase-2 token block as
+ * one group (as far as its accumulator fits, group_size): its weight stream then starts cold once a
+ * phase, not at every run's start (COLD_HEAD_BYTES).  Measured on the Zen 4 VM (tools/ab_builds.py,
+ * benchmark layer, 1 thread, new / old, and in brackets old / new with the builds' places swapped):
+ * T = 1 0.999x and 0.995x (150 rounds; 1.016x, 1.007x), T = 4 0.993x (1.016x), T = 64 0.991x
+ * (1.007x), T = 512 0.999x. */
 #define RUNS_PER_THREAD 8
 /* Phase 2 takes its runs of items as groups, experts outer, items inner.  Items inner (one item at a
  * time, every expert for it) read each expert's down weights as a tile here and a tile there, and
@@ -290,10 +296,11 @@ typedef struct phase1_runs {
 } phase1_runs;
 
 static phase1_runs phase1_runs_of(int64_t items, int threads) {
-    phase1_runs r = {.items = items, .run = run_length(items, threads, RUNS_PER_THREAD)};
+    /* one thread: all items in one run (RUNS_PER_THREAD says why) */
+    phase1_runs r = {.items = items, .run = threads == 1 ? (items > 1 ? items : 1)
+                                                         : run_length(items, threads, RUNS_PER_THREAD)};
     const int64_t tail = threads > 1 ? (int64_t)threads * r.run : 0, short_run = r.run / TAIL_SPLIT;
     r.bulk_runs = items > tail ? (items - tail) / r.run : 0;
-    /* one thread has nobody to keep waiting: its last items stay one run */
     r.tail_run = threads == 1 ? r.run : short_run > 1 ? short_run : 1;
     r.count = r.bulk_runs + (items - r.bulk_runs * r.run + r.tail_run - 1) / r.tail_run;
     return r;
@@ -327,10 +334,11 @@ static int64_t group_fit(int64_t acc_bytes, int64_t tokens, int64_t item_cols) {
     return fit > 1 ? fit : 1;
 }
 
-/* Phase-2 items per group: a run of the items of all `blocks` token blocks, at most one block's
- * `items`, as far as group_acc_bytes() of y accumulator holds for `tokens`. */
+/* Phase-2 items per group: a run of the items of all `blocks` token blocks (one thread: all of them,
+ * RUNS_PER_THREAD says why), at most one block's `items`, as far as group_acc_bytes() of y
+ * accumulator holds for `tokens`. */
 static int64_t group_size(int64_t items, int64_t blocks, int threads, int64_t tokens, int64_t item_cols) {
-    int64_t run = run_length(items * blocks, threads, PHASE2_RUNS_PER_THREAD);
+    int64_t run = threads == 1 ? items : run_length(items * blocks, threads, PHASE2_RUNS_PER_THREAD);
     const int64_t fit = group_fit(group_acc_bytes(), tokens, item_cols);
     run = run < items ? run : items;
     return fit < run ? fit : run;
