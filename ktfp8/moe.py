@@ -105,6 +105,7 @@ class MoE:
         self.backend = variant.name
         self._threads = backends.default_threads(threads if threads is not None else config.threads)
         self.expert_range = experts.expert_range
+        self._whole_layer = len(self.expert_range) == config.expert_num
         self._act_dtype = variant.act_dtype
         fmt = experts.format
         block = experts.block or (0, 0)
@@ -155,8 +156,25 @@ class MoE:
                         f"CPU's {self.backend!r} kernel; pickle its ExpertWeights (or pass a checkpoint "
                         "path) and build the layer in the other process")
 
-    @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def __call__(self, x, topk_ids, topk_weights, out=None, accumulate=False):
+        y = self._plain_call(x, topk_ids, topk_weights) if out is None and accumulate is False else None
+        return y if y is not None else self._checked_call(x, topk_ids, topk_weights, out, accumulate)
+
+    def _plain_call(self, x, topk_ids, topk_weights, bf16_weights=False):
+        """y for the usual call on NumPy arrays (x float32 or bfloat16, int64 ids, float32 weights, all
+        C-contiguous) over the whole layer, through the native checks alone (PackedMoE.forward_plain
+        says why); None, nothing computed, for any other arguments.  bf16_weights: bfloat16 weights
+        too, widened exactly, for a caller that would widen them anyway (ktfp8.hf's TorchMoE)."""
+        if not self._whole_layer:
+            return None
+        backends.warn_if_one_thread(self._threads)
+        return self._kernel.forward_plain(x, topk_ids, topk_weights, _BF16, self._config.num_experts_per_tok,
+                                          self._act_dtype, self._threads, bf16_weights)
+
+    @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
+    def _checked_call(self, x, topk_ids, topk_weights, out=None, accumulate=False):
+        """The call on any arguments: torch tensors, int32 ids, out=, a shard of the layer; each checked
+        here, with the error naming what is wrong."""
         return self._compute(*self._arguments(x, topk_ids, topk_weights, out, accumulate), accumulate)
 
     def _compute(self, x, ids, topk_weights, out, accumulate=False):

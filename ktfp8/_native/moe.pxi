@@ -1,6 +1,8 @@
 # MoE seam (moe.h): pack once into a PackedMoE (variant and shape checked there), forward many times.
-# Arguments arrive validated from ktfp8.moe; sizes are checked once more against the shape.
+# forward's arguments arrive validated from ktfp8.moe, their sizes checked once more against the shape
+# here; forward_plain checks the usual call's arguments itself, in full.
 
+from libc.stdint cimport uint16_t, uint32_t
 import numpy as np
 
 from ..pages import stream_buffer
@@ -60,6 +62,17 @@ cdef object expert_pointers(weights, int64_t E, int64_t out, int64_t inp, size_t
     return pointers
 
 
+cdef cnp.ndarray widened_bf16(cnp.ndarray a):
+    """float32 copy of C-contiguous bfloat16 `a`: each value's bits in the top half of a float's, exact."""
+    cdef cnp.ndarray f = cnp.PyArray_EMPTY(cnp.PyArray_NDIM(a), cnp.PyArray_DIMS(a), cnp.NPY_FLOAT32, 0)
+    cdef const uint16_t *src = <const uint16_t *>cnp.PyArray_DATA(a)
+    cdef uint32_t *dst = <uint32_t *>cnp.PyArray_DATA(f)
+    cdef Py_ssize_t i
+    for i in range(cnp.PyArray_SIZE(a)):
+        dst[i] = (<uint32_t>src[i]) << 16
+    return f
+
+
 cdef class PackedMoE:
     """The experts of one layer packed once for one variant, their shape checked once.
 
@@ -115,16 +128,66 @@ cdef class PackedMoE:
         cdef int64_t T = cnp.PyArray_DIM(<cnp.ndarray>x, 0), k = cnp.PyArray_DIM(<cnp.ndarray>topk_ids, 1)
         cdef int x_dtype = KTFP8_F32 if cnp.PyArray_ITEMSIZE(<cnp.ndarray>x) == 4 else KTFP8_BF16
         cdef size_t xbytes = T * self.s.hidden * dtype_size(x_dtype)
+        self.run(T, k, c_buffer(x, xbytes, "x"), x_dtype, <const int64_t *>c_buffer(topk_ids, 8 * T * k, "topk_ids"),
+                 <const float *>c_buffer(topk_weights, 4 * T * k, "topk_weights"), c_buffer(y, xbytes, "y", True),
+                 accumulate, act_dtype, threads, layer_experts, topk_ids)
+
+    def forward_plain(self, x, topk_ids, topk_weights, bf16, int64_t top_k, int act_dtype, int threads,
+                      bint bf16_weights=False):
+        """y = MoE(x), a new array, for the plain call: x float32 or `bf16` (a dtype) [T, H], topk_ids
+        int64 and topk_weights float32 (or `bf16` with bf16_weights, widened exactly) [T, top_k], each
+        an ndarray (not a subclass) that is C-contiguous, aligned and in native byte order; these
+        experts the whole layer.  None, nothing computed, for any other arguments: the caller's full
+        checks then take them or name what is wrong.
+        Why a path of its own: a decode call streams more weights than the L3 holds, so the Python and
+        NumPy code of the next call runs from DRAM.  Zen 4 VM, a tiny layer's call right after a T = 1
+        call on the benchmark layer: 61.5 us through ktfp8.moe's checks against 12.9 for the kernel's
+        forward alone, 14.4 against 7.5 through these; tools/ab_builds.py, the benchmark layer at
+        T = 1 (1.4 ms a call), new / old 0.979x on 1 thread, 0.990x on 2 (builds swapped: 1.020x,
+        1.022x)."""
+        if not (cnp.PyArray_CheckExact(x) and cnp.PyArray_CheckExact(topk_ids)
+                and cnp.PyArray_CheckExact(topk_weights)):
+            return None
+        cdef cnp.ndarray xa = <cnp.ndarray>x, ids = <cnp.ndarray>topk_ids, w = <cnp.ndarray>topk_weights
+        if cnp.PyArray_NDIM(xa) != 2 or cnp.PyArray_NDIM(ids) != 2 or cnp.PyArray_NDIM(w) != 2:
+            return None
+        cdef int64_t T = cnp.PyArray_DIM(xa, 0)
+        if (cnp.PyArray_DIM(xa, 1) != self.s.hidden or cnp.PyArray_DIM(ids, 0) != T or cnp.PyArray_DIM(ids, 1) != top_k
+                or cnp.PyArray_DIM(w, 0) != T or cnp.PyArray_DIM(w, 1) != top_k):
+            return None
+        cdef bint x_f32 = cnp.PyArray_TYPE(xa) == cnp.NPY_FLOAT32 and cnp.PyArray_ISNOTSWAPPED(xa)
+        if not (x_f32 or <object>cnp.PyArray_DESCR(xa) is bf16):
+            return None
+        cdef bint w_f32 = cnp.PyArray_TYPE(w) == cnp.NPY_FLOAT32 and cnp.PyArray_ISNOTSWAPPED(w)
+        if not (cnp.PyArray_TYPE(ids) == cnp.NPY_INT64 and cnp.PyArray_ISNOTSWAPPED(ids)
+                and (w_f32 or (bf16_weights and <object>cnp.PyArray_DESCR(w) is bf16))):
+            return None
+        for a in (xa, ids, w):
+            if not (cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a) and cnp.PyArray_ISALIGNED(<cnp.ndarray>a)):
+                return None
+        if not w_f32:
+            w = widened_bf16(w)
+        # x's dtype by its type number (ml_dtypes registers bfloat16's), C order
+        cdef cnp.ndarray y = cnp.PyArray_EMPTY(2, cnp.PyArray_DIMS(xa), cnp.PyArray_TYPE(xa), 0)
+        self.run(T, top_k, cnp.PyArray_DATA(xa), KTFP8_F32 if x_f32 else KTFP8_BF16,
+                 <const int64_t *>cnp.PyArray_DATA(ids), <const float *>cnp.PyArray_DATA(w), cnp.PyArray_DATA(y),
+                 False, act_dtype, threads, self.s.experts, ids)
+        return y
+
+    cdef run(self, int64_t T, int64_t k, const void *x, int x_dtype, const int64_t *topk_ids,
+             const float *topk_weights, void *y, bint accumulate, int act_dtype, int threads,
+             int64_t layer_experts, ids_array):
+        """The call on checked buffers; ids_array (topk_ids) names the id in the error for one >= E."""
         cdef ktfp8_moe_call c
         c.shape = &self.s
         c.packed = self.packed_data
         c.tokens = T
         c.top_k = k
-        c.x = c_buffer(x, xbytes, "x")
+        c.x = x
         c.x_dtype = x_dtype
-        c.topk_ids = <const int64_t *>c_buffer(topk_ids, 8 * T * k, "topk_ids")
-        c.topk_weights = <const float *>c_buffer(topk_weights, 4 * T * k, "topk_weights")
-        c.y = c_buffer(y, xbytes, "y", True)
+        c.topk_ids = topk_ids
+        c.topk_weights = topk_weights
+        c.y = y
         c.accumulate = accumulate
         c.threads = threads
         c.act_dtype = act_dtype
@@ -137,4 +200,4 @@ cdef class PackedMoE:
         if rc == KTFP8_ENOMEM:
             raise MemoryError("ktfp8: out of memory in the MoE forward")
         if rc == KTFP8_EINVAL:  # checked before anything is written; found here, not scanned for per call
-            raise ValueError(f"topk_ids holds expert id {int(np.max(topk_ids))} >= expert_num {self.s.experts}")
+            raise ValueError(f"topk_ids holds expert id {int(np.max(ids_array))} >= expert_num {self.s.experts}")

@@ -1,0 +1,201 @@
+"""The plain call's native checks (PackedMoE.forward_plain, ktfp8/_native/moe.pxi): MoE(x, ids, w) on
+NumPy arrays of the usual kinds takes them alone; any other arguments reach ktfp8.moe's full checks and
+give the same sums bit for bit, or the same error as before."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ktfp8.moe import MoE
+from kernel_tester import moe_config
+from moe_oracle import make_experts, moe_fp64, nmse, random_routing
+
+E, H, I, K, T = 6, 200, 72, 3, 5
+CONFIG = moe_config("fp8_per_channel", E, H, I, K, block=64)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return make_experts("fp8_per_channel", E, H, I, seed=1)
+
+
+@pytest.fixture(scope="module")
+def layer(weights):
+    experts, dense = weights
+    return MoE(CONFIG, experts, threads=2), dense
+
+
+def plain_arguments(dtype=np.float32):
+    rng = np.random.default_rng(3)
+    ids, w = random_routing(T, E, K, seed=3, skip_fraction=0.1)
+    return rng.standard_normal((T, H)).astype(dtype), ids, w
+
+
+def checked(layer, x, ids, w):
+    """The same call through the full checks (out= always takes them)."""
+    out = np.empty(x.shape, x.dtype)
+    return layer(x, ids, w, out=out)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_plain_call_takes_the_native_checks_alone(layer, monkeypatch, dtype):
+    moe, dense = layer
+    x, ids, w = plain_arguments(dtype)
+
+    def full_checks(*args, **kwargs):
+        raise AssertionError("the plain call went through the full checks")
+    with monkeypatch.context() as m:
+        m.setattr(MoE, "_checked_call", full_checks)
+        y = moe(x, ids, w)
+    assert type(y) is np.ndarray and y.dtype == x.dtype and y.shape == x.shape and y.flags.c_contiguous
+    np.testing.assert_array_equal(y, checked(moe, x, ids, w))
+    assert nmse(y, moe_fp64(x.astype(np.float32), ids, w, *dense)) <= (2e-5 if dtype == np.float32 else 1e-4)
+
+
+class Sub(np.ndarray):
+    pass
+
+
+def misaligned(a):
+    """A C-contiguous copy of `a` one byte off its buffer's alignment."""
+    raw = np.empty(a.nbytes + 1, np.uint8)
+    view = raw[1:].view(a.dtype).reshape(a.shape)
+    view[...] = a
+    assert not view.flags.aligned
+    return view
+
+
+# arguments forward_plain leaves to the full checks, each with what the call then gives:
+# None (the plain call's sums), or the error the full checks raise
+REFUSED = {
+    "int32 ids": (lambda x, ids, w: (x, ids.astype(np.int32), w), None),
+    "x a subclass": (lambda x, ids, w: (x.view(Sub), ids, w), None),
+    "ids a subclass": (lambda x, ids, w: (x, ids.view(Sub), w), None),
+    "x misaligned": (lambda x, ids, w: (misaligned(x), ids, w), None),
+    "weights misaligned": (lambda x, ids, w: (x, ids, misaligned(w)), None),
+    "x not C-contiguous": (lambda x, ids, w: (np.asfortranarray(x), ids, w), (ValueError, "x must be C-contiguous")),
+    "x float64": (lambda x, ids, w: (x.astype(np.float64), ids, w), (TypeError, "x must have dtype")),
+    "weights big-endian": (lambda x, ids, w: (x, ids, w.astype(">f4")), (TypeError, "topk_weights must have dtype")),
+    "ids 1-D": (lambda x, ids, w: (x, ids.ravel(), w), (ValueError, "topk_ids must be 2-D")),
+    "ids one column short": (lambda x, ids, w: (x, ids[:, 1:].copy(), w), (ValueError, "topk_ids must have shape")),
+    "weights a row short": (lambda x, ids, w: (x, ids, w[1:].copy()), (ValueError, "topk_weights must have shape")),
+    "x a list": (lambda x, ids, w: (x.tolist(), ids, w), (TypeError, "x must be a numpy array")),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_other_arguments_reach_the_full_checks(layer, case):
+    moe, _ = layer
+    change, outcome = REFUSED[case]
+    x, ids, w = plain_arguments()
+    want = moe(x, ids, w)
+    args = change(x, ids, w)
+    assert moe._kernel.forward_plain(*args, np.dtype(ml_dtypes.bfloat16), K, moe._act_dtype, 1) is None
+    if outcome is None:
+        np.testing.assert_array_equal(moe(*args), want)
+    else:
+        with pytest.raises(outcome[0], match=outcome[1]):
+            moe(*args)
+
+
+def test_out_accumulate_and_shards_take_the_full_checks(layer, weights, monkeypatch):
+    """out=, accumulate= and a shard's global ids are the full checks' (forward_plain never sees them)."""
+    moe, _ = layer
+    x, ids, w = plain_arguments()
+    want = moe(x, ids, w)
+    shards = [MoE(CONFIG, weights[0].shard(part), threads=2) for part in (range(0, 2), range(2, E))]
+    calls = []
+    original = MoE._checked_call
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(MoE, "_checked_call", counted)
+    np.testing.assert_array_equal(checked(moe, x, ids, w), want)
+    acc = np.zeros_like(x)
+    np.testing.assert_array_equal(moe(x, ids, w, out=acc, accumulate=True), want)
+    assert len(calls) == 2
+    # each shard skips the ids the other holds: their outputs sum to the layer's (up to rounding)
+    total = sum(shard(x, ids, w).astype(np.float64) for shard in shards)
+    assert len(calls) == 4
+    assert nmse(total, want) <= 1e-10
+
+
+def test_an_expert_id_past_the_layer_is_named(layer):
+    moe, _ = layer
+    x, ids, w = plain_arguments()
+    ids[2, 1] = E + 3
+    with pytest.raises(ValueError, match=f"topk_ids holds expert id {E + 3} >= expert_num {E}"):
+        moe(x, ids, w)
+
+
+# ktfp8.hf's TorchMoE: plain CPU tensors take the same native checks (_torch.plain_view)
+
+@pytest.fixture(scope="module")
+def torch_layer(weights):
+    torch = pytest.importorskip("torch")
+    from ktfp8.hf.layer import build_layer
+    return torch, build_layer(CONFIG, weights[0], threads=2)
+
+
+def tensors(torch, weights_dtype):
+    x, ids, w = plain_arguments()
+    return (torch.from_numpy(x).to(torch.bfloat16), torch.from_numpy(ids),
+            torch.from_numpy(w).to(weights_dtype))
+
+
+@pytest.mark.parametrize("weights_dtype", ["float32", "bfloat16"])
+def test_plain_tensors_take_the_native_checks_alone(torch_layer, monkeypatch, weights_dtype):
+    torch, layer = torch_layer
+    x, ids, w = tensors(torch, getattr(torch, weights_dtype))
+
+    def full_checks(*args, **kwargs):
+        raise AssertionError("plain tensors went through the full checks")
+    with monkeypatch.context() as m:
+        m.setattr(MoE, "_checked_call", full_checks)
+        y = layer(x, ids, w)
+    assert type(y) is torch.Tensor and y.dtype == torch.bfloat16 and y.shape == x.shape
+    # the weights widened exactly: the same bits as float32 weights holding the same values, and as
+    # the full checks' path
+    want = layer.moe(x, ids, w.float(), out=torch.empty_like(x))
+    assert torch.equal(y, want)
+
+
+def test_other_tensors_reach_the_full_checks(torch_layer):
+    torch, layer = torch_layer
+    x, ids, w = tensors(torch, torch.float32)
+    want = layer(x, ids, w)
+    wide = torch.zeros(x.shape[0], 2 * x.shape[1], dtype=x.dtype)
+    wide[:, ::2] = x
+    others = {
+        "x not contiguous": (wide[:, ::2], ids, w),
+        "int32 ids": (x, ids.int(), w),
+        "float16 weights exactly float32's": (x, ids, w.half().float().half()),
+        "x requiring a gradient": (x.clone().requires_grad_(True), ids, w),
+    }
+    for name, args in others.items():
+        from ktfp8._torch import plain_view
+        views = [plain_view(t, torch) for t in args]
+        taken = all(v is not None for v in views) and layer.moe._plain_call(*views, bf16_weights=True) is not None
+        assert not taken, name
+        got = layer(*args)
+        if name.startswith("float16"):
+            want16 = layer(x, ids, w.half().float())
+            assert torch.equal(got, want16), name
+        else:
+            assert torch.equal(got.detach(), want), name
+
+
+def test_plain_view_refuses_what_numpy_cannot_read_as_is():
+    torch = pytest.importorskip("torch")
+    from ktfp8._torch import plain_view
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    view = plain_view(t, torch)
+    assert isinstance(view, np.ndarray) and view.ctypes.data == t.data_ptr()
+    bf = plain_view(t.to(torch.bfloat16), torch)
+    assert bf.dtype == ml_dtypes.bfloat16 and np.array_equal(bf.astype(np.float32), view)
+    assert plain_view(view, torch) is None                                   # not a tensor
+    assert plain_view(t.clone().requires_grad_(True), torch) is None         # needs autograd
+    assert plain_view(t.to("meta"), torch) is None                           # not on the CPU
+    assert plain_view(t.to_sparse(), torch) is None                          # not dense
+    assert plain_view(torch._neg_view(t), torch) is None                     # its negative bit set
+    assert plain_view(t.to(torch.float8_e4m3fnuz), torch) is None            # no NumPy dtype for it
