@@ -11,9 +11,9 @@ MoE figure is mostly ktfp8_moe_forward itself (the Python side and the seam take
 experts module adds transformers' dispatch and the tensors' NumPy views: on the Zen 4 VM its median
 was 30.4-30.9 us against 37.5-38.3 while every call went through the custom op ktfp8::moe (three
 runs of each, alternated), the MoE on NumPy arrays 4.7 us.  Since the plain call skips ktfp8.moe's
-and accepts_tensors' Python checks (PackedMoE.forward_plain, _torch.plain_view): the MoE 2.9 us
-against 4.9, the experts module 20.0-20.6 against 29.3; after a flush 26-27 against 56-59 and
-230-250 against 341-350 (two runs of each, alternated).
+and accepts_tensors' Python checks (PackedMoE.forward_plain, _torch.plain_view): the MoE 2.8-2.9 us
+against 4.9-5.0, the experts module 20.0-20.6 against 29.0-29.4; after a flush 26-29 against 56-66
+and 230-276 against 341-367 (four runs of each, alternated).
 
 The *_after_a_flush cases read 4x the L3's bytes before each call, as a model's previous MoE layer
 streams its weights from DRAM: the call's Python then runs from DRAM too, and costs several times

@@ -93,8 +93,8 @@ def plain_view(t, torch):
     other tensor or object, whose to_numpy then says what is wrong.  What a model's layers call per
     token use (ktfp8.hf, TorchMoE): an experts call whose caches the previous layer's weights have
     flushed runs its Python from DRAM, and through accepts_tensors (and a torch op widening bfloat16
-    router weights) bench_call_overhead.py's tiny experts call after a flush took 341-350 us against
-    230-250 this way, 29.3 against 20.0-20.6 back to back (Zen 4 VM, two runs of each)."""
+    router weights) bench_call_overhead.py's tiny experts call after a flush took 341-367 us against
+    230-276 this way, 29.0-29.4 against 20.0-20.6 back to back (Zen 4 VM, four runs of each)."""
     if type(t) is not torch.Tensor or not t.is_cpu or t.requires_grad or t.layout is not torch.strided \
             or _is_wrapper(t, torch):
         return None

@@ -1,6 +1,6 @@
-"""The plain call's native checks (PackedMoE.forward_plain, ktfp8/_native/moe.pxi): MoE(x, ids, w) on
-NumPy arrays of the usual kinds takes them alone; any other arguments reach ktfp8.moe's full checks and
-give the same sums bit for bit, or the same error as before."""
+"""The plain call (MoE._plain_call): MoE(x, ids, w) on NumPy arrays of the usual kinds skips the full
+checks of _checked_call; any other arguments reach them and give the same sums bit for bit, or the same
+error as before."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -37,7 +37,7 @@ def checked(layer, x, ids, w):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-def test_plain_call_takes_the_native_checks_alone(layer, monkeypatch, dtype):
+def test_plain_call_skips_the_full_checks(layer, monkeypatch, dtype):
     moe, dense = layer
     x, ids, w = plain_arguments(dtype)
 
@@ -64,7 +64,7 @@ def misaligned(a):
     return view
 
 
-# arguments forward_plain leaves to the full checks, each with what the call then gives:
+# arguments _plain_call leaves to the full checks, each with what the call then gives:
 # None (the plain call's sums), or the error the full checks raise
 REFUSED = {
     "int32 ids": (lambda x, ids, w: (x, ids.astype(np.int32), w), None),
@@ -79,6 +79,8 @@ REFUSED = {
     "ids one column short": (lambda x, ids, w: (x, ids[:, 1:].copy(), w), (ValueError, "topk_ids must have shape")),
     "weights a row short": (lambda x, ids, w: (x, ids, w[1:].copy()), (ValueError, "topk_weights must have shape")),
     "x a list": (lambda x, ids, w: (x.tolist(), ids, w), (TypeError, "x must be a numpy array")),
+    "weights bfloat16": (lambda x, ids, w: (x, ids, w.astype(ml_dtypes.bfloat16)),
+                         (TypeError, "topk_weights must have dtype")),
 }
 
 
@@ -89,7 +91,7 @@ def test_other_arguments_reach_the_full_checks(layer, case):
     x, ids, w = plain_arguments()
     want = moe(x, ids, w)
     args = change(x, ids, w)
-    assert moe._kernel.forward_plain(*args, np.dtype(ml_dtypes.bfloat16), K, moe._act_dtype, 1) is None
+    assert moe._plain_call(*args) is None
     if outcome is None:
         np.testing.assert_array_equal(moe(*args), want)
     else:
@@ -97,8 +99,19 @@ def test_other_arguments_reach_the_full_checks(layer, case):
             moe(*args)
 
 
+def test_bfloat16_weights_where_asked_are_widened_exactly(layer):
+    """_plain_call(bf16_weights=True) (ktfp8.hf's router weights): the driver widens each bfloat16
+    weight to the float32 of the same value, so the sums are those of the float32 weights."""
+    moe, _ = layer
+    x, ids, w = plain_arguments()
+    w = (w * np.array([1, -3e-3, 2.5e4], np.float32)).astype(ml_dtypes.bfloat16)   # signs, scales
+    y = moe._plain_call(x, ids, w, bf16_weights=True)
+    assert y is not None
+    np.testing.assert_array_equal(y, moe(x, ids, w.astype(np.float32)))
+
+
 def test_out_accumulate_and_shards_take_the_full_checks(layer, weights, monkeypatch):
-    """out=, accumulate= and a shard's global ids are the full checks' (forward_plain never sees them)."""
+    """out=, accumulate= and a shard's global ids are the full checks' (_plain_call never sees them)."""
     moe, _ = layer
     x, ids, w = plain_arguments()
     want = moe(x, ids, w)
@@ -128,7 +141,7 @@ def test_an_expert_id_past_the_layer_is_named(layer):
         moe(x, ids, w)
 
 
-# ktfp8.hf's TorchMoE: plain CPU tensors take the same native checks (_torch.plain_view)
+# ktfp8.hf's TorchMoE: plain CPU tensors take the same plain call (_torch.plain_view)
 
 @pytest.fixture(scope="module")
 def torch_layer(weights):
@@ -144,7 +157,7 @@ def tensors(torch, weights_dtype):
 
 
 @pytest.mark.parametrize("weights_dtype", ["float32", "bfloat16"])
-def test_plain_tensors_take_the_native_checks_alone(torch_layer, monkeypatch, weights_dtype):
+def test_plain_tensors_skip_the_full_checks(torch_layer, monkeypatch, weights_dtype):
     torch, layer = torch_layer
     x, ids, w = tensors(torch, getattr(torch, weights_dtype))
 

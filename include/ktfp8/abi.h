@@ -159,7 +159,8 @@ typedef struct ktfp8_moe_call {
     const void *x;                 /* [T, H] in x_dtype (F32 or BF16), C-contiguous */
     int32_t x_dtype;
     const int64_t *topk_ids;       /* [T, top_k]; < 0: skip this slot */
-    const float *topk_weights;     /* [T, top_k] */
+    const void *topk_weights;      /* [T, top_k] in weights_dtype: F32, or BF16 (widened exactly) */
+    int32_t weights_dtype;
     void *y;                       /* [T, H] in x_dtype */
     int32_t accumulate;            /* 1: add into y */
     int32_t threads;               /* > 0 */

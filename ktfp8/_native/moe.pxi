@@ -2,7 +2,6 @@
 # forward's arguments arrive validated from ktfp8.moe, their sizes checked once more against the shape
 # here; forward_plain checks the usual call's arguments itself, in full.
 
-from libc.stdint cimport uint16_t, uint32_t
 import numpy as np
 
 from ..pages import stream_buffer
@@ -22,7 +21,8 @@ cdef extern from "ktfp8/abi.h":
         const void *x
         int32_t x_dtype
         const int64_t *topk_ids
-        const float *topk_weights
+        const void *topk_weights
+        int32_t weights_dtype
         void *y
         int32_t accumulate
         int32_t threads
@@ -60,17 +60,6 @@ cdef object expert_pointers(weights, int64_t E, int64_t out, int64_t inp, size_t
     for e in range(E):
         pointers[e] = <size_t>c_buffer(weights[e], matrix, f"{name}[{e}]")
     return pointers
-
-
-cdef cnp.ndarray widened_bf16(cnp.ndarray a):
-    """float32 copy of C-contiguous bfloat16 `a`: each value's bits in the top half of a float's, exact."""
-    cdef cnp.ndarray f = cnp.PyArray_EMPTY(cnp.PyArray_NDIM(a), cnp.PyArray_DIMS(a), cnp.NPY_FLOAT32, 0)
-    cdef const uint16_t *src = <const uint16_t *>cnp.PyArray_DATA(a)
-    cdef uint32_t *dst = <uint32_t *>cnp.PyArray_DATA(f)
-    cdef Py_ssize_t i
-    for i in range(cnp.PyArray_SIZE(a)):
-        dst[i] = (<uint32_t>src[i]) << 16
-    return f
 
 
 cdef class PackedMoE:
@@ -129,14 +118,14 @@ cdef class PackedMoE:
         cdef int x_dtype = KTFP8_F32 if cnp.PyArray_ITEMSIZE(<cnp.ndarray>x) == 4 else KTFP8_BF16
         cdef size_t xbytes = T * self.s.hidden * dtype_size(x_dtype)
         self.run(T, k, c_buffer(x, xbytes, "x"), x_dtype, <const int64_t *>c_buffer(topk_ids, 8 * T * k, "topk_ids"),
-                 <const float *>c_buffer(topk_weights, 4 * T * k, "topk_weights"), c_buffer(y, xbytes, "y", True),
+                 c_buffer(topk_weights, 4 * T * k, "topk_weights"), KTFP8_F32, c_buffer(y, xbytes, "y", True),
                  accumulate, act_dtype, threads, layer_experts, topk_ids)
 
     def forward_plain(self, x, topk_ids, topk_weights, bf16, int64_t top_k, int act_dtype, int threads,
                       bint bf16_weights=False):
         """y = MoE(x), a new array, for the plain call: x float32 or `bf16` (a dtype) [T, H], topk_ids
-        int64 and topk_weights float32 (or `bf16` with bf16_weights, widened exactly) [T, top_k], each
-        an ndarray (not a subclass) that is C-contiguous, aligned and in native byte order; these
+        int64 and topk_weights float32 (or `bf16` with bf16_weights: the driver widens them) [T, top_k],
+        each an ndarray (not a subclass) that is C-contiguous, aligned and in native byte order; these
         experts the whole layer.  None, nothing computed, for any other arguments: the caller's full
         checks then take them or name what is wrong.
         Why a path of its own: a decode call streams more weights than the L3 holds, so the Python and
@@ -144,7 +133,11 @@ cdef class PackedMoE:
         call on the benchmark layer: 61.5 us through ktfp8.moe's checks against 12.9 for the kernel's
         forward alone, 14.4 against 7.5 through these; tools/ab_builds.py, the benchmark layer at
         T = 1 (1.4 ms a call), new / old 0.979x on 1 thread, 0.990x on 2 (builds swapped: 1.020x,
-        1.022x)."""
+        1.022x).
+        Why here, where the seam otherwise holds no logic (DESIGN.md): the same checks in ktfp8.moe,
+        in as few Python operations as would do, took 41-49 us of that tiny call after a flush against
+        26-27 here (bench_call_overhead.py), and gained about a third as much on the benchmark layer
+        (T = 1 on 1 thread 0.996x, swapped 1.010x; against these, 1.001x-1.005x, swapped 0.989x-0.994x)."""
         if not (cnp.PyArray_CheckExact(x) and cnp.PyArray_CheckExact(topk_ids)
                 and cnp.PyArray_CheckExact(topk_weights)):
             return None
@@ -165,17 +158,15 @@ cdef class PackedMoE:
         for a in (xa, ids, w):
             if not (cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a) and cnp.PyArray_ISALIGNED(<cnp.ndarray>a)):
                 return None
-        if not w_f32:
-            w = widened_bf16(w)
         # x's dtype by its type number (ml_dtypes registers bfloat16's), C order
         cdef cnp.ndarray y = cnp.PyArray_EMPTY(2, cnp.PyArray_DIMS(xa), cnp.PyArray_TYPE(xa), 0)
         self.run(T, top_k, cnp.PyArray_DATA(xa), KTFP8_F32 if x_f32 else KTFP8_BF16,
-                 <const int64_t *>cnp.PyArray_DATA(ids), <const float *>cnp.PyArray_DATA(w), cnp.PyArray_DATA(y),
-                 False, act_dtype, threads, self.s.experts, ids)
+                 <const int64_t *>cnp.PyArray_DATA(ids), cnp.PyArray_DATA(w), KTFP8_F32 if w_f32 else KTFP8_BF16,
+                 cnp.PyArray_DATA(y), False, act_dtype, threads, self.s.experts, ids)
         return y
 
     cdef run(self, int64_t T, int64_t k, const void *x, int x_dtype, const int64_t *topk_ids,
-             const float *topk_weights, void *y, bint accumulate, int act_dtype, int threads,
+             const void *topk_weights, int weights_dtype, void *y, bint accumulate, int act_dtype, int threads,
              int64_t layer_experts, ids_array):
         """The call on checked buffers; ids_array (topk_ids) names the id in the error for one >= E."""
         cdef ktfp8_moe_call c
@@ -187,6 +178,7 @@ cdef class PackedMoE:
         c.x_dtype = x_dtype
         c.topk_ids = topk_ids
         c.topk_weights = topk_weights
+        c.weights_dtype = weights_dtype
         c.y = y
         c.accumulate = accumulate
         c.threads = threads

@@ -139,6 +139,12 @@ static int64_t routed_pairs(const ktfp8_moe_call *c) {
     return routed;
 }
 
+/* Router weight i of the call, as a float (a bfloat16 one widened exactly). */
+static float topk_weight(const ktfp8_moe_call *c, int64_t i) {
+    if (c->weights_dtype == KTFP8_BF16) return ktfp8_bf16_to_f32(((const uint16_t *)c->topk_weights)[i]);
+    return ((const float *)c->topk_weights)[i];
+}
+
 /* Counting sort of the (token, slot) pairs by expert, stable in (token, slot) order. */
 static void group_pairs(const ktfp8_moe_call *c, call_buffers *b) {
     const int64_t E = c->shape->experts, n = c->tokens * c->top_k;
@@ -158,7 +164,7 @@ static void group_pairs(const ktfp8_moe_call *c, call_buffers *b) {
         if (id < 0) continue;
         const int64_t at = b->fill[id]++;
         b->pair_token[at] = i / c->top_k;
-        b->pair_weight[at] = c->topk_weights[i];
+        b->pair_weight[at] = topk_weight(c, i);
     }
 }
 

@@ -33,7 +33,7 @@ class TorchMoE:
         return self.moe if isinstance(self.moe, MoE) else self.moe.moe   # ExpertParallelMoE: its shard
 
     def __call__(self, hidden_states, topk_ids, topk_weights):
-        if isinstance(self.moe, MoE):   # plain CPU tensors: MoE's native checks alone (_torch.plain_view says why)
+        if isinstance(self.moe, MoE):   # plain CPU tensors: MoE's plain call (_torch.plain_view says why)
             x, ids, w = (plain_view(t, torch) for t in (hidden_states, topk_ids, topk_weights))
             y = None if x is None or ids is None or w is None else self.moe._plain_call(x, ids, w, bf16_weights=True)
             if y is not None:
