@@ -136,7 +136,7 @@ cdef class PackedMoE:
         1.022x).
         Why here, where the seam otherwise holds no logic (DESIGN.md): the same checks in ktfp8.moe,
         in as few Python operations as would do, took 41-49 us of that tiny call after a flush against
-        26-27 here (bench_call_overhead.py), and gained about a third as much on the benchmark layer
+        26-29 here (bench_call_overhead.py), and gained about a third as much on the benchmark layer
         (T = 1 on 1 thread 0.996x, swapped 1.010x; against these, 1.001x-1.005x, swapped 0.989x-0.994x)."""
         if not (cnp.PyArray_CheckExact(x) and cnp.PyArray_CheckExact(topk_ids)
                 and cnp.PyArray_CheckExact(topk_weights)):
