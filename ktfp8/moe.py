@@ -218,7 +218,7 @@ class MoE:
         ids = topk_ids.astype(np.int64, copy=False)
         own = self.expert_range
         expert_num = self._config.expert_num
-        if len(own) == expert_num:
+        if self._whole_layer:
             return ids
         if ids.size and ids.max() >= expert_num:   # the kernel only sees local ids
             raise ValueError(f"topk_ids holds expert id {int(ids.max())} >= expert_num {expert_num}")
@@ -248,7 +248,7 @@ class MoE:
     def __repr__(self):
         own = self.expert_range
         expert_num = self._config.expert_num
-        held = "" if len(own) == expert_num else f" ({own!r} of {expert_num})"
+        held = "" if self._whole_layer else f" ({own!r} of {expert_num})"
         return (f"MoE(backend={self.backend!r}, experts={self._shape[0]}{held}, hidden={self._shape[1]}, "
                 f"intermediate={self._shape[2]}, nbytes={self.nbytes})")
 

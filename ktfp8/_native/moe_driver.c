@@ -282,8 +282,10 @@ INLINE void prefetch_cold_heads(const char *const *w, int n, size_t tile_bytes) 
         }
 }
 
+/* Items per run when `items` are cut into runs_per_thread runs a thread; one thread takes them as
+ * one run (RUNS_PER_THREAD says why). */
 static int64_t run_length(int64_t items, int threads, int runs_per_thread) {
-    const int64_t run = items / ((int64_t)runs_per_thread * threads);
+    const int64_t run = threads == 1 ? items : items / ((int64_t)runs_per_thread * threads);
     return run > 1 ? run : 1;
 }
 
@@ -302,9 +304,7 @@ typedef struct phase1_runs {
 } phase1_runs;
 
 static phase1_runs phase1_runs_of(int64_t items, int threads) {
-    /* one thread: all items in one run (RUNS_PER_THREAD says why) */
-    phase1_runs r = {.items = items, .run = threads == 1 ? (items > 1 ? items : 1)
-                                                         : run_length(items, threads, RUNS_PER_THREAD)};
+    phase1_runs r = {.items = items, .run = run_length(items, threads, RUNS_PER_THREAD)};
     const int64_t tail = threads > 1 ? (int64_t)threads * r.run : 0, short_run = r.run / TAIL_SPLIT;
     r.bulk_runs = items > tail ? (items - tail) / r.run : 0;
     r.tail_run = threads == 1 ? r.run : short_run > 1 ? short_run : 1;
@@ -340,11 +340,10 @@ static int64_t group_fit(int64_t acc_bytes, int64_t tokens, int64_t item_cols) {
     return fit > 1 ? fit : 1;
 }
 
-/* Phase-2 items per group: a run of the items of all `blocks` token blocks (one thread: all of them,
- * RUNS_PER_THREAD says why), at most one block's `items`, as far as group_acc_bytes() of y
- * accumulator holds for `tokens`. */
+/* Phase-2 items per group: a run of the items of all `blocks` token blocks (run_length), at most one
+ * block's `items`, as far as group_acc_bytes() of y accumulator holds for `tokens`. */
 static int64_t group_size(int64_t items, int64_t blocks, int threads, int64_t tokens, int64_t item_cols) {
-    int64_t run = threads == 1 ? items : run_length(items * blocks, threads, PHASE2_RUNS_PER_THREAD);
+    int64_t run = run_length(items * blocks, threads, PHASE2_RUNS_PER_THREAD);
     const int64_t fit = group_fit(group_acc_bytes(), tokens, item_cols);
     run = run < items ? run : items;
     return fit < run ? fit : run;
