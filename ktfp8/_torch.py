@@ -44,6 +44,9 @@ def to_numpy(obj, name, copy_to_cpu=None):
         raise TypeError(f"{name} is a tensor wrapped by a torch.func transform (vmap, grad, jvp, functionalize), "
                         f"whose memory does not hold its values; ktfp8 reads a tensor's memory: call it outside "
                         f"the transform")
+    if obj.is_neg():            # torch._neg_view and the like: the memory holds the values' negatives
+        raise TypeError(f"{name} is a tensor with its negative bit set, whose memory holds the negatives of its "
+                        f"values; pass {name}.resolve_neg()")
     t = obj.detach() if obj.requires_grad else obj
     view = _bit_view(t.dtype, torch)
     if view is None:

@@ -238,6 +238,20 @@ def test_tensors_inside_torch_func_transforms_are_refused(setup, transform):
         call()
 
 
+def test_tensor_with_its_negative_bit_set_is_refused(setup):
+    """torch._neg_view's tensors (and conj's parts) hold the negatives of their values in memory, which
+    NumPy cannot view (torch's own RuntimeError before): refused by name, input or out=."""
+    _, _, _, moe = setup
+    ids, tw = routing()
+    x = torch.randn(T, H)
+    with pytest.raises(TypeError, match=r"x is a tensor with its negative bit set.*pass x.resolve_neg\(\)"):
+        moe(torch._neg_view(-x), ids, tw)
+    with pytest.raises(TypeError, match="out is a tensor with its negative bit set"):
+        moe(x, ids, tw, out=torch._neg_view(torch.zeros(T, H)))
+    with pytest.raises(TypeError, match="x is a tensor with its negative bit set"):
+        fp8.encode(torch._neg_view(x))
+
+
 # ------------------------------------------------------------------------------------ other devices
 
 def test_off_cpu_tensor_is_refused_by_default(setup):
