@@ -8,12 +8,16 @@ one token over 8 experts.
 
 Goals on an AMX Xeon (issue 14): MoE <= 10 us, encode <= 5 us, route <= 10 us.  What remains of the
 MoE figure is mostly ktfp8_moe_forward itself (the Python side and the seam take ~1-3 us).  The
-experts module adds transformers' dispatch and the tensors' NumPy views: on the Zen 4 VM its median
-was 30.4-30.9 us against 37.5-38.3 while every call went through the custom op ktfp8::moe (three
-runs of each, alternated), the MoE on NumPy arrays 4.7 us.  Since the plain call skips ktfp8.moe's
-and accepts_tensors' Python checks (PackedMoE.forward_plain, _torch.plain_view): the MoE 2.8-2.9 us
-against 4.9-5.0, the experts module 20.0-20.6 against 29.0-29.4; after a flush 26-29 against 56-66
-and 230-276 against 341-367 (four runs of each, alternated).
+experts module adds transformers' dispatch and the tensors' checks: on the Zen 4 VM its median was
+30.4-30.9 us against 37.5-38.3 while every call went through the custom op ktfp8::moe (three runs of
+each, alternated), the MoE on NumPy arrays 4.7 us.  Since the plain call skips ktfp8.moe's and
+accepts_tensors' Python checks (PackedMoE.forward_plain; the tensors then through NumPy views): the
+MoE 2.8-2.9 us against 4.9-5.0, the experts module 20.0-20.6 against 29.0-29.4; after a flush 26-29
+against 56-66 and 230-276 against 341-367 (four runs of each, alternated).  Since plain tensors go to
+the kernel by address (_torch.plain_layer_memory), the layer's call takes 0.74x-0.75x the time of the
+NumPy views' after a flush on the Zen 3 VM, 0.76x-0.77x back to back (alternated in one process);
+this file's medians there swing by more than that from run to run (after a flush 316-429 us before,
+325-354 after; interquartile ranges 66-118 us).
 
 The *_after_a_flush cases read 4x the L3's bytes before each call, as a model's previous MoE layer
 streams its weights from DRAM: the call's Python then runs from DRAM too, and costs several times

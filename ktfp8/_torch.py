@@ -90,22 +90,38 @@ def _is_wrapper(t, torch):
     return False
 
 
-def plain_view(t, torch):
-    """The NumPy array over the memory of `t` where it is a plain CPU tensor (type torch.Tensor, dense,
-    needing no autograd, not a torch.func wrapper) of a dtype NumPy or ml_dtypes holds; None for any
-    other tensor or object, whose to_numpy then says what is wrong.  What a model's layers call per
-    token use (ktfp8.hf, TorchMoE): an experts call whose caches the previous layer's weights have
-    flushed runs its Python from DRAM, and through accepts_tensors (and a torch op widening bfloat16
-    router weights) bench_call_overhead.py's tiny experts call after a flush took 341-367 us against
-    230-276 this way, 29.0-29.4 against 20.0-20.6 back to back (Zen 4 VM, four runs of each)."""
-    if type(t) is not torch.Tensor or not t.is_cpu or t.requires_grad or t.layout is not torch.strided \
-            or _is_wrapper(t, torch):
+_plain_dtypes = None    # torch dtype -> is bfloat16, of x and the weights: float32 and bfloat16
+
+
+def plain_layer_memory(x, topk_ids, topk_weights, hidden, top_k, torch):
+    """(T, x's address, x is bfloat16, the ids' address, the weights' address, the weights are
+    bfloat16) where x [T, hidden] float32 or bfloat16, topk_ids int64 and topk_weights float32 or
+    bfloat16 [T, top_k] are plain CPU tensors (type torch.Tensor, dense, needing no autograd, not a
+    torch.func wrapper, no negative bit), each C-contiguous and aligned; None for anything else.
+    What ktfp8.hf's TorchMoE calls per layer and token, so that the kernel reads the tensors by address
+    and writes into torch.empty_like(x): NumPy views of the three tensors and a tensor over the NumPy
+    result cost more, most of all when the previous layer's weights have flushed the caches and torch's
+    NumPy interop runs from DRAM.  Zen 3 VM, a tiny layer (E = 8, H = 64, top-2, one thread), the two
+    paths alternated in one process: the layer's call 0.74x-0.75x the time after a flush (221-236 us
+    against 294-318), 0.76x-0.77x back to back (27-33 us against 34-44)."""
+    global _plain_dtypes
+    if _plain_dtypes is None:
+        _plain_dtypes = {torch.float32: False, torch.bfloat16: True}
+    for t in (x, topk_ids, topk_weights):
+        if type(t) is not torch.Tensor or not t.is_cpu or t.requires_grad or t.layout is not torch.strided \
+                or not t.is_contiguous() or t.is_neg() or _is_wrapper(t, torch):
+            return None
+    x_bf16, w_bf16 = _plain_dtypes.get(x.dtype), _plain_dtypes.get(topk_weights.dtype)
+    if x_bf16 is None or w_bf16 is None or topk_ids.dtype is not torch.int64:
         return None
-    view = _bit_view(t.dtype, torch)
-    try:
-        return t.numpy() if view is None else t.view(view[0]).numpy().view(view[1])
-    except (TypeError, RuntimeError):   # a dtype NumPy lacks, a tensor with its negative bit set, ...
+    shape = x.shape
+    if len(shape) != 2 or shape[1] != hidden or topk_ids.shape != (shape[0], top_k) \
+            or topk_weights.shape != topk_ids.shape:
         return None
+    addresses = x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr()
+    if any(a % size for a, size in zip(addresses, (2 if x_bf16 else 4, 8, 2 if w_bf16 else 4))):
+        return None
+    return shape[0], addresses[0], x_bf16, addresses[1], addresses[2], w_bf16
 
 
 def to_tensor(a):

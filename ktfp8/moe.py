@@ -160,16 +160,23 @@ class MoE:
         y = self._plain_call(x, topk_ids, topk_weights) if out is None and accumulate is False else None
         return y if y is not None else self._checked_call(x, topk_ids, topk_weights, out, accumulate)
 
-    def _plain_call(self, x, topk_ids, topk_weights, bf16_weights=False):
+    def _plain_call(self, x, topk_ids, topk_weights):
         """y for the usual call on NumPy arrays (x float32 or bfloat16, int64 ids, float32 weights, all
         C-contiguous) over the whole layer, through the native checks alone (PackedMoE.forward_plain
-        says why); None, nothing computed, for any other arguments.  bf16_weights: bfloat16 weights
-        too, widened exactly, for a caller that would widen them anyway (ktfp8.hf's TorchMoE)."""
+        says why); None, nothing computed, for any other arguments."""
         if not self._whole_layer:
             return None
         backends.warn_if_one_thread(self._threads)
         return self._kernel.forward_plain(x, topk_ids, topk_weights, _BF16, self._config.num_experts_per_tok,
-                                          self._act_dtype, self._threads, bf16_weights)
+                                          self._act_dtype, self._threads)
+
+    def _memory_call(self, T, x, x_bf16, topk_ids, topk_weights, weights_bf16, y, ids):
+        """The plain call on the memory of tensors ktfp8.hf's TorchMoE has checked in full
+        (_torch.plain_layer_memory: addresses, x and y [T, hidden], the ids and weights [T, top_k]),
+        these experts the whole layer; `ids` the ids' tensor, read only for the error an id >= E raises."""
+        backends.warn_if_one_thread(self._threads)
+        self._kernel.forward_memory(T, self._config.num_experts_per_tok, x, x_bf16, topk_ids, topk_weights,
+                                    weights_bf16, y, self._act_dtype, self._threads, ids)
 
     @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def _checked_call(self, x, topk_ids, topk_weights, out=None, accumulate=False):

@@ -99,17 +99,6 @@ def test_other_arguments_reach_the_full_checks(layer, case):
             moe(*args)
 
 
-def test_bfloat16_weights_where_asked_are_widened_exactly(layer):
-    """_plain_call(bf16_weights=True) (ktfp8.hf's router weights): the driver widens each bfloat16
-    weight to the float32 of the same value, so the sums are those of the float32 weights."""
-    moe, _ = layer
-    x, ids, w = plain_arguments()
-    w = (w * np.array([1, -3e-3, 2.5e4], np.float32)).astype(ml_dtypes.bfloat16)   # signs, scales
-    y = moe._plain_call(x, ids, w, bf16_weights=True)
-    assert y is not None
-    np.testing.assert_array_equal(y, moe(x, ids, w.astype(np.float32)))
-
-
 def test_out_accumulate_and_shards_take_the_full_checks(layer, weights, monkeypatch):
     """out=, accumulate= and a shard's global ids are the full checks' (_plain_call never sees them)."""
     moe, _ = layer
@@ -141,7 +130,7 @@ def test_an_expert_id_past_the_layer_is_named(layer):
         moe(x, ids, w)
 
 
-# ktfp8.hf's TorchMoE: plain CPU tensors take the same plain call (_torch.plain_view)
+# ktfp8.hf's TorchMoE: plain CPU tensors go to the kernel by address (_torch.plain_layer_memory)
 
 @pytest.fixture(scope="module")
 def torch_layer(weights):
@@ -156,21 +145,47 @@ def tensors(torch, weights_dtype):
             torch.from_numpy(w).to(weights_dtype))
 
 
+def taken_by_address(torch, args):
+    from ktfp8._torch import plain_layer_memory
+    return plain_layer_memory(*args, H, K, torch) is not None
+
+
 @pytest.mark.parametrize("weights_dtype", ["float32", "bfloat16"])
 def test_plain_tensors_skip_the_full_checks(torch_layer, monkeypatch, weights_dtype):
     torch, layer = torch_layer
     x, ids, w = tensors(torch, getattr(torch, weights_dtype))
+    assert taken_by_address(torch, (x, ids, w))
 
     def full_checks(*args, **kwargs):
         raise AssertionError("plain tensors went through the full checks")
     with monkeypatch.context() as m:
         m.setattr(MoE, "_checked_call", full_checks)
         y = layer(x, ids, w)
-    assert type(y) is torch.Tensor and y.dtype == torch.bfloat16 and y.shape == x.shape
+    assert type(y) is torch.Tensor and y.dtype == torch.bfloat16 and y.shape == x.shape and y.is_contiguous()
     # the weights widened exactly: the same bits as float32 weights holding the same values, and as
     # the full checks' path
     want = layer.moe(x, ids, w.float(), out=torch.empty_like(x))
     assert torch.equal(y, want)
+
+
+def test_bfloat16_weights_are_widened_exactly(torch_layer):
+    """The router's bfloat16 weights go to the driver as they are, which widens each to the float32 of
+    the same value: the sums are those of the float32 weights, whatever their signs and sizes."""
+    torch, layer = torch_layer
+    x, ids, w = tensors(torch, torch.float32)
+    w = (w * torch.tensor([1, -3e-3, 2.5e4])).to(torch.bfloat16)
+    x32 = x.float()
+    assert taken_by_address(torch, (x32, ids, w))
+    np.testing.assert_array_equal(layer(x32, ids, w).numpy(), layer.moe(x32.numpy(), ids.numpy(), w.float().numpy()))
+
+
+def test_an_expert_id_past_the_layer_is_named_by_address(torch_layer):
+    torch, layer = torch_layer
+    x, ids, w = tensors(torch, torch.float32)
+    ids[2, 1] = E + 3
+    assert taken_by_address(torch, (x, ids, w))
+    with pytest.raises(ValueError, match=f"topk_ids holds expert id {E + 3} >= expert_num {E}"):
+        layer(x, ids, w)
 
 
 def test_other_tensors_reach_the_full_checks(torch_layer):
@@ -186,10 +201,7 @@ def test_other_tensors_reach_the_full_checks(torch_layer):
         "x requiring a gradient": (x.clone().requires_grad_(True), ids, w),
     }
     for name, args in others.items():
-        from ktfp8._torch import plain_view
-        views = [plain_view(t, torch) for t in args]
-        taken = all(v is not None for v in views) and layer.moe._plain_call(*views, bf16_weights=True) is not None
-        assert not taken, name
+        assert not taken_by_address(torch, args), name
         got = layer(*args)
         if name.startswith("float16"):
             want16 = layer(x, ids, w.half().float())
@@ -198,17 +210,41 @@ def test_other_tensors_reach_the_full_checks(torch_layer):
             assert torch.equal(got.detach(), want), name
 
 
-def test_plain_view_refuses_what_numpy_cannot_read_as_is():
+def test_a_tensor_with_its_negative_bit_set_is_named(torch_layer):
+    """Its memory holds the negatives of its values: refused by name on both paths, never read as is."""
+    torch, layer = torch_layer
+    x, ids, w = tensors(torch, torch.float32)
+    negated = torch._neg_view(-w)
+    assert negated.is_neg() and torch.equal(negated, w)
+    assert not taken_by_address(torch, (x, ids, negated))
+    with pytest.raises(TypeError, match=r"topk_weights is a tensor with its negative bit set.*resolve_neg"):
+        layer(x, ids, negated)
+
+
+def test_plain_layer_memory_refuses_all_but_plain_tensors_of_the_layer():
     torch = pytest.importorskip("torch")
-    from ktfp8._torch import plain_view
-    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    view = plain_view(t, torch)
-    assert isinstance(view, np.ndarray) and view.ctypes.data == t.data_ptr()
-    bf = plain_view(t.to(torch.bfloat16), torch)
-    assert bf.dtype == ml_dtypes.bfloat16 and np.array_equal(bf.astype(np.float32), view)
-    assert plain_view(view, torch) is None                                   # not a tensor
-    assert plain_view(t.clone().requires_grad_(True), torch) is None         # needs autograd
-    assert plain_view(t.to("meta"), torch) is None                           # not on the CPU
-    assert plain_view(t.to_sparse(), torch) is None                          # not dense
-    assert plain_view(torch._neg_view(t), torch) is None                     # its negative bit set
-    assert plain_view(t.to(torch.float8_e4m3fnuz), torch) is None            # no NumPy dtype for it
+    x, ids, w = torch.ones(3, H), torch.zeros(3, K, dtype=torch.int64), torch.ones(3, K)
+    assert taken_by_address(torch, (x, ids, w))
+    from ktfp8._torch import plain_layer_memory
+    T, x_address, x_bf16, ids_address, w_address, w_bf16 = plain_layer_memory(x, ids, w, H, K, torch)
+    assert (T, x_address, ids_address, w_address, x_bf16, w_bf16) == (3, x.data_ptr(), ids.data_ptr(),
+                                                                       w.data_ptr(), False, False)
+    misaligned = torch.frombuffer(bytearray(4 * 3 * K + 1), dtype=torch.float32, offset=1, count=3 * K)
+    refused = {
+        "x a NumPy array": (x.numpy(), ids, w),
+        "x needs autograd": (x.clone().requires_grad_(True), ids, w),
+        "x on the meta device": (x.to("meta"), ids, w),
+        "x sparse": (x.to_sparse(), ids, w),
+        "x float16": (x.half(), ids, w),
+        "x float64": (x.double(), ids, w),
+        "x 1-D": (x.ravel(), ids, w),
+        "x of another width": (torch.ones(3, H + 1), ids, w),
+        "ids int32": (x, ids.int(), w),
+        "ids a row short": (x, ids[1:], w),
+        "ids not contiguous": (x, ids.t().contiguous().t(), w),
+        "weights a column short": (x, ids, w[:, 1:]),
+        "weights float8": (x, ids, w.to(torch.float8_e4m3fn)),
+        "weights misaligned": (x, ids, misaligned.reshape(3, K)),
+    }
+    for name, args in refused.items():
+        assert not taken_by_address(torch, args), name

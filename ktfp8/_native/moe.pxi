@@ -1,6 +1,7 @@
 # MoE seam (moe.h): pack once into a PackedMoE (variant and shape checked there), forward many times.
 # forward's arguments arrive validated from ktfp8.moe, their sizes checked once more against the shape
-# here; forward_plain checks the usual call's arguments itself, in full.
+# here; forward_plain checks the usual call's arguments itself, in full; forward_memory takes the
+# addresses of tensors _torch.plain_layer_memory has checked in full.
 
 import numpy as np
 
@@ -121,10 +122,9 @@ cdef class PackedMoE:
                  c_buffer(topk_weights, 4 * T * k, "topk_weights"), KTFP8_F32, c_buffer(y, xbytes, "y", True),
                  accumulate, act_dtype, threads, layer_experts, topk_ids)
 
-    def forward_plain(self, x, topk_ids, topk_weights, bf16, int64_t top_k, int act_dtype, int threads,
-                      bint bf16_weights=False):
+    def forward_plain(self, x, topk_ids, topk_weights, bf16, int64_t top_k, int act_dtype, int threads):
         """y = MoE(x), a new array, for the plain call: x float32 or `bf16` (a dtype) [T, H], topk_ids
-        int64 and topk_weights float32 (or `bf16` with bf16_weights: the driver widens them) [T, top_k],
+        int64 and topk_weights float32 [T, top_k],
         each an ndarray (not a subclass) that is C-contiguous, aligned and in native byte order; these
         experts the whole layer.  None, nothing computed, for any other arguments: the caller's full
         checks then take them or name what is wrong.
@@ -151,9 +151,8 @@ cdef class PackedMoE:
         cdef bint x_f32 = cnp.PyArray_TYPE(xa) == cnp.NPY_FLOAT32 and cnp.PyArray_ISNOTSWAPPED(xa)
         if not (x_f32 or <object>cnp.PyArray_DESCR(xa) is bf16):
             return None
-        cdef bint w_f32 = cnp.PyArray_TYPE(w) == cnp.NPY_FLOAT32 and cnp.PyArray_ISNOTSWAPPED(w)
         if not (cnp.PyArray_TYPE(ids) == cnp.NPY_INT64 and cnp.PyArray_ISNOTSWAPPED(ids)
-                and (w_f32 or (bf16_weights and <object>cnp.PyArray_DESCR(w) is bf16))):
+                and cnp.PyArray_TYPE(w) == cnp.NPY_FLOAT32 and cnp.PyArray_ISNOTSWAPPED(w)):
             return None
         for a in (xa, ids, w):
             if not (cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a) and cnp.PyArray_ISALIGNED(<cnp.ndarray>a)):
@@ -161,9 +160,20 @@ cdef class PackedMoE:
         # x's dtype by its type number (ml_dtypes registers bfloat16's), C order
         cdef cnp.ndarray y = cnp.PyArray_EMPTY(2, cnp.PyArray_DIMS(xa), cnp.PyArray_TYPE(xa), 0)
         self.run(T, top_k, cnp.PyArray_DATA(xa), KTFP8_F32 if x_f32 else KTFP8_BF16,
-                 <const int64_t *>cnp.PyArray_DATA(ids), cnp.PyArray_DATA(w), KTFP8_F32 if w_f32 else KTFP8_BF16,
+                 <const int64_t *>cnp.PyArray_DATA(ids), cnp.PyArray_DATA(w), KTFP8_F32,
                  cnp.PyArray_DATA(y), False, act_dtype, threads, self.s.experts, ids)
         return y
+
+    def forward_memory(self, int64_t T, int64_t top_k, size_t x, bint x_bf16, size_t topk_ids, size_t topk_weights,
+                       bint weights_bf16, size_t y, int act_dtype, int threads, ids_array):
+        """The plain call on memory its caller has checked in full (ktfp8.hf's TorchMoE on plain CPU
+        tensors, _torch.plain_layer_memory): x [T, H] float32 or bfloat16 (x_bf16), topk_ids int64
+        and topk_weights float32 or bfloat16 (weights_bf16) [T, top_k], y [T, H] of x's dtype, each
+        C-contiguous and aligned, given by address; these experts the whole layer.  ids_array: what
+        np.max reads the ids from for the error an id >= E raises (computed only then)."""
+        self.run(T, top_k, <const void *>x, KTFP8_BF16 if x_bf16 else KTFP8_F32, <const int64_t *>topk_ids,
+                 <const void *>topk_weights, KTFP8_BF16 if weights_bf16 else KTFP8_F32, <void *>y, False, act_dtype,
+                 threads, self.s.experts, ids_array)
 
     cdef run(self, int64_t T, int64_t k, const void *x, int x_dtype, const int64_t *topk_ids,
              const void *topk_weights, int weights_dtype, void *y, bint accumulate, int act_dtype, int threads,
@@ -192,4 +202,5 @@ cdef class PackedMoE:
         if rc == KTFP8_ENOMEM:
             raise MemoryError("ktfp8: out of memory in the MoE forward")
         if rc == KTFP8_EINVAL:  # checked before anything is written; found here, not scanned for per call
-            raise ValueError(f"topk_ids holds expert id {int(np.max(ids_array))} >= expert_num {self.s.experts}")
+            largest = int(np.max(np.asarray(ids_array)))
+            raise ValueError(f"topk_ids holds expert id {largest} >= expert_num {self.s.experts}")

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .._torch import plain_view, to_tensor
+from .._torch import plain_layer_memory
 from ..moe import MoE
 
 
@@ -33,11 +33,14 @@ class TorchMoE:
         return self.moe if isinstance(self.moe, MoE) else self.moe.moe   # ExpertParallelMoE: its shard
 
     def __call__(self, hidden_states, topk_ids, topk_weights):
-        if isinstance(self.moe, MoE):   # plain CPU tensors: MoE's plain call (_torch.plain_view says why)
-            x, ids, w = (plain_view(t, torch) for t in (hidden_states, topk_ids, topk_weights))
-            y = None if x is None or ids is None or w is None else self.moe._plain_call(x, ids, w, bf16_weights=True)
-            if y is not None:
-                return to_tensor(y)
+        moe = self.moe
+        if isinstance(moe, MoE) and moe._whole_layer:   # plain CPU tensors: _torch.plain_layer_memory says why
+            memory = plain_layer_memory(hidden_states, topk_ids, topk_weights, moe._config.hidden_size,
+                                        moe._config.num_experts_per_tok, torch)
+            if memory is not None:
+                y = torch.empty_like(hidden_states)
+                moe._memory_call(*memory, y.data_ptr(), topk_ids)
+                return y
         # transformers routers hand back weights in the model's dtype; the kernels take float32 weights
         if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype in (torch.bfloat16, torch.float16):
             topk_weights = topk_weights.float()
