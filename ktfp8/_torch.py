@@ -93,18 +93,25 @@ def _is_wrapper(t, torch):
 _plain_dtypes = None    # torch dtype -> is bfloat16, of x and the weights: float32 and bfloat16
 
 
-def plain_layer_memory(x, topk_ids, topk_weights, hidden, top_k, torch):
+def plain_layer_memory(x, topk_ids, topk_weights, hidden, top_k, bf16_weights):
     """(T, x's address, x is bfloat16, the ids' address, the weights' address, the weights are
-    bfloat16) where x [T, hidden] float32 or bfloat16, topk_ids int64 and topk_weights float32 or
-    bfloat16 [T, top_k] are plain CPU tensors (type torch.Tensor, dense, needing no autograd, not a
-    torch.func wrapper, no negative bit), each C-contiguous and aligned; None for anything else.
-    What ktfp8.hf's TorchMoE calls per layer and token, so that the kernel reads the tensors by address
-    and writes into torch.empty_like(x): NumPy views of the three tensors and a tensor over the NumPy
+    bfloat16) where x [T, hidden] float32 or bfloat16, topk_ids int64 and topk_weights float32 (or
+    bfloat16 with bf16_weights) [T, top_k] are plain CPU tensors (type torch.Tensor, dense, needing no
+    autograd, not a torch.func wrapper, no negative bit), each C-contiguous and aligned; None for
+    anything else (torch not even imported: no tensors).
+    What a MoE call on tensors takes per layer and token (MoE._plain_tensor_call, ktfp8.hf's TorchMoE),
+    so that the kernel reads the tensors by address and writes into torch.empty_like(x): NumPy views of
+    the three tensors and a tensor over the NumPy
     result cost more, most of all when the previous layer's weights have flushed the caches and torch's
     NumPy interop runs from DRAM.  Zen 3 VM, a tiny layer (E = 8, H = 64, top-2, one thread), the two
-    paths alternated in one process: the layer's call 0.74x-0.75x the time after a flush (221-236 us
-    against 294-318), 0.76x-0.77x back to back (27-33 us against 34-44)."""
+    paths alternated in one process, time against the views: TorchMoE 0.74x-0.75x after a flush
+    (221-236 us against 294-318), 0.76x-0.77x back to back (27-33 us against 34-44); MoE's call on
+    tensors against its full checks 0.54x-0.55x after a flush (134-165 us against 253-296), 0.45x-0.46x
+    back to back (20-21 us against 37-40)."""
     global _plain_dtypes
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
     if _plain_dtypes is None:
         _plain_dtypes = {torch.float32: False, torch.bfloat16: True}
     for t in (x, topk_ids, topk_weights):
@@ -112,7 +119,7 @@ def plain_layer_memory(x, topk_ids, topk_weights, hidden, top_k, torch):
                 or not t.is_contiguous() or t.is_neg() or _is_wrapper(t, torch):
             return None
     x_bf16, w_bf16 = _plain_dtypes.get(x.dtype), _plain_dtypes.get(topk_weights.dtype)
-    if x_bf16 is None or w_bf16 is None or topk_ids.dtype is not torch.int64:
+    if x_bf16 is None or w_bf16 is None or (w_bf16 and not bf16_weights) or topk_ids.dtype is not torch.int64:
         return None
     shape = x.shape
     if len(shape) != 2 or shape[1] != hidden or topk_ids.shape != (shape[0], top_k) \

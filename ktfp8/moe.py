@@ -5,13 +5,14 @@ AMXBF16_MOE): they run the native AVX-512-BF16 path or AMX; on a CPU without eit
 raises RuntimeError saying what the CPU lacks (ktfp8.MoE runs everywhere).  _HAS_FP8_PERCHANNEL_SUPPORT
 is True exactly when they can be constructed."""
 import copy
+import sys
 
 import ml_dtypes
 import numpy as np
 
 from . import backends
 from ._native import _ext
-from ._torch import accepts_tensors
+from ._torch import accepts_tensors, plain_layer_memory
 from .config import ODD_BLOCK_EDGE, MoeConfig
 from .experts import ExpertMatrices, ExpertWeights
 
@@ -157,7 +158,11 @@ class MoE:
                         "path) and build the layer in the other process")
 
     def __call__(self, x, topk_ids, topk_weights, out=None, accumulate=False):
-        y = self._plain_call(x, topk_ids, topk_weights) if out is None and accumulate is False else None
+        y = None
+        if out is None and accumulate is False:
+            y = self._plain_call(x, topk_ids, topk_weights)
+            if y is None:
+                y = self._plain_tensor_call(x, topk_ids, topk_weights)
         return y if y is not None else self._checked_call(x, topk_ids, topk_weights, out, accumulate)
 
     def _plain_call(self, x, topk_ids, topk_weights):
@@ -170,13 +175,23 @@ class MoE:
         return self._kernel.forward_plain(x, topk_ids, topk_weights, _BF16, self._config.num_experts_per_tok,
                                           self._act_dtype, self._threads)
 
-    def _memory_call(self, T, x, x_bf16, topk_ids, topk_weights, weights_bf16, y, ids):
-        """The plain call on the memory of tensors ktfp8.hf's TorchMoE has checked in full
-        (_torch.plain_layer_memory: addresses, x and y [T, hidden], the ids and weights [T, top_k]),
-        these experts the whole layer; `ids` the ids' tensor, read only for the error an id >= E raises."""
+    def _plain_tensor_call(self, x, topk_ids, topk_weights, bf16_weights=False):
+        """y, a new tensor like x, for the usual call on plain CPU tensors (_torch.plain_layer_memory
+        says which, and why by address) over the whole layer; None, nothing computed, for any other
+        arguments.  bf16_weights: bfloat16 weights too, widened exactly by the driver, for a caller
+        that would widen them anyway (ktfp8.hf's TorchMoE: a transformers router's weights)."""
+        if not self._whole_layer:
+            return None
+        cfg = self._config
+        memory = plain_layer_memory(x, topk_ids, topk_weights, cfg.hidden_size, cfg.num_experts_per_tok, bf16_weights)
+        if memory is None:
+            return None
+        y = sys.modules["torch"].empty_like(x)
         backends.warn_if_one_thread(self._threads)
-        self._kernel.forward_memory(T, self._config.num_experts_per_tok, x, x_bf16, topk_ids, topk_weights,
-                                    weights_bf16, y, self._act_dtype, self._threads, ids)
+        # topk_ids itself is read only for the error an id >= E raises
+        self._kernel.forward_memory(*memory, y.data_ptr(), cfg.num_experts_per_tok, self._act_dtype, self._threads,
+                                    topk_ids)
+        return y
 
     @accepts_tensors("x", copy_to_cpu=lambda args: args["self"].copy_to_cpu)
     def _checked_call(self, x, topk_ids, topk_weights, out=None, accumulate=False):

@@ -130,7 +130,8 @@ def test_an_expert_id_past_the_layer_is_named(layer):
         moe(x, ids, w)
 
 
-# ktfp8.hf's TorchMoE: plain CPU tensors go to the kernel by address (_torch.plain_layer_memory)
+# plain CPU tensors go to the kernel by address (_torch.plain_layer_memory): MoE's call, and ktfp8.hf's
+# TorchMoE, which takes the router's bfloat16 weights too
 
 @pytest.fixture(scope="module")
 def torch_layer(weights):
@@ -145,9 +146,9 @@ def tensors(torch, weights_dtype):
             torch.from_numpy(w).to(weights_dtype))
 
 
-def taken_by_address(torch, args):
+def taken_by_address(torch, args, bf16_weights=True):
     from ktfp8._torch import plain_layer_memory
-    return plain_layer_memory(*args, H, K, torch) is not None
+    return plain_layer_memory(*args, H, K, bf16_weights) is not None
 
 
 @pytest.mark.parametrize("weights_dtype", ["float32", "bfloat16"])
@@ -166,6 +167,31 @@ def test_plain_tensors_skip_the_full_checks(torch_layer, monkeypatch, weights_dt
     # the full checks' path
     want = layer.moe(x, ids, w.float(), out=torch.empty_like(x))
     assert torch.equal(y, want)
+
+
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_moe_takes_plain_tensors_by_address(layer, monkeypatch, x_dtype):
+    """MoE's own call on plain CPU tensors (a user's torch model): the same bits as on NumPy arrays,
+    without the full checks; bfloat16 weights are not the core's contract and still meet them."""
+    torch = pytest.importorskip("torch")
+    moe, _ = layer
+    x, ids, w = plain_arguments()
+    xt = torch.from_numpy(x).to(getattr(torch, x_dtype))
+    args = (xt, torch.from_numpy(ids), torch.from_numpy(w))
+    assert taken_by_address(torch, args, bf16_weights=False)
+
+    def full_checks(*a, **kwargs):
+        raise AssertionError("plain tensors went through the full checks")
+    with monkeypatch.context() as m:
+        m.setattr(MoE, "_checked_call", full_checks)
+        y = moe(*args)
+    assert type(y) is torch.Tensor and y.dtype == xt.dtype and y.shape == xt.shape
+    want = moe(xt.float().numpy() if x_dtype == "float32" else xt.view(torch.int16).numpy().view(ml_dtypes.bfloat16),
+               ids, w)
+    np.testing.assert_array_equal(y.float().numpy(), want.astype(np.float32))
+    assert not taken_by_address(torch, (xt, args[1], args[2].to(torch.bfloat16)), bf16_weights=False)
+    with pytest.raises(TypeError, match="topk_weights must have dtype"):
+        moe(xt, args[1], args[2].to(torch.bfloat16))
 
 
 def test_bfloat16_weights_are_widened_exactly(torch_layer):
@@ -226,7 +252,7 @@ def test_plain_layer_memory_refuses_all_but_plain_tensors_of_the_layer():
     x, ids, w = torch.ones(3, H), torch.zeros(3, K, dtype=torch.int64), torch.ones(3, K)
     assert taken_by_address(torch, (x, ids, w))
     from ktfp8._torch import plain_layer_memory
-    T, x_address, x_bf16, ids_address, w_address, w_bf16 = plain_layer_memory(x, ids, w, H, K, torch)
+    T, x_address, x_bf16, ids_address, w_address, w_bf16 = plain_layer_memory(x, ids, w, H, K, False)
     assert (T, x_address, ids_address, w_address, x_bf16, w_bf16) == (3, x.data_ptr(), ids.data_ptr(),
                                                                        w.data_ptr(), False, False)
     misaligned = torch.frombuffer(bytearray(4 * 3 * K + 1), dtype=torch.float32, offset=1, count=3 * K)

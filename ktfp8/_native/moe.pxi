@@ -164,9 +164,9 @@ cdef class PackedMoE:
                  cnp.PyArray_DATA(y), False, act_dtype, threads, self.s.experts, ids)
         return y
 
-    def forward_memory(self, int64_t T, int64_t top_k, size_t x, bint x_bf16, size_t topk_ids, size_t topk_weights,
-                       bint weights_bf16, size_t y, int act_dtype, int threads, ids_array):
-        """The plain call on memory its caller has checked in full (ktfp8.hf's TorchMoE on plain CPU
+    def forward_memory(self, int64_t T, size_t x, bint x_bf16, size_t topk_ids, size_t topk_weights,
+                       bint weights_bf16, size_t y, int64_t top_k, int act_dtype, int threads, ids_array):
+        """The plain call on memory its caller has checked in full (MoE._plain_tensor_call on plain CPU
         tensors, _torch.plain_layer_memory): x [T, H] float32 or bfloat16 (x_bf16), topk_ids int64
         and topk_weights float32 or bfloat16 (weights_bf16) [T, top_k], y [T, H] of x's dtype, each
         C-contiguous and aligned, given by address; these experts the whole layer.  ids_array: what

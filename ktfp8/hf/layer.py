@@ -8,7 +8,6 @@ import os
 
 import torch
 
-from .._torch import plain_layer_memory
 from ..moe import MoE
 
 
@@ -33,13 +32,9 @@ class TorchMoE:
         return self.moe if isinstance(self.moe, MoE) else self.moe.moe   # ExpertParallelMoE: its shard
 
     def __call__(self, hidden_states, topk_ids, topk_weights):
-        moe = self.moe
-        if isinstance(moe, MoE) and moe._whole_layer:   # plain CPU tensors: _torch.plain_layer_memory says why
-            memory = plain_layer_memory(hidden_states, topk_ids, topk_weights, moe._config.hidden_size,
-                                        moe._config.num_experts_per_tok, torch)
-            if memory is not None:
-                y = torch.empty_like(hidden_states)
-                moe._memory_call(*memory, y.data_ptr(), topk_ids)
+        if isinstance(self.moe, MoE):   # plain CPU tensors, the router's bfloat16 weights too: by address
+            y = self.moe._plain_tensor_call(hidden_states, topk_ids, topk_weights, bf16_weights=True)
+            if y is not None:
                 return y
         # transformers routers hand back weights in the model's dtype; the kernels take float32 weights
         if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype in (torch.bfloat16, torch.float16):
