@@ -102,11 +102,11 @@ def plain_layer_memory(x, topk_ids, topk_weights, hidden, top_k, bf16_weights):
     What a MoE call on tensors takes per layer and token (MoE._plain_tensor_call, ktfp8.hf's TorchMoE),
     so that the kernel reads the tensors by address and writes into torch.empty_like(x): NumPy views of
     the three tensors and a tensor over the NumPy result cost more, most of all when the previous
-    layer's weights have flushed the caches and torch's NumPy interop runs from DRAM.  Zen 3 VM, a tiny layer (E = 8, H = 64, top-2, one thread), the two
-    paths alternated in one process, time against the views: TorchMoE 0.74x-0.75x after a flush
-    (221-236 us against 294-318), 0.76x-0.77x back to back (27-33 us against 34-44); MoE's call on
-    tensors against its full checks 0.54x-0.55x after a flush (134-165 us against 253-296), 0.45x-0.46x
-    back to back (20-21 us against 37-40)."""
+    layer's weights have flushed the caches and torch's NumPy interop runs from DRAM.  Zen 3 VM, a tiny
+    layer (E = 8, H = 64, top-2, one thread), the two paths alternated in one process, time against the
+    views: TorchMoE 0.74x-0.75x after a flush (221-236 us against 294-318), 0.76x-0.77x back to back
+    (27-33 us against 34-44); MoE's call on tensors against its full checks 0.54x-0.55x after a flush
+    (134-165 us against 253-296), 0.45x-0.46x back to back (20-21 us against 37-40)."""
     global _plain_dtypes
     torch = sys.modules.get("torch")
     if torch is None:

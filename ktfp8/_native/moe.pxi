@@ -124,10 +124,9 @@ cdef class PackedMoE:
 
     def forward_plain(self, x, topk_ids, topk_weights, bf16, int64_t top_k, int act_dtype, int threads):
         """y = MoE(x), a new array, for the plain call: x float32 or `bf16` (a dtype) [T, H], topk_ids
-        int64 and topk_weights float32 [T, top_k],
-        each an ndarray (not a subclass) that is C-contiguous, aligned and in native byte order; these
-        experts the whole layer.  None, nothing computed, for any other arguments: the caller's full
-        checks then take them or name what is wrong.
+        int64 and topk_weights float32 [T, top_k], each an ndarray (not a subclass) that is
+        C-contiguous, aligned and in native byte order; these experts the whole layer.  None, nothing
+        computed, for any other arguments: the caller's full checks then take them or name what is wrong.
         Why a path of its own: a decode call streams more weights than the L3 holds, so the Python and
         NumPy code of the next call runs from DRAM.  Zen 4 VM, a tiny layer's call right after a T = 1
         call on the benchmark layer: 61.5 us through ktfp8.moe's checks against 12.9 for the kernel's
