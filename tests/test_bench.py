@@ -1198,8 +1198,12 @@ def test_model_goals_give_the_experts_alone_and_the_most_any_experts_could_reach
 
 # ---------------------------------------------------------------- pytest bench --bench-layers
 def _collect(*args):
+    # not as an xdist worker (CI runs the suite with -n): pytest-benchmark reads PYTEST_XDIST_WORKER from the
+    # environment and then refuses --benchmark-only
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
     return subprocess.run([sys.executable, "-m", "pytest", "bench/bench_moe.py", "--benchmark-only", "--collect-only",
-                           "-q", "-p", "no:cacheprovider", *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                           "-q", "-p", "no:cacheprovider", *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=300)
 
 
 def test_bench_layers_option_refuses_an_unknown_layer_and_collects_a_repeated_one_once():

@@ -48,15 +48,27 @@ done
 # detect_leaks=0: CPython does not free everything at exit by design.
 asan=$(gcc -print-file-name=libasan.so)
 export LD_PRELOAD=$asan
-export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:strict_string_checks=1
-export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+# Reports go to files, one per process: pytest-xdist's workers (and the tests' own subprocesses) do not
+# hand their stderr to the terminal, so a report printed there would be lost with only "worker crashed" left.
+mkdir -p "$work/sanitizer-reports"
+report="$work/sanitizer-reports/report"
+export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:strict_string_checks=1:log_path=$report
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$report
 export PYTHONDONTWRITEBYTECODE=1
 # the sanitized copy, not an installed/editable ktfp8, must be the one imported
 where=$("$PYTHON" -c "import ktfp8._native._ext as e; print(e.__file__)")
 case "$where" in "$work"/*) ;; *) echo "sanitize: imported $where, not the sanitized build" >&2; exit 1;; esac
 
+# both cores (pytest-xdist, where installed: the test extra has it)
+jobs=()
+"$PYTHON" -c "import xdist" 2>/dev/null && jobs=(-n auto)
 status=0
-"$PYTHON" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tee pytest.log || status=$?
-findings=$(grep -cE "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer" pytest.log || true)
+"$PYTHON" -m pytest -q -p no:cacheprovider "${jobs[@]}" "${tests[@]}" 2>&1 | tee pytest.log || status=$?
+findings=0
+for f in "$work"/sanitizer-reports/report.*; do
+    [ -e "$f" ] || continue
+    cat "$f"
+    findings=$((findings + $(grep -cE "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer" "$f" || true)))
+done
 echo "sanitize: $findings sanitizer report(s); pytest exit status $status"
 [ "$findings" -eq 0 ] && [ "$status" -eq 0 ]
