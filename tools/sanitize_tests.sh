@@ -2,7 +2,8 @@
 # Builds a copy of ktfp8 with AddressSanitizer + UndefinedBehaviorSanitizer (KTFP8_SANITIZE) in a
 # temporary folder -- the normal in-place build and .venv are not touched -- and runs the kernel, codec
 # and driver tests against it.  Fails on any sanitizer report.
-#   tools/sanitize_tests.sh [pytest args...]      (default: the codec / MoE / routing / property tests)
+#   tools/sanitize_tests.sh [pytest args...]      (default: the codec / MoE / routing / property tests,
+#                                                   on every core)
 # PYTHON picks the interpreter (default: .venv/bin/python if present, else python3).
 # KTFP8_SANITIZE_DIR=DIR builds in DIR and keeps it (to debug a finding); default: a temp folder.
 set -euo pipefail
@@ -59,9 +60,10 @@ export PYTHONDONTWRITEBYTECODE=1
 where=$("$PYTHON" -c "import ktfp8._native._ext as e; print(e.__file__)")
 case "$where" in "$work"/*) ;; *) echo "sanitize: imported $where, not the sanitized build" >&2; exit 1;; esac
 
-# both cores (pytest-xdist, where installed: the test extra has it)
+# The default set on every core (pytest-xdist, where installed: the test extra has it); pytest
+# arguments of your own run as given (add -n yourself; --pdb, for one, refuses it).
 jobs=()
-"$PYTHON" -c "import xdist" 2>/dev/null && jobs=(-n auto)
+if [ $# -eq 0 ] && "$PYTHON" -c "import xdist" 2>/dev/null; then jobs=(-n auto); fi
 status=0
 "$PYTHON" -m pytest -q -p no:cacheprovider "${jobs[@]}" "${tests[@]}" 2>&1 | tee pytest.log || status=$?
 findings=0
