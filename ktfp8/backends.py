@@ -11,6 +11,7 @@ one of them is named or listed: they can be forced by name but are never chosen 
 import importlib
 import numbers
 import os
+import re
 import warnings
 
 from . import cpu_quota, numa
@@ -171,10 +172,10 @@ def requested_threads(threads):
 
 
 def _positive_env(var, text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{var}={os.environ[var]!r} is not an integer") from None
+    # digits only, as OpenMP reads it: Python's int() would also take "1_0" and non-ASCII digits
+    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+        raise ValueError(f"{var}={os.environ[var]!r} is not an integer")
+    value = int(text)
     if value <= 0:
         raise ValueError(f"{var}={os.environ[var]!r} must be a positive integer")
     return check_threads(var, value)

@@ -295,13 +295,18 @@ def _check_moe_field(name, value):
     if name == "threads":
         return None if value is None else check_threads("MoeConfig.threads", _as_int("MoeConfig", name, value, 1))
     if name == "quant_config":
-        if isinstance(value, QuantConfig):
-            return value
-        if isinstance(value, Mapping):
-            return QuantConfig(**value)
-        raise TypeError(f"MoeConfig.quant_config must be a QuantConfig or a mapping of its fields, "
-                        f"got {type(value).__name__}")
+        return as_quant_config(value, "MoeConfig.quant_config")
     raise AssertionError(name)
+
+
+def as_quant_config(value, name):
+    """`value` if a QuantConfig, a QuantConfig of its fields if a mapping, else TypeError naming `name`."""
+    if isinstance(value, QuantConfig):
+        return value
+    if isinstance(value, Mapping):
+        return QuantConfig(**value)
+    hint = " (a MoeConfig holds one: cfg.quant_config)" if isinstance(value, MoeConfig) else ""
+    raise TypeError(f"{name} must be a QuantConfig or a mapping of its fields, got {type(value).__name__}{hint}")
 
 
 def _check_moe_combination(v):

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 
 from ._torch import accepts_tensors, to_numpy
-from .config import as_block
+from .config import as_block, as_quant_config
 
 FORMATS = ("fp8_per_channel", "fp8_block", "bf16")
 # The largest |scale| an FP8 expert may carry (Inf too is refused): the avx512 and avx2 kernels fold
@@ -200,8 +200,15 @@ def _validate(w):
         raise ValueError(f"ExpertWeights.down has shape {w.down.shape}, expected {(E, hidden, inter)}")
     if min(E, inter, hidden) <= 0:
         raise ValueError(f"ExpertWeights sizes must be positive, got gate shape {w.gate.shape}")
+    # a field the format does not read means the arrays were mixed up: refused, not ignored
     if w.format == "bf16":
+        given = [name for name in ("gate_scale", "up_scale", "down_scale", "block") if getattr(w, name) is not None]
+        if given:
+            raise ValueError(f"ExpertWeights of format 'bf16' carry no scales or block; got {', '.join(given)}")
         return
+    if w.format == "fp8_per_channel" and w.block is not None:
+        raise ValueError(f"ExpertWeights of format 'fp8_per_channel' take no block (one scale per output row), "
+                         f"got block={w.block!r}")
     if w.format == "fp8_block":
         if w.block is None:
             raise ValueError("fp8_block needs block=(block_n, block_k) > 0, got None")
@@ -239,18 +246,29 @@ def _check_finite(w, name):
             raise ValueError(f"{name} holds {float(matrix[tuple(at)])} at {where}; {fp8.NON_FINITE_WEIGHTS}")
 
 
+def _check_bf16_range(w, as_bf16, name):
+    """ValueError at the first finite weight of `w` that became Inf as bfloat16 `as_bf16`: a float32
+    beyond bfloat16's largest finite value (and its half step), which rounds to Inf."""
+    from . import fp8
+
+    at = fp8.first_non_finite(as_bf16)
+    if at is not None:
+        raise ValueError(f"{name} holds {float(w[tuple(at)])} at {at}, beyond bfloat16's largest finite value "
+                         f"{float(ml_dtypes.finfo(ml_dtypes.bfloat16).max):.5g}: as BF16 it would become Inf "
+                         f"(method 'FP8' scales such weights into range)")
+
+
 @accepts_tensors(main=None)
 def quantize_experts(gate, up, down, quant_config, experts=None):
     """Quantizes float experts (float32 / bfloat16 / float16 arrays or CPU tensors, HF layout) as
-    `quant_config` says: method "FP8" per-channel or block-wise (group_size = block edge), or "BF16".
+    `quant_config` (a QuantConfig or a mapping of its fields) says: method "FP8" per-channel or
+    block-wise (group_size = block edge), or "BF16".
     The result holds NumPy arrays whatever the input.
     experts=range(a, b): quantize only that contiguous shard of the layer (see ExpertWeights.shard);
     every scale is per expert, so a shard's codes equal the same experts' codes of the whole layer."""
     from . import fp8
 
-    method = getattr(quant_config, "method", None)
-    if method not in ("FP8", "BF16"):
-        raise ValueError(f"quant_config.method must be 'FP8' or 'BF16', got {method!r}")
+    quant_config = as_quant_config(quant_config, "quant_config")
     for name, a in (("gate", gate), ("up", up), ("down", down)):   # BF16 too: one rule for both methods
         fp8.check_float_array(a, name)
         _check_finite(a, name)
@@ -264,8 +282,10 @@ def quantize_experts(gate, up, down, quant_config, experts=None):
         check_expert_range(experts, total, "experts")
         gate, up, down = (a[experts.start:experts.stop] for a in (gate, up, down))
         shard = {"first_expert": experts.start, "total_experts": total}
-    if method == "BF16":
+    if quant_config.method == "BF16":
         as_bf16 = [np.ascontiguousarray(a).astype(ml_dtypes.bfloat16) for a in (gate, up, down)]
+        for name, a, b in zip(("gate", "up", "down"), (gate, up, down), as_bf16):
+            _check_bf16_range(a, b, name)
         return ExpertWeights("bf16", *as_bf16, **shard)
     if quant_config.per_channel:
         q = [fp8.quantize(a, per_channel=True) for a in (gate, up, down)]
