@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 from .config import check_threads
 from .convert_args import parse_quant_config, parse_size
 from .convert_items import INPUT_DTYPES, input_nbytes
-from .convert_plan import build_plan
+from .convert_plan import build_plan, natural_key
 from .convert_work import ShardSet, chunks, run_chunk, sqnr_db, verify_chunk
 from .loader import INDEX_NAME, Checkpoint
 from .safetensors_io import SafetensorsError, SafetensorsFile, tensor_nbytes
@@ -100,7 +99,7 @@ def build_parser():
                         '\'{"method":"FP8","per_channel":false,"group_size":128}\' for 128x128 blocks')
     p.add_argument("--all-linear", action="store_true",
                    help="quantize every Linear of the decoder layers, not only expert projections "
-                        "(routers, embeddings and lm_head stay as they are)")
+                        "(routers, embeddings, a vision or audio encoder's layers and lm_head stay as they are)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--threads", type=_threads_arg, default=None,
                    help="worker threads (default: $KTFP8_NUM_THREADS, else the first entry of "
@@ -208,7 +207,7 @@ def _warn_fused_split(checkpoint, plan):
     """Fused experts (Mistral 4's, Qwen3-VL-MoE's) are written per expert, a layout that ktfp8 reads but
     not transformers' own model class of that type: its from_pretrained would find those experts
     missing and initialise them randomly, a model that runs and answers nonsense.  Say so up front."""
-    stacks = sorted({i.src.rsplit(".", 1)[0] for i in plan.items if i.fused}, key=_natural)
+    stacks = sorted({i.src.rsplit(".", 1)[0] for i in plan.items if i.fused}, key=natural_key)
     if not stacks:
         return
     model_type = (checkpoint.hf_config() or {}).get("model_type") or "this model type"
@@ -230,7 +229,7 @@ def _check_paths(src, dst, overwrite):
     renaming over the link itself would swap out the link and not the folder."""
     if not src.is_dir():
         raise ConvertError(f"input folder {src} does not exist or is not a directory")
-    s, d = src.resolve(), dst.resolve()
+    s, d = _resolved(src, "input"), _resolved(dst, "output")
     if d == s or s in d.parents or d in s.parents:
         raise ConvertError(f"output {dst} must be outside the input {src} (and not contain it)")
     cwd = Path.cwd().resolve()
@@ -247,6 +246,15 @@ def _check_paths(src, dst, overwrite):
         if any(d.iterdir()) and not overwrite:
             raise ConvertError(f"output folder {dst} is not empty; pass --overwrite to replace it")
     return d
+
+
+def _resolved(path, what):
+    """path.resolve(), or ConvertError where its symlinks loop (Python 3.11-3.12 raise RuntimeError
+    there, later versions OSError)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as e:
+        raise ConvertError(f"{what} {path}: its symlinks cannot be followed ({e})") from None
 
 
 def _check_writable(parent, dst):
@@ -390,7 +398,7 @@ def _verify(checkpoint, plan, spec, tmp, names, threads, min_db):
     copied_bad = [i.out for i in plan.items if i.action == "copy" and sums[i.out][1] != 0]
     results = sorted(((sqnr_db(*sums[i.out]), i.out) for i in plan.quantized),
                      key=lambda r: (not math.isnan(r[0]), r[0]))
-    for db, name in sorted(results, key=lambda r: _natural(r[1])):
+    for db, name in sorted(results, key=lambda r: natural_key(r[1])):
         print(f"SQNR {db:7.2f} dB  {name}")
     print(f"worst {min(VERIFY_WORST, len(results))} of {len(results)} quantized tensors:")
     for db, name in results[:VERIFY_WORST]:
@@ -402,10 +410,6 @@ def _verify(checkpoint, plan, spec, tmp, names, threads, min_db):
     if copied_bad or low:
         raise ConvertError(f"verification failed: {len(low)} tensor(s) below {min_db} dB SQNR "
                            f"{low[:3]}, {len(copied_bad)} copied tensor(s) differ {copied_bad[:3]}")
-
-
-def _natural(name):
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 # -- other files -----------------------------------------------------------------------------------

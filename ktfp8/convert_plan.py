@@ -11,7 +11,10 @@ from .convert_items import INPUT_DTYPES, Item, quantizable_dtype, scale_shape
 from .loader import EXPERT_RE, ROLE, ROLES, SCALE_DTYPES, block_size_of, stacks_by_prefix
 from .safetensors_io import SafetensorsError, tensor_nbytes
 
-_DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
+# a name inside a numbered layer, and what comes before 'layers.<n>.' (its root: a VLM's text decoder and
+# vision encoder differ there, e.g. model.language_model. and model.vision_model.encoder.)
+_DECODER_LAYER = re.compile(r"^(?P<root>(?:.*\.)?)layers\.\d+\.")
+_EXPERTS_LAYER = re.compile(r"^(?P<root>(?:.*\.)?)layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.")
 _ROUTERS = ("gate", "router", "shared_expert_gate")
 _HEADS = ("lm_head", "head")
 _EMBEDDINGS = ("wte", "wpe", "word_embeddings")
@@ -42,12 +45,21 @@ def is_linear_weight(name, info):
     return "embed" not in last and last not in _EMBEDDINGS
 
 
-def _all_linear_target(name):
-    """--all-linear quantizes decoder-layer Linears except routers (kept precise, and engines expect
-    them unquantized; Hunyuan-A13B's is the Linear `wg` inside `mlp.gate`) and output heads."""
+def _decoder_roots(names):
+    """The roots (see _DECODER_LAYER) of the layers that hold routed experts, per expert or fused: the
+    decoder's.  None where no layer does (a dense model): every numbered layer's root then."""
+    roots = {m["root"] for m in map(_EXPERTS_LAYER.match, names) if m}
+    return roots or None
+
+
+def _all_linear_target(name, roots):
+    """--all-linear quantizes decoder-layer Linears (layers under one of `roots`: not a vision or audio
+    encoder's) except routers (kept precise, and engines expect them unquantized; Hunyuan-A13B's is the
+    Linear `wg` inside `mlp.gate`) and output heads."""
+    layer = _DECODER_LAYER.match(name)
     parts = _module(name).rsplit(".", 2)[-2:]
-    return (bool(_DECODER_LAYER.search(name)) and not any(p in _ROUTERS for p in parts)
-            and parts[-1] not in _HEADS)
+    return (layer is not None and (roots is None or layer["root"] in roots)
+            and not any(p in _ROUTERS for p in parts) and parts[-1] not in _HEADS)
 
 
 def _quantized_item(action, name, info, spec, **extra):
@@ -61,6 +73,7 @@ def _classify(checkpoint, input_type, spec, all_linear, hf_config, fused):
     weight_scale_inv tensors are consumed by their weight's item."""
     items, consumed = [], set()
     in_block = block_size_of(hf_config) if input_type == "fp8" else None
+    roots = _decoder_roots(checkpoint.names()) if all_linear else None
     for name in checkpoint.names():
         if name in fused:
             continue
@@ -70,7 +83,7 @@ def _classify(checkpoint, input_type, spec, all_linear, hf_config, fused):
             continue
         expert = EXPERT_RE.match(name)
         wanted = (expert is not None and expert["kind"] == "weight") or \
-            (all_linear and is_linear_weight(name, info) and _all_linear_target(name))
+            (all_linear and is_linear_weight(name, info) and _all_linear_target(name, roots))
         if not wanted:
             items.append(Item("copy", name, name, info.dtype, info.shape))
             continue
@@ -78,6 +91,7 @@ def _classify(checkpoint, input_type, spec, all_linear, hf_config, fused):
             raise SafetensorsError(f"tensor {name!r} is {info.dtype}, but --input-type {input_type} "
                                    f"expects {INPUT_DTYPES[input_type]} weights")
         _check_matrix(name, info.shape)
+        _check_unscaled(checkpoint, name, info)
         items.append(_quantized_item("quantize", name, info, spec))
     kept = {i.src + "_scale_inv" for i in items if i.action == "copy" and i.out_dtype == "F8_E4M3"
             and i.src.endswith(".weight")}       # FP8 weights already in the target format, copied with their scales
@@ -90,6 +104,15 @@ def _check_matrix(name, shape):
         raise SafetensorsError(f"tensor {name!r} has shape {list(shape)}; a Linear weight is 2-D")
     if 0 in shape:
         raise SafetensorsError(f"tensor {name!r} has shape {list(shape)}; an empty weight has nothing to quantize")
+
+
+def _check_unscaled(checkpoint, name, info):
+    """A float weight to quantize has no scale beside it: one there is stale, and would be written beside
+    the new scale (a weight_scale_inv makes a loader read the weight as block-wise FP8)."""
+    for scale in (name + "_scale", name + "_scale_inv"):
+        if scale in checkpoint:
+            raise SafetensorsError(f"tensor {scale!r} scales {name!r}, which is {info.dtype}, not F8_E4M3: a "
+                                   f"scale beside a float weight is stale; remove it from the input")
 
 
 def _fp8_item(checkpoint, name, info, input_type, spec, in_block, consumed):
@@ -146,7 +169,7 @@ def _check_experts(checkpoint, hf_config):
             for role in ROLES:
                 if (e, role) not in names:
                     raise SafetensorsError(f"expert tensor '{prefix}.{e}.{proj[role]}.weight' is missing: "
-                                           f"{prefix} needs experts 0-{len(experts) - 1} ({source}), each "
+                                           f"{prefix} needs experts 0-{experts.stop - 1} ({source}), each "
                                            f"with gate, up and down weights")
         shapes = {key: checkpoint.info(n).shape for key, n in names.items()}
         seen = Counter(shape[::-1] if role == "down" else shape for (_, role), shape in shapes.items())
@@ -172,7 +195,14 @@ def _sort_key(name):
     m = EXPERT_RE.match(name)
     if m:
         name = f"{m['stack']}.{m['proj']}.{m['kind']}.{m['expert']}"
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+    return natural_key(name)
+
+
+def natural_key(name):
+    """`name` in natural order ("layers.2" before "layers.10"): its runs of ASCII digits as ints.  The
+    split leaves them at the odd places, so two keys compare an int with an int (str.isdigit would also
+    take a superscript two, which int() refuses)."""
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"([0-9]+)", name))]
 
 
 def _units(items):
@@ -246,11 +276,10 @@ def build_plan(checkpoint, input_type, spec, all_linear, max_shard_bytes):
     items.sort(key=lambda i: _sort_key(i.out))
     specs = {name: (dtype, shape) for item in items for name, dtype, shape in item.outputs()}
     quantized = {_module(i.out) for i in items if i.out_dtype == "F8_E4M3"}
-    # the output head is never quantized; a tied one (tie_word_embeddings) has no tensor of its own, but
-    # is a Linear all the same, which a loader that finds it missing from `ignore` quantizes (with no scale)
-    ignore = sorted({_module(i.out) for i in items
-                     if i.action == "copy" and is_linear_weight(i.out, checkpoint.info(i.src))} - quantized
-                    | {"lm_head"},
-                    key=_sort_key)
+    # a BF16 output head is never quantized; a tied one (tie_word_embeddings) has no tensor of its own, but
+    # is a Linear all the same, which a loader that finds it missing from `ignore` quantizes (with no
+    # scale).  An FP8 input's FP8 head is requantized as its other FP8 weights are, and so not listed.
+    copied = {_module(i.out) for i in items if i.action == "copy" and is_linear_weight(i.out, checkpoint.info(i.src))}
+    ignore = sorted((copied | {"lm_head"}) - quantized, key=_sort_key)
     shards = _assign_shards(_units(items), max_shard_bytes)
     return Plan(items, shards, specs, ignore, quantization_config(spec, ignore))

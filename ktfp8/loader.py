@@ -5,6 +5,7 @@ DeepSeek/Qwen (`mlp.experts.{e}.{gate,up,down}_proj`) and Mixtral (`block_sparse
 under any prefix (`model.`, `model.language_model.`, ...), and the weight formats fp8_per_channel
 (`weight_scale` [N] or [N, 1]; a per-tensor [] or [1] is every row's), fp8_block (`weight_scale_inv`),
 bf16 / fp16 / fp32."""
+import itertools
 import json
 import numbers
 import re
@@ -221,9 +222,22 @@ def block_size_of(hf_config, source="config.json"):
     return as_block(block, f"{source}: {BLOCK_FIELD}")
 
 
-def _ids(ids):
-    """[4, 5, 6] of a list of expert indices, the first 8 of a longer one: a message stays a line."""
-    return str(ids) if len(ids) <= 8 else f"{str(ids[:8])[:-1]}, ... ({len(ids)} in all)]"
+def _ids(ids, total=None):
+    """[4, 5, 6] of a list of expert indices, the first 8 of a longer one (`total`: its length where `ids`
+    holds only its start): a message stays a line."""
+    total = len(ids) if total is None else total
+    return str(ids) if total <= 8 else f"{str(ids[:8])[:-1]}, ... ({total} in all)]"
+
+
+def _absent(present, count):
+    """(the first 9 indices of range(count) not in `present`, how many there are), from the gaps between
+    the present ones: never walks range(count), which a stray index such as 10**9 makes long."""
+    gaps, start = [], 0
+    for e in sorted({i for i in present if i < count}) + [count]:
+        if e > start:
+            gaps.append(range(start, e))
+        start = e + 1
+    return list(itertools.islice(itertools.chain.from_iterable(gaps), 9)), sum(map(len, gaps))
 
 
 def _is_positive_int(value):
@@ -413,7 +427,9 @@ class FP8SafeTensorLoader:
             raise SafetensorsError(f"{self.path}: layer {layer} has no {role} expert {kind} tensors "
                                    f"under {stack.prefix}")
         count = self.expert_count(layer)
-        if names.keys() != set(range(count)):
+        # names' keys are distinct indices >= 0: count of them with the highest count - 1 are range(count)
+        # (a stray index such as 10**9 would make set(range(count)) too large to build)
+        if len(names) != count or max(names) != count - 1:
             raise SafetensorsError(f"{self.path}: layer {layer}: {self._wrong_ids(layer, role, kind, count)}")
         return [names[e] for e in experts]
 
@@ -427,15 +443,15 @@ class FP8SafeTensorLoader:
         if beyond:
             return (f"{role} {kind} {names[beyond[0]]!r} names expert {beyond[0]}, but the layer's experts "
                     f"(those with weights) are 0-{count - 1}")
-        missing = _ids([e for e in range(count) if e not in names])
+        missing = _ids(*_absent(names, count))
         weights = [stack.tensors.get((r, "weight"), {}) for r in ROLES]
-        absent = [e for e in range(count) if not any(e in w for w in weights)]
-        if not absent:
+        absent, absent_count = _absent({e for w in weights for e in w}, count)
+        if not absent_count:
             return f"{role} {kind} missing for experts {missing}"
         highest = next(w[count - 1] for w in weights if count - 1 in w)
-        return (f"experts {_ids(absent)} have no gate, up or down weight, yet {highest!r} names expert "
-                f"{count - 1}: expert indices run from 0 without a gap ({role} {kind} missing for experts "
-                f"{missing})")
+        return (f"experts {_ids(absent, absent_count)} have no gate, up or down weight, yet {highest!r} names "
+                f"expert {count - 1}: expert indices run from 0 without a gap ({role} {kind} missing for "
+                f"experts {missing})")
 
     def _stack(self, layer, role, kind, experts, matrices=False):
         """The tensors of `kind` of `role` of the experts, [E, ...]: one memory-map view where they lie at

@@ -104,7 +104,9 @@ def read_header(path):
 def _open_file(path):
     """A read-only descriptor of the regular file at `path`, else SafetensorsError saying why."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # O_NONBLOCK: opening a FIFO would otherwise wait for a writer before fstat could refuse it (it
+        # changes nothing for a regular file's reads or mappings)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise SafetensorsError(f"{path}: file not found") from None
     mode = os.fstat(fd).st_mode

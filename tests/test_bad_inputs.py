@@ -5,9 +5,11 @@ The README's "Errors" section is this table rendered (`PYTHONPATH=. python tests
 prints it); test_readme_table_is_current keeps the two in step."""
 import json
 import math
+import os
 import re
 import shutil
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
@@ -352,16 +354,50 @@ def _tiny_llama():
         vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
 
 
-def _stray_expert(c):
-    """Layer 0's experts 0-3 complete, and one stray up_proj (weight and scale) of expert 7."""
-    folder = c.copy("stray_expert")
+def _stray_expert(c, index=7):
+    """Layer 0's experts 0-3 complete, and one stray up_proj (weight and scale) of expert `index`."""
+    folder = c.copy(f"stray_expert{index}")
     shard = folder / "model.safetensors"
     tensors = _read_all(shard)
     up = "model.layers.0.mlp.experts.{}.up_proj.{}"
     for kind in ("weight", "weight_scale"):
-        tensors[up.format(7, kind)] = tensors[up.format(2, kind)]
+        tensors[up.format(index, kind)] = tensors[up.format(2, kind)]
     write_file(shard, tensors)
     return FP8SafeTensorLoader(folder).load_experts(0)
+
+
+def _fifo_shard(c):
+    """A named pipe among the shards of a folder with neither an index nor a model.safetensors (every
+    *.safetensors is a shard then)."""
+    folder = c.copy("fifo")
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    os.mkfifo(folder / "extra.safetensors")
+    return _within(30, lambda: FP8SafeTensorLoader(folder))
+
+
+def _within(seconds, fn):
+    """fn() in a thread, so that a call that blocks (opening a pipe waits for a writer) fails the case
+    after `seconds` instead of hanging the suite."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:      # re-raised in the caller's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still blocked after {seconds} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _symlink_loop(c):
+    (c.tmp / "loop").symlink_to("loop")
+    return _convert(c, out="loop")
 
 
 def _closed_numa_moe(c):
@@ -719,6 +755,12 @@ CASES = [
     Case("FP8SafeTensorLoader.load_experts", "a stray tensor of expert 7 beside experts 0-3", _stray_expert,
          SafetensorsError, f"experts [4, 5, 6] have no gate, up or down weight, yet '{_expert(7, 'up')}' names "
                            f"expert 7: expert indices run from 0 without a gap"),
+    Case("FP8SafeTensorLoader.load_experts", "a stray tensor of expert 10**9 beside experts 0-3",
+         lambda c: _stray_expert(c, 10**9), SafetensorsError,
+         f"experts [4, 5, 6, 7, 8, 9, 10, 11, ... (999999996 in all)] have no gate, up or down weight, yet "
+         f"'{_expert(10**9, 'up')}' names expert 1000000000"),
+    Case("FP8SafeTensorLoader", "a named pipe called extra.safetensors (no index, no model.safetensors)", _fifo_shard, SafetensorsError,
+         "extra.safetensors: is not a regular file, expected a .safetensors file"),
     Case("FP8SafeTensorLoader.config", "no config.json", _without_config, ValueError,
          "no config.json to build a MoeConfig from"),
     # ---------------------------------------------------------------- python -m ktfp8.convert
@@ -749,6 +791,8 @@ CASES = [
     Case("python -m ktfp8.convert", "an output in a folder nothing can be written into (/proc)",
          lambda c: _convert_bf16(c, "bf16_into_proc", lambda tensors, config: None, out="/proc/out"), 1,
          "cannot write the output /proc/out into /proc:"),
+    Case("python -m ktfp8.convert", "an output path that is a symlink to itself", _symlink_loop, 1,
+         "its symlinks cannot be followed"),
     Case("python -m ktfp8.convert", "an output under a file", _under_a_file, 1,
          "cannot write the output"),
     Case("python -m ktfp8.convert", "--input-type not matching the weights",
@@ -766,6 +810,15 @@ CASES = [
          lambda c: _convert_bf16(c, "extra_expert", lambda t, cfg: t.update(
              {_expert(E, r): t[_expert(0, r)] for r in ("gate", "up", "down")})), 1,
          f"expert index {E} is out of range (config.json: num_experts {E}"),
+    Case("python -m ktfp8.convert", "config.json's num_experts 2**63, experts 0-3 only",
+         lambda c: _convert_bf16(c, "count_2_63", lambda t, cfg: cfg.update(num_experts=2**63)), 1,
+         f"expert tensor '{_expert(E, 'gate')}' is missing: model.layers.0.mlp.experts needs experts "
+         f"0-{2**63 - 1} (config.json: num_experts {2**63})"),
+    Case("python -m ktfp8.convert", "a weight_scale_inv beside a BF16 expert weight",
+         lambda c: _convert_bf16(c, "stale_scale", lambda t, cfg: t.update(
+             {_expert(1, "gate") + "_scale_inv": ("F32", np.ones((1, 1), F32))})), 1,
+         f"tensor '{_expert(1, 'gate')}_scale_inv' scales '{_expert(1, 'gate')}', which is BF16, not F8_E4M3: a "
+         f"scale beside a float weight is stale"),
     Case("python -m ktfp8.convert", "an expert weight with no rows",
          lambda c: _convert_bf16(c, "empty_expert", lambda t, cfg: t.update(
              {_expert(1, "up"): ("BF16", np.zeros((0, H), BF16))})),

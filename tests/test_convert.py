@@ -21,6 +21,7 @@ import pytest
 
 from hf_models import (EXPERTS, HIDDEN, MODELS, MOE_INTER, build_model, expert_name, folder_digest, fuse_experts,
                        moe_layers, save_model)
+from ktfp8 import fp8
 from ktfp8.convert import main as convert
 from ktfp8.loader import FP8SafeTensorLoader
 from ktfp8.safetensors_io import SafetensorsError, SafetensorsFile, write_file
@@ -1136,3 +1137,45 @@ def test_fused_split_warns_that_transformers_cannot_load_the_output(tiny, tmp_pa
            "fused gate_up_proj / down_proj, would find those experts missing and initialise them randomly" in err, err
     assert run(tiny["qwen3_moe"], tmp_path / "per_expert") == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_all_linear_leaves_the_layers_of_a_vision_encoder(tiny, tmp_path):
+    """--all-linear quantizes the decoder's layers (those under the root holding the routed experts): a
+    vision encoder's numbered layers, and a projector, stay as they are and are listed as unquantized."""
+    vision = {"model.vision_model.encoder.layers.0.mlp.fc1.weight": _bf16((64, 32)),
+              "vision_tower.transformer.layers.0.attention.q_proj.weight": _bf16((32, 32)),
+              "multi_modal_projector.linear_1.weight": _bf16((64, 32))}
+    src = _edited(tiny["qwen3_moe"], tmp_path / "in", lambda t: t.update(vision))
+    assert run(src, tmp_path / "out", "--all-linear") == 0
+    written = _tensors(tmp_path / "out")
+    ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    for name, (dtype, array) in vision.items():
+        assert written[name] == (dtype, array.tobytes()) and name[:-len(".weight")] in ignore
+    assert written["model.layers.0.self_attn.q_proj.weight"][0] == "F8_E4M3"
+
+
+def test_an_fp8_output_head_is_requantized_and_not_listed_as_unquantized(block_fp8, tmp_path):
+    """A block-wise FP8 input whose lm_head is FP8 too: the head is requantized as the other FP8 weights
+    are, so `ignore` must not tell engines to read its F8_E4M3 bytes as an unquantized Linear."""
+    with SafetensorsFile(block_fp8 / "model.safetensors") as f:
+        head = f.read_rows("lm_head.weight").view(ml_dtypes.bfloat16).astype(np.float32)
+    codes, scale = fp8.quantize(head, per_channel=False, block=(32, 32))
+    src = _edited(block_fp8, tmp_path / "in", lambda t: t.update({"lm_head.weight": ("F8_E4M3", codes),
+                                                                   "lm_head.weight_scale_inv": ("F32", scale)}))
+    assert run(src, tmp_path / "out", input_type="fp8") == 0
+    assert "lm_head" not in json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    with SafetensorsFile(tmp_path / "out" / "model.safetensors") as f:
+        out_codes, out_scale = f.read_rows("lm_head.weight"), f.read_rows("lm_head.weight_scale")
+    wanted = fp8.dequantize(codes, scale, block=(32, 32)).astype(np.float64)
+    got = out_codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * out_scale
+    # per-channel E4M3 rounds each row to within half its largest spacing: 16 x (amax / 448) = amax / 28
+    assert (np.abs(got - wanted) <= np.abs(wanted).max(axis=1, keepdims=True) / 28 * (1 + 1e-6)).all()
+
+
+def test_a_name_with_digits_of_another_script_converts(tiny, tmp_path):
+    """Natural order reads ASCII digit runs as numbers: str.isdigit also takes a superscript two, which int()
+    refused, and the run stopped naming no tensor."""
+    name = "model.extra1\u00b22.weight"
+    src = _edited(tiny["qwen3_moe"], tmp_path / "in", lambda t: t.update({name: _bf16((4,))}))
+    assert run(src, tmp_path / "out") == 0
+    assert _tensors(tmp_path / "out")[name] == ("BF16", _bf16((4,))[1].tobytes())
