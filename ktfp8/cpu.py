@@ -119,7 +119,7 @@ def print_report(r, out=None):
               f"Selected backend: {r['selected_backend']}",
               numa.format_report(r["numa_nodes"]), _threads_line(r["threads"]), r["verdict"]]
     text = "\n".join(lines) + "\n"
-    out = out or _stdout()
+    out = out or checked_stdout()
     if not _encodable(text, out):
         for mark, word in _ASCII.items():
             text = text.replace(mark, word)
@@ -127,7 +127,7 @@ def print_report(r, out=None):
     out.write(text)
 
 
-def _stdout():
+def checked_stdout():
     """sys.stdout, or OSError(EBADF) where the process was started with it closed (`>&-`: None)."""
     if sys.stdout is None:
         raise OSError(errno.EBADF, "it is closed")
@@ -167,11 +167,11 @@ def main(argv=None):
     try:
         if args.json:
             text = json.dumps(r, indent=2, ensure_ascii=False)
-            out = _stdout()
+            out = checked_stdout()
             out.write((text if _encodable(text, out) else json.dumps(r, indent=2)) + "\n")
         else:
             print_report(r)
-        _stdout().flush()
+        checked_stdout().flush()
     except OSError as err:
         return stdout_failed(prog, err)
     return 0

@@ -12,11 +12,12 @@ Exit status: 0 done, 1 the folder cannot be loaded, 2 bad arguments."""
 import argparse
 import json
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
 
-from .cpu import StdoutFailed, stdout_failed
+from .cpu import StdoutFailed, checked_stdout, stdout_failed
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 PROGRESS_EVERY_S = 0.5
@@ -85,12 +86,14 @@ def _is_ktfp8_fp8(folder):
 def _holds_fp8_weights(folder):
     """True for a folder whose safetensors headers hold F8_E4M3 tensors, whatever config.json says:
     without a quantization_config, transformers would read the codes as values and drop the scales."""
-    from .loader import Checkpoint
+    from .loader import INDEX_NAME, Checkpoint
     from .safetensors_io import SafetensorsError
     try:
         checkpoint = Checkpoint(folder)
-    except SafetensorsError:        # no safetensors (e.g. .bin): transformers' path says what it lacks
-        return False
+    except SafetensorsError as e:
+        if (folder / INDEX_NAME).is_file() or any(folder.glob("*.safetensors")):
+            raise _cannot_load(folder, e) from None    # a broken shard: ours names it, transformers' does not
+        return False                # no safetensors (e.g. .bin): transformers' path says what it lacks
     with checkpoint:
         return any(checkpoint.info(name).dtype == "F8_E4M3" for name in checkpoint.names())
 
@@ -127,7 +130,8 @@ def load(folder, threads):
         try:
             model, info = auto_class.from_pretrained(folder, dtype=torch.bfloat16, experts_implementation="ktfp8",
                                                      output_loading_info=True, ignore_mismatched_sizes=True)
-        except RuntimeError as e:       # its weight conversion failed, e.g. an expert tensor is missing
+        # its weight conversion failed (e.g. an expert tensor is missing), or torch.load refused a .bin
+        except (RuntimeError, pickle.UnpicklingError) as e:
             raise _cannot_load(folder, e) from None
         check_loading_info(folder, model, info)
         ktfp8.hf.prepare(model, threads=threads)
@@ -190,7 +194,10 @@ def _eos_ids(model):
 def _start_ranks():
     """Under torchrun with several ranks: torch.distributed (gloo, every collective bounded in time),
     each rank pinned to its NUMA node where the machine has several.  Returns (rank, world size)."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+    world_size = os.environ.get("WORLD_SIZE", "").strip() or "1"
+    if not world_size.isascii() or not world_size.isdigit():
+        raise _Failure(f"cannot start the ranks: WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer", 1)
+    if int(world_size) <= 1:
         return 0, 1
     from .distributed import init_process_group
     try:
@@ -255,16 +262,17 @@ def _generate(args, folder, prints):
     if not prints:
         return
     try:
+        out = checked_stdout()
         if args.json:
             print(json.dumps({"ids": ids, "text": text, "prefill_tokens_per_s": prefill_tps,
-                              "decode_tokens_per_s": decode_tps}))
+                              "decode_tokens_per_s": decode_tps}), file=out)
         else:
-            print(text if text is not None else " ".join(map(str, ids)))
+            print(text if text is not None else " ".join(map(str, ids)), file=out)
             decode = f"{decode_tps:.2f} tokens/s" if decode_tps is not None else "-"
             print(f"prefill: {len(prompt_ids)} tokens, {prefill_tps:.2f} tokens/s; "
-                  f"decode: {len(ids) - 1} tokens, {decode}")
-        sys.stdout.flush()
-    except OSError as e:                           # a reader that left (| head), a full disk
+                  f"decode: {len(ids) - 1} tokens, {decode}", file=out)
+        out.flush()
+    except OSError as e:                           # a reader that left (| head), a full disk, a closed stdout
         raise StdoutFailed(e) from None
 
 

@@ -318,10 +318,7 @@ def _tiny_qwen3_moe():
 def _vocab_changed(c, fp8):
     """A whole tiny Qwen3-MoE folder, as saved in BF16 or converted to FP8 per-channel, whose
     config.json then says vocab_size 12 where its embeddings and lm_head hold 16 rows."""
-    import torch
-    source = c.tmp / "whole_bf16"
-    if not source.exists():
-        _tiny_qwen3_moe().to(torch.bfloat16).save_pretrained(source)
+    source = _whole_bf16_source(c)
     folder = c.tmp / ("whole_fp8" if fp8 else "whole_bf16_vocab")
     if fp8:
         convert_main(["--input-type", "bf16", "--input-path", str(source), "--output-path", str(folder)])
@@ -330,6 +327,28 @@ def _vocab_changed(c, fp8):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 12}))
     return folder
+
+
+def _whole_bf16_source(c):
+    """The whole tiny Qwen3-MoE saved in BF16 (made once)."""
+    import torch
+    source = c.tmp / "whole_bf16"
+    if not source.exists():
+        _tiny_qwen3_moe().to(torch.bfloat16).save_pretrained(source)
+    return source
+
+
+def _whole_bf16(c, name, edit):
+    """A copy of the whole tiny Qwen3-MoE BF16 folder after edit(folder)."""
+    folder = Path(shutil.copytree(_whole_bf16_source(c), c.tmp / name))
+    edit(folder)
+    return folder
+
+
+def _garbage_bin(folder):
+    """The weights as a pytorch_model.bin that torch.load cannot read, and no safetensors."""
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x02not a pickle" * 64)
 
 
 def _prepared_qwen3_moe():
@@ -759,7 +778,8 @@ CASES = [
          lambda c: _stray_expert(c, 10**9), SafetensorsError,
          f"experts [4, 5, 6, 7, 8, 9, 10, 11, ... (999999996 in all)] have no gate, up or down weight, yet "
          f"'{_expert(10**9, 'up')}' names expert 1000000000"),
-    Case("FP8SafeTensorLoader", "a named pipe called extra.safetensors (no index, no model.safetensors)", _fifo_shard, SafetensorsError,
+    Case("FP8SafeTensorLoader", "a named pipe called extra.safetensors (no index, no model.safetensors)", _fifo_shard,
+         SafetensorsError,
          "extra.safetensors: is not a regular file, expected a .safetensors file"),
     Case("FP8SafeTensorLoader.config", "no config.json", _without_config, ValueError,
          "no config.json to build a MoeConfig from"),
@@ -895,6 +915,16 @@ CASES = [
          lambda c: _generate(c, "--model", str(_vocab_changed(c, fp8=False)), "--prompt-ids", "1"), 1,
          "whole_bf16_vocab: cannot load the model: the checkpoint does not fit its config.json: 2 weight(s) of "
          "another shape than config.json gives, e.g. lm_head.weight (16, 16) in the checkpoint"),
+    Case("python -m ktfp8.generate", "a BF16 folder whose model.safetensors is cut short",
+         lambda c: _generate(c, "--model", str(_whole_bf16(c, "cut_short", lambda f: os.truncate(
+             f / "model.safetensors", 1000))), "--prompt-ids", "1"), 1,
+         "exceeds the file size 1000 (truncated or not a safetensors file)"),
+    Case("python -m ktfp8.generate", "a BF16 folder whose pytorch_model.bin is not a pickle (no safetensors)",
+         lambda c: _generate(c, "--model", str(_whole_bf16(c, "garbage_bin", _garbage_bin)), "--prompt-ids", "1"),
+         1, "garbage_bin: cannot load the model:"),
+    Case("python -m ktfp8.generate", "WORLD_SIZE=x in the environment",
+         _with_env("WORLD_SIZE", "x", lambda c: _generate(c, "--model", str(c.ckpt), "--prompt-ids", "1")), 1,
+         "cannot start the ranks: WORLD_SIZE='x' is not an integer"),
     Case("python -m ktfp8.generate", "--prompt-ids not integers",
          lambda c: _generate(c, "--model", str(c.ckpt), "--prompt-ids", "1,a"), 2,
          "expected comma-separated token ids"),

@@ -1,6 +1,7 @@
 """python -m ktfp8.generate: the tokens are transformers' own greedy ones (model.generate on the same
 ktfp8 model), for a BF16 folder and an FP8 folder, with and without a tokenizer; its exit statuses."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -182,6 +183,11 @@ def test_a_result_it_cannot_write_exits_1_without_a_traceback(mixtral):
     p.stdout.close()                                            # the reader is gone before any output
     err = p.stderr.read()
     assert p.wait(timeout=300) == 1 and "Traceback" not in err and "error" not in err   # quietly, as | head
+    # started with stdout closed (`>&-`: sys.stdout is None): an AttributeError traceback before
+    r = subprocess.run(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300,
+                       preexec_fn=lambda: os.close(1))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "ktfp8.generate: error: cannot write to standard output: it is closed" in r.stderr
 
 
 def test_without_torch_exits_1_naming_what_to_install(mixtral):

@@ -409,6 +409,24 @@ def test_state_dict_warns_that_held_experts_are_empty(qwen3):
         assert len(record) == 1                         # once per call, not once per layer (2 here)
         assert state["model.layers.0.mlp.experts.down_proj"].shape == (0,)
         assert state["model.embed_tokens.weight"].numel() > 0
+        # torch takes a plain dict as destination=, which no flag can be set on (an AttributeError before)
+        with pytest.warns(RuntimeWarning, match=r"state_dict\(\): ktfp8 holds") as record:
+            into = model.state_dict(destination={})
+        assert len(record) == 1 and into.keys() == state.keys()
+
+
+def test_a_first_call_under_inference_mode_leaves_an_ordinary_model(qwen3):
+    """The (0,) parameters that replace the released weights were made at the first call, under
+    inference_mode as generate runs it: inference tensors, which requires_grad_(True) and
+    load_state_dict then refused outside that mode.  They are made outside it now, as prepare() does."""
+    model = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32, experts_implementation="ktfp8")
+    want = logits(model)                                # its first call, under inference_mode
+    assert not any(p.is_inference() for p in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)         # the state_dict warning, tested above
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    model.requires_grad_(True)
+    np.testing.assert_array_equal(logits(model), want)
 
 
 def test_deepcopy_outlives_the_original(qwen3):

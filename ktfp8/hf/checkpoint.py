@@ -35,7 +35,7 @@ def _expert_weights_left_empty():
     """While active, supported experts modules register empty gate_up_proj / down_proj parameters."""
     def hook(module, name, param):
         if name in hf_experts.RELEASED and type(module).__name__ in hf_experts.SUPPORTED_EXPERTS:
-            return torch.nn.Parameter(torch.empty(0, dtype=param.dtype, device="cpu"), requires_grad=False)
+            return hf_experts.empty_parameter(param.dtype)
         return None
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
     try:

@@ -100,10 +100,17 @@ def attach(module, layer, quant_config, source=None):
     module._ktfp8_quant_config = copy.copy(quant_config)      # the caller's object may change later
     module._ktfp8_source = source
     for name in RELEASED:
-        old = getattr(module, name)
-        setattr(module, name, torch.nn.Parameter(torch.empty(0, dtype=old.dtype), requires_grad=False))
+        setattr(module, name, empty_parameter(getattr(module, name).dtype))
     module.register_forward_pre_hook(_refuse_other_implementations)
     module._register_state_dict_hook(_warn_experts_are_empty)
+
+
+def empty_parameter(dtype):
+    """The (0,) parameter that stands for a released expert weight.  Made outside inference mode, which
+    a first call under torch.inference_mode() would otherwise give it: an inference tensor then refuses
+    requires_grad_(True) and load_state_dict's copy outside that mode."""
+    with torch.inference_mode(False):
+        return torch.nn.Parameter(torch.empty(0, dtype=dtype, device="cpu"), requires_grad=False)
 
 
 EMPTY_IN_STATE_DICT = ("state_dict(): ktfp8 holds the routed experts of this model packed for this CPU and "
@@ -115,9 +122,11 @@ EMPTY_IN_STATE_DICT = ("state_dict(): ktfp8 holds the routed experts of this mod
 def _warn_experts_are_empty(module, state_dict, prefix, local_metadata):
     """state_dict hook of a module whose experts ktfp8 holds: the dict is still made (other code reads
     the rest of it), but torch.save(model.state_dict()) must not pass for a checkpoint unsaid.  Once per
-    state_dict() call: every held module of the model shares that call's dict."""
-    if not getattr(state_dict, "_ktfp8_warned", False):
-        state_dict._ktfp8_warned = True
+    state_dict() call: every held module of the model shares that call's dict, and only the first one
+    to fill it finds no other's released entries there (a flag on the dict would fail on the plain dict
+    a caller may pass as destination=)."""
+    own = {prefix + name for name in RELEASED}
+    if not any(key.endswith(RELEASED) and key not in own and not value.numel() for key, value in state_dict.items()):
         warnings.warn(EMPTY_IN_STATE_DICT, RuntimeWarning, stacklevel=2)
 
 
