@@ -246,14 +246,16 @@ def _check_finite(w, name):
             raise ValueError(f"{name} holds {float(matrix[tuple(at)])} at {where}; {fp8.NON_FINITE_WEIGHTS}")
 
 
-def _check_bf16_range(w, as_bf16, name):
+def _check_bf16_range(w, as_bf16, name, first_expert=0):
     """ValueError at the first finite weight of `w` that became Inf as bfloat16 `as_bf16`: a float32
-    beyond bfloat16's largest finite value (and its half step), which rounds to Inf."""
+    beyond bfloat16's largest finite value (and its half step), which rounds to Inf.  `w` holds the
+    layer's experts from `first_expert` on: the message names the layer's index."""
     from . import fp8
 
     at = fp8.first_non_finite(as_bf16)
     if at is not None:
-        raise ValueError(f"{name} holds {float(w[tuple(at)])} at {at}, beyond bfloat16's largest finite value "
+        value, at[0] = float(w[tuple(at)]), at[0] + first_expert
+        raise ValueError(f"{name} holds {value} at {at}, beyond bfloat16's largest finite value "
                          f"{float(ml_dtypes.finfo(ml_dtypes.bfloat16).max):.5g}: as BF16 it would become Inf "
                          f"(method 'FP8' scales such weights into range)")
 
@@ -285,7 +287,7 @@ def quantize_experts(gate, up, down, quant_config, experts=None):
     if quant_config.method == "BF16":
         as_bf16 = [np.ascontiguousarray(a).astype(ml_dtypes.bfloat16) for a in (gate, up, down)]
         for name, a, b in zip(("gate", "up", "down"), (gate, up, down), as_bf16):
-            _check_bf16_range(a, b, name)
+            _check_bf16_range(a, b, name, shard.get("first_expert", 0))
         return ExpertWeights("bf16", *as_bf16, **shard)
     if quant_config.per_channel:
         q = [fp8.quantize(a, per_channel=True) for a in (gate, up, down)]

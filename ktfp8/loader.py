@@ -222,10 +222,9 @@ def block_size_of(hf_config, source="config.json"):
     return as_block(block, f"{source}: {BLOCK_FIELD}")
 
 
-def _ids(ids, total=None):
-    """[4, 5, 6] of a list of expert indices, the first 8 of a longer one (`total`: its length where `ids`
-    holds only its start): a message stays a line."""
-    total = len(ids) if total is None else total
+def _ids(ids, total):
+    """[4, 5, 6] of `total` expert indices whose first ones are `ids` (as _absent gives them), the first 8
+    of more: a message stays a line."""
     return str(ids) if total <= 8 else f"{str(ids[:8])[:-1]}, ... ({total} in all)]"
 
 

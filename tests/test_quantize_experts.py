@@ -55,3 +55,12 @@ def test_bf16_keeps_what_bfloat16_holds_and_refuses_what_becomes_inf(weights, va
     else:
         with pytest.raises(ValueError, match=r"up holds .* at \[1, 2, 3\], beyond bfloat16's largest finite value"):
             ktfp8.quantize_experts(gate, up, down, {"method": "BF16"})
+
+
+def test_bf16_names_the_layers_index_of_a_shards_weight(weights):
+    """experts=range(1, 3) quantizes experts 1 and 2: a weight beyond bfloat16's range in expert 2 is
+    named as the layer's expert 2, as the NaN check names it."""
+    gate, up, down = (w.copy() for w in weights)
+    down[2, 0, 1] = 3.4e38
+    with pytest.raises(ValueError, match=r"down holds .* at \[2, 0, 1\], beyond bfloat16's largest finite value"):
+        ktfp8.quantize_experts(gate, up, down, {"method": "BF16"}, experts=range(1, 3))
