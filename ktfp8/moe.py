@@ -126,12 +126,13 @@ class MoE:
     @property
     def threads(self):
         """OpenMP threads of each call.  Assignable: the next call runs with the new count (validated
-        like threads=; None re-reads the environment)."""
+        like threads=; None: the count construction without threads= gives, the config's threads, else
+        the environment's, read again)."""
         return self._threads
 
     @threads.setter
     def threads(self, threads):
-        self._threads = backends.default_threads(threads)
+        self._threads = backends.default_threads(threads if threads is not None else self._config.threads)
 
     @property
     def nbytes(self):

@@ -11,6 +11,7 @@ import functools
 import numbers
 import os
 import re
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -273,6 +274,8 @@ class NumaMoE:
         # as MoE does, before planning: a wrong expert_num would otherwise surface as a shard's range
         _check_matches(config, experts)
         self._closed = False
+        self._lock = threading.Lock()       # close() cannot shut the teams down between a call's check and submits
+        self._pid = os.getpid()             # a forked child has the teams' queues but not their threads
         # the experts held (the whole layer, or e.g. an expert-parallel rank's shard) split over the nodes
         own = experts.expert_range
         self.placements = [replace(p, experts=range(own.start + p.experts.start, own.start + p.experts.stop))
@@ -296,23 +299,45 @@ class NumaMoE:
         return sum(m.nbytes for m in self.moes)
 
     def __call__(self, x, topk_ids, topk_weights):
-        """Like MoE.__call__ (NumPy x, float32 or bfloat16): the partial outputs are summed in float32."""
-        if self._closed:          # else concurrent.futures' "cannot schedule new futures after shutdown"
-            raise RuntimeError("this NumaMoE is closed (close() shut down its node teams); build a new one")
+        """Like MoE.__call__ (NumPy x, float32 or bfloat16): the partial outputs are summed in float32.
+        In a process forked after this one was built the teams' threads are gone: the nodes' layers then
+        run in turn in the calling thread, each on the one thread a forked OpenMP gives (MoE warns)."""
         if not isinstance(x, np.ndarray) or x.dtype.name not in ("float32", "bfloat16"):
             raise TypeError(f"x must be a float32 or bfloat16 numpy array, got {getattr(x, 'dtype', type(x).__name__)}")
         x32 = np.ascontiguousarray(x, np.float32)
-        futures = [team.submit(moe, x32, topk_ids, topk_weights) for team, moe in zip(self._teams, self.moes)]
-        partials = [f.result() for f in futures]
+        forked = os.getpid() != self._pid       # a submit would wait for ever on a thread that is not there
+        with self._lock:
+            if self._closed:      # else concurrent.futures' "cannot schedule new futures after shutdown"
+                raise RuntimeError("this NumaMoE is closed (close() shut down its node teams); build a new one")
+            if not forked:
+                futures = [team.submit(moe, x32, topk_ids, topk_weights)
+                           for team, moe in zip(self._teams, self.moes)]
+        if forked:
+            partials = [moe(x32, topk_ids, topk_weights) for moe in self.moes]
+        else:
+            partials = [f.result() for f in futures]
         y = partials[0]
         for p in partials[1:]:
             y += p
         return y if x.dtype == np.float32 else y.astype(x.dtype)
 
     def close(self):
-        self._closed = True
+        """Shuts the node teams down (after the calls already running); calls after it raise RuntimeError."""
+        with self._lock:
+            self._closed = True
         for team in self._teams:
             team.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce_ex__(self, protocol):
+        # copy, deepcopy and pickle: a copy would share (or lose) the pinned node teams and their closing
+        raise TypeError("a NumaMoE holds threads pinned to its nodes and cannot be copied or pickled; build "
+                        "another from the experts (or copy the per-node layers in .moes)")
 
 
 def report(root=NODE_ROOT):

@@ -193,6 +193,22 @@ def test_assigning_a_bad_thread_count_raises_and_keeps_the_old_one(bad):
     assert moe.threads == 2
 
 
+def test_assigning_none_gives_the_count_construction_gave(monkeypatch):
+    """None: the layer's own MoeConfig.threads, else the environment read again (it skipped the config's
+    count and read the environment alone)."""
+    experts, _ = make_experts("fp8_per_channel", E, H, I, seed=5)
+    monkeypatch.setenv("KTFP8_NUM_THREADS", "3")
+    cfg = _config()
+    cfg.threads = 1
+    moe = MoE(cfg, experts, threads=2)
+    moe.threads = None
+    assert moe.threads == 1
+    unset = MoE(_config(), experts, threads=2)
+    monkeypatch.setenv("KTFP8_NUM_THREADS", "2")
+    unset.threads = None
+    assert unset.threads == 2
+
+
 def test_thread_count_does_not_change_results():
     outputs = {json.loads(_probe({"KTFP8_NUM_THREADS": str(n)}).stdout)["y"] for n in (1, 2, 3)}
     assert len(outputs) == 1

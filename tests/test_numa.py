@@ -287,6 +287,73 @@ def test_a_closed_numa_moe_says_so():
         layer(x, ids, w)
 
 
+def test_close_racing_calls_says_closed_and_with_closes():
+    """Calls from other threads while close() runs: each either ran or said the layer is closed (some
+    got concurrent.futures' "cannot schedule new futures after shutdown" between the check and the
+    submits).  `with` closes the layer on leaving."""
+    nodes, cfg, experts, _ = _two_node_layer()
+    x = np.ones((2, cfg.hidden_size), np.float32)
+    ids, w = random_routing(2, cfg.expert_num, cfg.num_experts_per_tok, seed=3)
+    errors = []
+
+    def call_until_closed(layer):
+        while True:
+            try:
+                layer(x, ids, w)
+            except RuntimeError as e:
+                errors.append(str(e))
+                return
+
+    for _ in range(20):
+        with numa.NumaMoE(cfg, experts, nodes=nodes) as layer:
+            callers = [threading.Thread(target=call_until_closed, args=(layer,)) for _ in range(3)]
+            for t in callers:
+                t.start()
+        for t in callers:
+            t.join(timeout=60)
+        assert layer._closed and not any(t.is_alive() for t in callers)
+    assert len(errors) == 60 and all(e.startswith("this NumaMoE is closed") for e in errors), set(errors)
+
+
+def test_copy_and_pickle_are_refused_by_name():
+    """A copy shared the pinned teams (closing it broke the original) or failed on a SimpleQueue."""
+    import copy
+    import pickle
+    nodes, cfg, experts, _ = _two_node_layer()
+    with numa.NumaMoE(cfg, experts, nodes=nodes) as layer:
+        for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="a NumaMoE holds threads pinned to its nodes and cannot be copied"):
+                attempt(layer)
+
+
+def _call_in_forked_child(layer, x, ids, w):
+    """layer(x, ids, w) in a child forked after the layer was built and called, and its result (None if
+    the child failed or is still running after 120 s)."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=lambda: results.put(layer(x, ids, w)))
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+        return None
+    return results.get(timeout=10) if child.exitcode == 0 else None
+
+
+def test_a_forked_child_runs_the_layer():
+    """The child has the teams' executors but not their threads: a submit waited for ever.  The nodes'
+    layers now run in the calling thread there (on one OpenMP thread each, as a forked MoE does)."""
+    nodes, cfg, experts, _ = _two_node_layer()
+    with numa.NumaMoE(cfg, experts, nodes=nodes) as layer:
+        x = np.random.default_rng(5).standard_normal((7, cfg.hidden_size)).astype(np.float32)
+        ids, w = random_routing(7, cfg.expert_num, cfg.num_experts_per_tok, seed=6)
+        want = layer(x, ids, w)
+        got = _call_in_forked_child(layer, x, ids, w)
+    assert got is not None, "the forked child did not return the layer's output"
+    np.testing.assert_allclose(got, want, rtol=0, atol=8 * np.finfo(np.float32).eps * np.abs(want).max())
+
+
 def test_cpu_report_shows_the_numa_layout():
     report = cpu.report()
     out = io.StringIO()
