@@ -104,6 +104,20 @@ def test_random_experts_are_finite_and_sized_as_the_layer(fmt):
         assert np.isfinite(w.gate.astype(np.float32)).all()
 
 
+@pytest.mark.parametrize("fmt", L.FORMATS)
+@pytest.mark.parametrize("hidden, intermediate", [(1, 1), (70, 33), (64, 32), (300, 129)])
+def test_packed_bytes_per_expert_are_what_the_simd_kernels_pack(fmt, hidden, intermediate):
+    """The memory check's packed size against MoE.nbytes of the layer packed by each tiled backend
+    (native or emulated): the padding of a tiny layer (1.7 KB an expert at H = I = 1) made a layer that
+    passed the check end in a MemoryError traceback."""
+    layer = L.Layer("odd", 2, 1, hidden, intermediate)
+    experts = L.random_experts(layer, fmt)
+    tiled = [b for b in ktfp8.backends.usable_variants() if b != "reference"]
+    for backend in tiled:
+        packed = ktfp8.MoE(layer.config(fmt), experts, backend=backend).nbytes
+        assert packed == layer.experts * layer.packed_bytes_per_expert(fmt), backend
+
+
 def test_random_codes_are_distributed_as_a_quantized_gaussian():
     table = L.gaussian_code_table()
     v = table.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -910,6 +924,8 @@ _SMALL = ["--quick", "--no-peers", "--no-plot", "--threads", "1", "--formats", "
 @pytest.mark.parametrize("args, message", [
     (["--layer", "1000000,8,2048,768", "--tokens", "1"], "--layer: the weights of 'E=1000000 top-8 H=2048 I=768' take"),
     (["--layer", "4,2,64,32", "--tokens", "1,999999999"], "--tokens: the activations of a call of T=999999999 on"),
+    # 300 MB of weights as drawn, 173 GB packed: tiles of 16 rows x 32 K (it passed, then a MemoryError)
+    (["--layer", "100000000,8,1,1", "--tokens", "1"], "--layer: the weights of 'E=100000000 top-8 H=1 I=1' take"),
 ])
 def test_cli_refuses_what_cannot_fit_in_memory_before_running(tmp_path, args, message):
     r = _cli(tmp_path, *_SMALL, *args)
@@ -1020,6 +1036,16 @@ def test_cli_whose_reader_left_stops_quietly(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_cli_started_with_stdout_closed_says_so(tmp_path):
+    """`>&-`: print() to a None sys.stdout drops the text, so the run went on and exited 0 having said
+    nothing; it stops at its first line, as python -m ktfp8.cpu does."""
+    r = subprocess.run([sys.executable, "-m", "ktfp8.bench", *_TINY, "--no-plot", "--out", str(tmp_path)],
+                       stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=600, preexec_fn=lambda: os.close(1))
+    assert r.returncode == 1
+    assert r.stderr == "python -m ktfp8.bench: error: cannot write to standard output: it is closed\n"
+    assert not list(tmp_path.iterdir())
+
+
 def test_cli_refuses_a_missing_output_folder(tmp_path):
     r = _cli(tmp_path / "nope", "--no-peers")
     assert r.returncode == 2 and "not a folder" in r.stderr
@@ -1100,6 +1126,16 @@ def test_model_cli_writes_the_json_before_the_table_and_stops_quietly_when_the_r
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == _FAKE_ROWS[0]
     assert capsys.readouterr().err == ""
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_model_cli_with_stdout_closed_says_so(tmp_path, monkeypatch, capsys):
+    """A closed stdout (sys.stdout None): the table was dropped without a word, exit 0."""
+    M = _model_cli()
+    monkeypatch.setattr(M, "run", lambda *a: _FAKE_ROWS)
+    monkeypatch.setattr(sys, "stdout", None)
+    assert M.main(["--layers", "1", "--json", str(tmp_path / "r.json")]) == 1
+    assert "cannot write to standard output: it is closed" in capsys.readouterr().err
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == _FAKE_ROWS[0]
 
 
 def test_model_cli_interrupted_is_one_line(monkeypatch, capsys):

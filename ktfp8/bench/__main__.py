@@ -136,13 +136,15 @@ def _does_not_fit(args):
     None: found here, not after the limits were measured, as a MemoryError traceback."""
     preset = QUICK if args.quick else FULL
     layers = args.layers or [_layer(s) for s in preset["layers"]]
-    widest = max(L.BYTES_PER_WEIGHT[f] for f in args.formats or L.FORMATS)
+    formats = args.formats or L.FORMATS
     free = available_memory()
     for layer in layers:
-        weights = layer.experts * layer.weights_per_expert * widest
+        # as drawn and as packed: both are held while a MoE packs
+        weights = layer.experts * max(layer.weights_per_expert * L.BYTES_PER_WEIGHT[f]
+                                      + layer.packed_bytes_per_expert(f) for f in formats)
         if weights > free:
-            return (f"--layer: the weights of {layer.name!r} take {weights / 1e9:.1f} GB, more than the "
-                    f"{free / 1e9:.1f} GB of memory available now")
+            return (f"--layer: the weights of {layer.name!r} take {weights / 1e9:.1f} GB (as drawn and as "
+                    f"packed), more than the {free / 1e9:.1f} GB of memory available now")
         T = max(args.tokens or preset["tokens"])
         draw = T * layer.hidden * 8   # a call's activations are drawn in float64
         if draw > free:
@@ -227,7 +229,7 @@ class _ResultsNotWritten(Exception):
 
 def _say(*parts):
     try:
-        print(*parts, flush=True)
+        print(*parts, file=cpu.checked_stdout(), flush=True)    # print() to a closed stdout says nothing
     except OSError as err:
         raise cpu.StdoutFailed(err) from None
 

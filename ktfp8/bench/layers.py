@@ -28,6 +28,17 @@ class Layer:
     def weights_per_expert(self):
         return 3 * self.hidden * self.intermediate  # gate, up, down
 
+    def packed_bytes_per_expert(self, fmt):
+        """An expert's bytes as the SIMD kernels pack them in format `fmt` (`reference`, one row a tile,
+        packs fewer): each projection's rows padded to whole tiles of 16 and its K to 32
+        (include/ktfp8/abi.h, KTFP8_K_ALIGN), a float32 scale per row (block-wise: per row and K block).
+        A tiny projection is mostly padding: H = I = 1 packs 1.7 KB an expert in FP8."""
+        def padded(n, multiple):
+            return -(-n // multiple) * multiple
+        scales = {"fp8_per_channel": lambda inn: 1, "fp8_block": lambda inn: -(-inn // BLOCK), "bf16": lambda inn: 0}
+        return sum(padded(out, 16) * (padded(inn, 32) * BYTES_PER_WEIGHT[fmt] + 4 * scales[fmt](inn))
+                   for out, inn in ((self.intermediate, self.hidden),) * 2 + ((self.hidden, self.intermediate),))
+
     def flops(self, tokens):
         """Multiply-adds x2 of the routed experts for `tokens` tokens."""
         return 2 * tokens * self.top_k * self.weights_per_expert

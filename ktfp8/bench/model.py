@@ -20,8 +20,9 @@ import sys
 import time
 
 from .. import backends
+from ..cpu import checked_stdout, stdout_failed
 from ..generate import _positive, _threads  # the same --threads / --layers checks as the generate CLI
-from .__main__ import _cannot_write_into, _write_atomically
+from .__main__ import _bad_env_backend, _cannot_write_into, _write_atomically
 
 PHASES = ("prefill", "decode")
 SIDES = ("eager", "grouped_mm", "batched_mm", "ktfp8")
@@ -248,6 +249,9 @@ def _check(p, args):
     if args.prompt_tokens + args.decode_tokens > MAX_POSITIONS:
         p.error(f"--prompt-tokens + --decode-tokens must be at most {MAX_POSITIONS} (the model's "
                 f"max_position_embeddings), got {args.prompt_tokens + args.decode_tokens}")
+    why = "ktfp8" in args.sides and _bad_env_backend()    # found after the model was built, in a traceback
+    if why:
+        p.error(why)
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
         p.error(f"needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed")
@@ -293,15 +297,14 @@ def main(argv=None):
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     try:
-        print("\n".join(table(rows, args.layers, args.threads, args.prompt_tokens, args.vocab)))
-        print("\n".join(goals(rows, args.prompt_tokens)))
+        out = checked_stdout()          # a closed stdout: print() would drop the table without a word
+        print("\n".join(table(rows, args.layers, args.threads, args.prompt_tokens, args.vocab)), file=out)
+        print("\n".join(goals(rows, args.prompt_tokens)), file=out)
         for when, (current, peak) in memory.items():
             print(f"RSS with {'BF16' if when == 'bf16' else 'FP8 (ktfp8)'} experts: {current:.2f} GB "
-                  f"(peak so far {peak:.2f} GB)")
-        if sys.stdout is not None:
-            sys.stdout.flush()
+                  f"(peak so far {peak:.2f} GB)", file=out)
+        out.flush()
     except OSError as err:
-        from ..cpu import stdout_failed
         return stdout_failed(prog, err)
     return 0
 
