@@ -75,12 +75,12 @@ ISA = isa_levels()
 
 def option(name):
     """ON / OFF / AUTO for one build option, honouring KTransformers' CPUINFER_ENABLE_* spelling."""
-    value = os.environ.get(f"KTFP8_ENABLE_{name}") or os.environ.get(f"CPUINFER_ENABLE_{name}") or "AUTO"
-    value = value.strip().upper()
+    var = next((v for v in (f"KTFP8_ENABLE_{name}", f"CPUINFER_ENABLE_{name}") if os.environ.get(v)), None)
+    given = os.environ[var] if var else "AUTO"
     aliases = {"1": "ON", "TRUE": "ON", "YES": "ON", "0": "OFF", "FALSE": "OFF", "NO": "OFF"}
-    value = aliases.get(value, value)
+    value = aliases.get(given.strip().upper(), given.strip().upper())
     if value not in ("ON", "OFF", "AUTO"):
-        sys.exit(f"ktfp8 build: KTFP8_ENABLE_{name}={value!r}; expected ON, OFF or AUTO")
+        sys.exit(f"ktfp8 build: {var}={given!r}; expected ON, OFF or AUTO")   # the variable as set, not its twin
     return value
 
 

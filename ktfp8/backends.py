@@ -107,8 +107,13 @@ def _named_elsewhere(name, source):
     if found is not None and found.usable:
         return found
     twins = [n for n in usable_variants() if n not in _NATIVE]
-    why = "is not compiled in this build" if name not in compiled_variants() else \
-        "is compiled but this CPU/OS cannot run it"
+    near = name.strip().lower()         # 'AVX2' or ' avx2': a spelling, not a build without that backend
+    if near != name and near in compiled_variants():
+        why = f"is not a backend name (they are lower case, without spaces: {near!r} is one)"
+    elif name not in compiled_variants():
+        why = "is not compiled in this build"
+    else:
+        why = "is compiled but this CPU/OS cannot run it"
     also = f" (and, for tests, the emulated twins {', '.join(twins)})" if twins else ""
     raise ValueError(f"{source}={name!r} {why}; usable backends: {', '.join(available_backends())}{also}")
 

@@ -55,10 +55,13 @@ def test_on_with_an_unable_compiler_stops_the_build(source, tmp_path_factory):
     assert "amx was requested (ON) but this compiler does not accept" in proc.stdout + proc.stderr
 
 
-def test_bad_option_value_is_refused(source):
-    proc = build(source, KTFP8_ENABLE_AVX2="sometimes")
+@pytest.mark.parametrize("var", ["KTFP8_ENABLE_AVX2", "CPUINFER_ENABLE_AVX2"])
+def test_bad_option_value_is_refused_naming_the_variable_as_set(source, var):
+    """KTransformers' spelling was reported as KTFP8_ENABLE_..., a variable the user never set, and the
+    value upper-cased."""
+    proc = build(source, **{var: "sometimes"})
     assert proc.returncode != 0
-    assert "KTFP8_ENABLE_AVX2='SOMETIMES'; expected ON, OFF or AUTO" in proc.stdout + proc.stderr
+    assert f"{var}='sometimes'; expected ON, OFF or AUTO" in proc.stdout + proc.stderr
 
 
 def clang_with_openmp(tmp_path):

@@ -48,6 +48,16 @@ def sdist(copied_tree, tmp_path_factory):
     return archive
 
 
+def test_an_unbuilt_checkout_says_why_it_cannot_be_imported(copied_tree):
+    """`pip install .`, then Python in that folder: the checkout shadows the installed copy, and the
+    import said only "cannot import name '_ext' from 'ktfp8._native'"."""
+    proc = subprocess.run([sys.executable, "-c", "import ktfp8"], cwd=copied_tree, env=_clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "ImportError: ktfp8's compiled kernels are not built in" in proc.stderr
+    assert "Python is importing ktfp8 from its source folder" in proc.stderr
+
+
 def test_sdist_holds_every_source_and_nothing_generated(copied_tree, sdist):
     with tarfile.open(sdist) as tar:
         names = {Path(*Path(n).parts[1:]).as_posix() for n in tar.getnames()}
