@@ -78,7 +78,8 @@ def option(name):
     var = next((v for v in (f"KTFP8_ENABLE_{name}", f"CPUINFER_ENABLE_{name}") if os.environ.get(v)), None)
     given = os.environ[var] if var else "AUTO"
     aliases = {"1": "ON", "TRUE": "ON", "YES": "ON", "0": "OFF", "FALSE": "OFF", "NO": "OFF"}
-    value = aliases.get(given.strip().upper(), given.strip().upper())
+    value = given.strip().upper()
+    value = aliases.get(value, value)
     if value not in ("ON", "OFF", "AUTO"):
         sys.exit(f"ktfp8 build: {var}={given!r}; expected ON, OFF or AUTO")   # the variable as set, not its twin
     return value

@@ -35,8 +35,10 @@ class Layer:
         A tiny projection is mostly padding: H = I = 1 packs 1.7 KB an expert in FP8."""
         def padded(n, multiple):
             return -(-n // multiple) * multiple
-        scales = {"fp8_per_channel": lambda inn: 1, "fp8_block": lambda inn: -(-inn // BLOCK), "bf16": lambda inn: 0}
-        return sum(padded(out, 16) * (padded(inn, 32) * BYTES_PER_WEIGHT[fmt] + 4 * scales[fmt](inn))
+
+        def scales_per_row(inn):
+            return {"fp8_per_channel": 1, "fp8_block": -(-inn // BLOCK), "bf16": 0}[fmt]
+        return sum(padded(out, 16) * (padded(inn, 32) * BYTES_PER_WEIGHT[fmt] + 4 * scales_per_row(inn))
                    for out, inn in ((self.intermediate, self.hidden),) * 2 + ((self.hidden, self.intermediate),))
 
     def flops(self, tokens):
