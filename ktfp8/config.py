@@ -347,7 +347,8 @@ _FAMILY_DEFAULTS = {
     "flex_olmo": {"norm_topk_prob": False}, "olmoe": {"norm_topk_prob": False},
     "qwen3_omni_moe_talker_text": {"norm_topk_prob": False},
     # DeepSeek-V2's router under a vision-language model: topk_method given, no norm_topk_prob, never renormalised
-    "deepseek_ocr2_text": {"norm_topk_prob": False}, "unlimited_ocr_text": {"norm_topk_prob": False},
+    "deepseek_ocr2_text": {"norm_topk_prob": False, "topk_method": "greedy"},
+    "unlimited_ocr_text": {"norm_topk_prob": False, "topk_method": "greedy"},
     # Mistral 4 (Small 4) and Mistral Large 4: softmax scores, a group scored by its two best.
     "mistral4": {"group_score": "top2_sum"}, "mistral_large4_text": {"group_score": "top2_sum"},
 }
@@ -372,6 +373,22 @@ _KNOWN_FAMILIES = frozenset(_FAMILY_DEFAULTS) | frozenset(_SOFTMAX_FAMILIES)
 # their routers do not read it); Cohere2-MoE's softmax one too (`expert_selection_fn`, below)
 _ALWAYS_RENORMALISED = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax", "minimax_m2", "mistral_large4_text", "mixtral",
                         "muse_spark_text", "qwen3_5_moe_text", "qwen3_vl_moe_text")
+_DEEPSEEK_V2_ROUTERS = ("deepseek_v2", "deepseek_ocr2_text", "unlimited_ocr_text")   # softmax, topk_method given
+# config.json keys a family's router does not read (its config class has no such field), which a
+# config.json may carry all the same (fine-tunes copy DeepSeek's fields): the family's own value stands,
+# as in its transformers router (a helper's audit: each of these changed ktfp8's routing alone;
+# tests/test_routing.py).  Cohere2-MoE reads its scoring as expert_selection_fn only.
+_NOT_READ = {
+    **{f: ("scoring_func", "routed_scaling_factor", "n_group", "topk_group", "topk_method")
+       for f in _SOFTMAX_FAMILIES if f not in ("mistral4", "mistral_large4_text")},
+    "mistral4": ("scoring_func",), "mistral_large4_text": ("scoring_func",),
+    **{f: ("scoring_func",) for f in _DEEPSEEK_V2_ROUTERS},
+    **{f: ("topk_method",) for f in (*_NOAUX_TC_FAMILIES, "deepseek_v3")},
+}
+for _family in ("flint", "minimax_m2"):
+    _NOT_READ[_family] += ("routed_scaling_factor", "n_group", "topk_group")
+for _family in ("lfm2_moe", "muse_spark_text"):
+    _NOT_READ[_family] += ("n_group", "topk_group")
 # Other names config.json gives a routing field under: Cohere2-MoE's expert_selection_fn ("softmax", the
 # default, or "sigmoid"), Inkling-2's and AFMoE's route_scale
 _KEY_ALIASES = {"scoring_func": ("expert_selection_fn",), "routed_scaling_factor": ("route_scale",)}
@@ -426,7 +443,8 @@ def _fields_from_hf(config, routing_given=False):
                          f"n_group=..., topk_group=..., routed_scaling_factor=...)")
 
     def get(key, default=None):
-        value = next((config[k] for k in (key, *_KEY_ALIASES.get(key, ())) if config.get(k) is not None), None)
+        keys = [k for k in (key, *_KEY_ALIASES.get(key, ())) if k not in _NOT_READ.get(family, ())]
+        value = next((config[k] for k in keys if config.get(k) is not None), None)
         return defaults.get(key, default) if value is None else value
 
     def need(field, keys):
@@ -442,6 +460,9 @@ def _fields_from_hf(config, routing_given=False):
         raise ValueError(f"Hugging Face config (model_type {family!r}) has no {' / '.join(keys)} field")
 
     topk_method = get("topk_method")
+    if family in _DEEPSEEK_V2_ROUTERS and topk_method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"Hugging Face config: model_type {family!r} routes by topk_method 'greedy' or "
+                         f"'group_limited_greedy' (DeepSeek-V2's softmax router), got {topk_method!r}")
     scoring_func = get("scoring_func", _TOPK_METHOD_SCORING.get(topk_method, "softmax"))
     n_group, topk_group = get("n_group", 1), get("topk_group", 1)
     if topk_method == "greedy":

@@ -212,6 +212,26 @@ def test_routing_fields_read_as_the_family_reads_them(family, fields):
     _check_family(family, **fields)
 
 
+def _stray_fields(family, key):
+    """A config.json value of routing field `key` that would change the routing of a router reading it."""
+    noaux_tc = family in config_module._NOAUX_TC_FAMILIES or family == "deepseek_v3"
+    return {"scoring_func": {"scoring_func": "sigmoid"},
+            "routed_scaling_factor": {"routed_scaling_factor": 3.0},
+            "n_group": {"n_group": 4, "topk_group": 2}, "topk_group": {"n_group": 4, "topk_group": 2},
+            "topk_method": {"topk_method": "greedy"} if noaux_tc else
+            {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}}[key]
+
+
+@pytest.mark.parametrize("family, key", sorted({(family, "n_group" if key == "topk_group" else key)
+                                                for family, keys in config_module._NOT_READ.items() for key in keys}))
+def test_routing_fields_a_family_does_not_read_are_ignored(family, key):
+    """A config.json may carry routing fields its family's router never reads (its config class has none):
+    ktfp8 read them, e.g. a Qwen3-MoE config's routed_scaling_factor scaled every weight, a Mixtral's
+    n_group grouped its experts, GLM-4.5's topk_method 'greedy' made it softmax (a helper's audit against
+    each family's transformers block).  The family's router is the oracle here too."""
+    _check_family(family, **_stray_fields(family, key))
+
+
 def _check_family(family, **fields):
     """Routes the family's block's logits with MoeConfig.from_hf_config of its config and compares with
     what the block's router chose; returns (config, block, MoeConfig)."""
