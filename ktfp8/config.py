@@ -376,7 +376,7 @@ _ALWAYS_RENORMALISED = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax", "minimax_m2
 _DEEPSEEK_V2_ROUTERS = ("deepseek_v2", "deepseek_ocr2_text", "unlimited_ocr_text")   # softmax, topk_method given
 # config.json keys a family's router does not read (its config class has no such field), which a
 # config.json may carry all the same (fine-tunes copy DeepSeek's fields): the family's own value stands,
-# as in its transformers router (a helper's audit: each of these changed ktfp8's routing alone;
+# as in its transformers router (each entry, read, changed ktfp8's routing away from that router's:
 # tests/test_routing.py).  Cohere2-MoE reads its scoring as expert_selection_fn only.
 _NOT_READ = {
     **{f: ("scoring_func", "routed_scaling_factor", "n_group", "topk_group", "topk_method")
