@@ -990,6 +990,8 @@ CASES = [
     Case("python -m ktfp8.bench.model", "KTFP8_BACKEND=junk in the environment (found after the model was built)",
          _with_env("KTFP8_BACKEND", "junk", lambda c: _bench_model(c, "--layers", "1", "--sides", "ktfp8")), 2,
          "KTFP8_BACKEND='junk' is not compiled in this build; usable backends:"),
+    Case("python -m ktfp8.bench.model", "--json '' (was taken for no --json: no file, no word)",
+         lambda c: _bench_model(c, "--layers", "1", "--json", ""), 2, "--json: an empty path; name the file to write"),
     Case("python -m ktfp8.bench.model", "--json in a folder it cannot write into",
          lambda c: _bench_model(c, "--layers", "1", "--json", "/proc/r.json"), 2,
          "--json: cannot write into '/proc'"),

@@ -260,6 +260,8 @@ def _check(p, args):
     if need > free:
         p.error(f"--layers {args.layers} --vocab {args.vocab}: the model needs about {need / 1e9:.1f} GB, more than the "
                 f"{free / 1e9:.1f} GB of memory available now")
+    if args.json == "":           # else taken for "no --json": minutes of measurements, and no file
+        p.error("--json: an empty path; name the file to write")
     if args.json:
         folder = os.path.dirname(os.path.abspath(args.json))
         if os.path.isdir(args.json):
