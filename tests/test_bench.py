@@ -949,6 +949,22 @@ def test_cli_refuses_too_many_threads_and_a_bad_backend_variable_before_running(
     assert "Traceback" not in r.stderr and "measuring" not in r.stdout
 
 
+def test_a_forced_emulated_default_is_timed(tmp_path, monkeypatch):
+    """$KTFP8_BACKEND=avx512_emulated made it the default the table stars and the goals judge, but the
+    bench timed only the usable native backends: no starred row, goals about a backend never timed."""
+    from ktfp8 import backends
+    from ktfp8.bench import __main__ as cli
+    emulated = [b for b in backends.compiled_variants() if b.endswith("_emulated")]
+    if not emulated:
+        pytest.skip("built without the emulated variants (KTFP8_ENABLE_EMULATED=OFF)")
+    monkeypatch.setenv("KTFP8_BACKEND", emulated[0])
+    plan = cli.make_plan(cli.parse_args(["--out", str(tmp_path), "--no-plot", "--quick"]))
+    assert plan.backends == [emulated[0]] + [b for b in ktfp8.available_backends() if b != "reference"]
+    monkeypatch.delenv("KTFP8_BACKEND")
+    assert cli.make_plan(cli.parse_args(["--out", str(tmp_path), "--no-plot"])).backends == \
+        [b for b in ktfp8.available_backends() if b != "reference"]
+
+
 def test_cli_times_a_repeated_format_backend_or_layer_once(tmp_path):
     """--formats bf16,bf16 (or a repeated backend or layer) used to time it twice: doubled rows in the
     JSON, one of them in the table."""
