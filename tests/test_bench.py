@@ -195,6 +195,27 @@ def test_numpy_peer_matches_the_oracle_and_refuses_what_would_not_fit(monkeypatc
         check_fits("x", 1 << 16)
 
 
+def test_a_walk_short_of_four_l3s_is_flagged_as_read_partly_from_cache():
+    """A walk capped by MAX_COPIES (a tiny layer) or by memory used to be reported as from DRAM: a
+    3 MB walk printed 121-243 % of the read bandwidth with no word."""
+    from ktfp8.bench import report
+    l3_mib = 32
+    target = L.WALK_L3_MULTIPLE * l3_mib * 2**20
+    rows = [dict(layer="E=4", side="ktfp8 x", format=f, copies=c, walk_bytes=b)
+            for f, c, b in (("bf16", 8, target - 1), ("fp8_block", 1, target))]
+    short, enough = report.walk_lines(rows, l3_mib)
+    assert short.startswith("weights walked in turn: E=4 [bf16]: 8 distinct copies") and \
+        f"under 4x the {l3_mib} MiB L3: read partly from cache" in short
+    assert enough.startswith("weights walked in turn: E=4 [fp8_block]: 1 distinct copy") and "cache" not in enough
+    assert not any("cache" in line for line in report.walk_lines(rows, None))  # L3 unknown: no claim
+    from ktfp8.bench import plot
+    results = dict(machine=dict(cpu="CPU", l3_mib=l3_mib), results=rows)
+    assert plot.title(results) == "CPU: each side at its best thread count; weights partly from cache (walks " \
+                                  "under 4x the L3)"
+    results["results"] = rows[1:]
+    assert plot.title(results) == "CPU: each side at its best thread count; weights from DRAM"
+
+
 def test_walk_builds_copies_on_memory_of_their_own_and_each_matches_the_oracle():
     pytest.importorskip("torch")
     from ktfp8.bench.run import _ktfp8_factory, _torch_bf16, build_walk
@@ -865,6 +886,8 @@ def test_cli_writes_json_text_and_plot(tmp_path):
     text = (tmp_path / "bench-results.txt").read_text()
     assert "microseconds per token" in text and "of-roof" in text and f"{rows[0]['copies']} distinct cop" in text
     assert f"ktfp8 {res['default_backend']} *" in text
+    # ... and the tiny layer's walks say that they are read partly from cache (where the L3 is known)
+    assert ("read partly from cache" in text) == bool(L.l3_bytes())
     assert "bench-results.json" in run.stdout
 
 

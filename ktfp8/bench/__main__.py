@@ -285,7 +285,7 @@ def _run(args, written):
     header = (f"{machine['cpu']}: {cores_and_cpus(machine['cores'], machine['cpus'])}, L3 {machine['l3_mib']:.0f} "
               f"MiB, {machine['ram_gb']} GiB; ktfp8 {__version__}, {results['date']}")
     text = "\n\n".join(part for part in (
-        header, report.results_table(rows, limits, default), report.scaling_table(rows),
+        header, report.results_table(rows, limits, default, machine['l3_mib']), report.scaling_table(rows),
         report.goals_lines(goal_rows) if goal_rows else "",
         "skipped:\n" + "\n".join(f"  {s['side']} [{s['format']}] on {s['layer']}: {s['reason']}"
                                  for s in runner.skipped) if runner.skipped else "") if part)

@@ -137,6 +137,12 @@ def routing_rounds(layer, tokens, rounds, seed=0, copies=1):
     return draws
 
 
+def walk_reaches_dram(walk_bytes, l3_mib):
+    """Whether a walk of walk_bytes totals WALK_L3_MULTIPLE x the L3 (of l3_mib MiB; unknown: assumed
+    so): a shorter one, capped by MAX_COPIES or by memory, is read partly from cache."""
+    return not l3_mib or walk_bytes is None or walk_bytes >= WALK_L3_MULTIPLE * l3_mib * 2**20
+
+
 def probe_bytes(fallback):
     """Bytes of the read probe run beside the walks: WALK_L3_MULTIPLE x the L3, as the walks total at
     least, or `fallback` where the L3 is unknown."""

@@ -3,6 +3,7 @@ time per token against T (log-log) with the memory and compute floors drawn, and
 fraction of its roofline against T.  ktfp8 shows its default backend (every backend with
 all_backends); peers are all shown."""
 from . import report
+from . import layers as L
 
 # line style by weight format, colour by side: a side's formats share a colour
 FORMAT_STYLE = {"fp8_per_channel": "-", "fp8_block": "--", "bf16": "-.", "fp32": ":"}
@@ -60,6 +61,15 @@ def _floors(rows, limits, default):
     return lines
 
 
+def title(results):
+    """The figure's title: the CPU, and where the weights came from (a walk short of 4 L3s: partly cache)."""
+    machine = results.get("machine", {})
+    from_dram = all(L.walk_reaches_dram(r.get("walk_bytes"), machine.get("l3_mib")) for r in results["results"])
+    return (f"{machine.get('cpu', '')}: each side at its best thread count; "
+            + ("weights from DRAM" if from_dram else f"weights partly from cache (walks under "
+                                                     f"{L.WALK_L3_MULTIPLE}x the L3)"))
+
+
 def save(results, out, all_backends=False):
     """Writes the PNG to `out`, a path or a binary file."""
     plt = _matplotlib()
@@ -98,8 +108,7 @@ def save(results, out, all_backends=False):
                 handles.setdefault(h.get_label(), h)
     fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(0.76, 0.5), fontsize=8.5,
                frameon=False)
-    fig.suptitle(f"{results.get('machine', {}).get('cpu', '')}: each side at its best thread count; "
-                 f"weights from DRAM", fontsize=10, x=0.01, ha="left")
+    fig.suptitle(title(results), fontsize=10, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 0.76, 0.97))
     try:
         fig.savefig(out, dpi=100, format="png")

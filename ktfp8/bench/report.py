@@ -5,6 +5,7 @@ and threads, and the goals."""
 import statistics
 
 from .. import roofline
+from . import layers as L
 from .backend_choice import OUT_OF_CONTENTION
 from .interleaved import best_ms, round_best
 
@@ -49,9 +50,9 @@ def _x(v):
     return f"{v:6.2f}x" if v is not None else "     - "
 
 
-def results_table(rows, limits, default=None):
+def results_table(rows, limits, default=None, l3_mib=None):
     """Text table of the best-thread rows, layer by layer, with ktfp8's speed-ups on peer rows; the
-    default backend's rows are marked *."""
+    default backend's rows are marked *.  l3_mib: this machine's L3, to flag walks short of DRAM."""
     ups = {(s["layer"], s["peer"], s["format"], s["tokens"]): s for s in speedups(rows)}
     lines = []
     for layer in _ordered(r["layer"] for r in rows):
@@ -74,19 +75,24 @@ def results_table(rows, limits, default=None):
     lines.append("of-peak: TFLOP/s / the measured peak of the side's unit (peers: the fastest unit here); "
                  "floor: max(active bytes / read bandwidth, FLOPs / that peak) in ms at the row's thread count; "
                  "of-roof: floor / ms")
-    lines += walk_lines(rows) + limits_lines(limits)
+    lines += walk_lines(rows, l3_mib) + limits_lines(limits)
     return "\n".join(lines)
 
 
-def walk_lines(rows):
-    """How many distinct copies of the layer each side walked, once per (layer, format, side)."""
+def walk_lines(rows, l3_mib=None):
+    """How many distinct copies of the layer each side walked, once per (layer, format, side), each
+    walk short of WALK_L3_MULTIPLE x the L3 flagged: its GB/s and fractions count cache reads as DRAM's."""
     seen = {}
     for r in rows:
         if r.get("walk_bytes"):
             seen.setdefault((r["layer"], r["side"], r["format"]), (r["copies"], r["walk_bytes"]))
     walks = sorted({(layer, fmt, copies, nbytes) for (layer, _, fmt), (copies, nbytes) in seen.items()})
     return [f"weights walked in turn: {layer} [{fmt}]: {copies} distinct cop{'y' if copies == 1 else 'ies'} of the "
-            f"layer, {nbytes / 1e6:.0f} MB" for layer, fmt, copies, nbytes in walks]
+            f"layer, {nbytes / 1e6:.0f} MB"
+            + ("" if L.walk_reaches_dram(nbytes, l3_mib) else
+               f", under {L.WALK_L3_MULTIPLE}x the {l3_mib:.0f} MiB L3: read partly from cache, its GB/s and "
+               f"fractions overstated")
+            for layer, fmt, copies, nbytes in walks]
 
 
 def limits_lines(limits):
