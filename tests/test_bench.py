@@ -188,6 +188,12 @@ def test_numpy_peer_matches_the_oracle_and_refuses_what_would_not_fit(monkeypatc
     experts = L.random_experts(TINY, "fp8_per_channel")
     side = numpy_peer.NumpyFP32MoE(TINY, experts, threads=1)
     _check(side, experts, 1e-5)
+    # FP32 BLAS is held to the FP32 FMA peak of the widest vectors here, not to AMX or vdpbf16ps
+    assert side.compute_unit == ("fma512" if ktfp8.backends.isa_levels()["avx512"][1] else "fma")
+    limits = dict(read_gbs=10.0, fma_gflops=100.0, fma512_gflops=200.0, dpbf16_gflops=400.0, amx_gflops=3000.0)
+    row = result_row(TINY, side, 1, 4, 1e-3, 1e6, limits, 0.0)
+    assert row["compute_floor_ms"] == pytest.approx(TINY.flops(4) / (limits[roofline.UNIT_FIELDS[side.compute_unit]]
+                                                                     * 1e9) * 1e3)
     monkeypatch.setattr(sides, "available_memory", lambda: 1 << 16)  # 64 KiB
     with pytest.raises(PeerUnavailable, match="more than half the memory"):
         numpy_peer.NumpyFP32MoE(TINY, experts, threads=1)

@@ -2,7 +2,7 @@
 then run each routed expert as BLAS matrix products."""
 import numpy as np
 
-from .. import fp8
+from .. import backends, fp8
 from .layers import BYTES_PER_WEIGHT
 from .sides import PeerUnavailable, check_fits
 
@@ -26,6 +26,8 @@ class NumpyFP32MoE:
         with _threadpool_limits(threads):  # fail now if the thread count can't be controlled; restored after
             pass
         self.name, self.format, self.version = "numpy fp32 (dequantized)", "fp32", np.__version__
+        # FP32 BLAS: held to the FP32 FMA peak, not to a BF16 unit (AMX, vdpbf16ps) it cannot use
+        self.compute_unit = "fma512" if backends.isa_levels()["avx512"][1] else "fma"
         self.threads = threads
         self.gate, self.up, self.down = (fp8.dequantize(c, s) for c, s in (
             (experts.gate, experts.gate_scale), (experts.up, experts.up_scale), (experts.down, experts.down_scale)))

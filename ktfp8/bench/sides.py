@@ -7,7 +7,8 @@ A side has `name`, `kind` ("ktfp8" or "peer"), `format` (the weights it streams:
 "fp32"), `version`, `threads`, and `close()`; building one raises PeerUnavailable when it cannot run.
 `threads` may be set between calls unless the side has `threads_fixed = True` (then build another);
 `compute_unit` ("amx", "dpbf16", "fma512", "fma"; see ktfp8.roofline) names the unit its roofline is drawn for,
-absent on peers, which are held to the fastest unit of the machine.  The benchmark times a side as a
+absent on the peers that may use any unit, which are held to the fastest unit of the machine (NumPy's FP32
+peer is held to the FP32 FMA peak).  The benchmark times a side as a
 Walk over copies of it, each on weights of its own, as a model's forward walks its layers."""
 import numpy as np
 
