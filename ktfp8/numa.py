@@ -309,11 +309,11 @@ class NumaMoE:
         with self._lock:
             if self._closed:      # else concurrent.futures' "cannot schedule new futures after shutdown"
                 raise RuntimeError("this NumaMoE is closed (close() shut down its node teams); build a new one")
+            moes = self.moes      # close() may let go of them while a forked child's call runs
             if not forked:
-                futures = [team.submit(moe, x32, topk_ids, topk_weights)
-                           for team, moe in zip(self._teams, self.moes)]
+                futures = [team.submit(moe, x32, topk_ids, topk_weights) for team, moe in zip(self._teams, moes)]
         if forked:
-            partials = [moe(x32, topk_ids, topk_weights) for moe in self.moes]
+            partials = [moe(x32, topk_ids, topk_weights) for moe in moes]
         else:
             partials = [f.result() for f in futures]
         y = partials[0]
@@ -322,11 +322,13 @@ class NumaMoE:
         return y if x.dtype == np.float32 else y.astype(x.dtype)
 
     def close(self):
-        """Shuts the node teams down (after the calls already running); calls after it raise RuntimeError."""
+        """Shuts the node teams down (after the calls already running) and lets go of the nodes' packed
+        experts (freed unless held elsewhere, e.g. through .moes); calls after it raise RuntimeError."""
         with self._lock:
             self._closed = True
         for team in self._teams:
             team.shutdown()
+        self.moes = []
 
     def __enter__(self):
         return self

@@ -1,9 +1,11 @@
 """NUMA topology, placement and pinning on faked machines (this one has a single node): sysfs trees
 written under tmp_path, and a fake 2-node split of this machine's own CPUs to run real pinned teams."""
+import gc
 import io
 import json
 import os
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -281,8 +283,11 @@ def test_a_closed_numa_moe_says_so():
     x = np.ones((1, H), np.float32)
     ids, w = np.zeros((1, K), np.int64), np.full((1, K), 0.5, np.float32)
     assert layer(x, ids, w).shape == (1, H)
+    packed = weakref.ref(layer.moes[0])
     layer.close()
     layer.close()                                   # twice: nothing more to do
+    gc.collect()
+    assert packed() is None and layer.nbytes == 0  # the packed experts are let go (they stayed till del)
     with pytest.raises(RuntimeError, match=r"this NumaMoE is closed \(close\(\) shut down its node teams\)"):
         layer(x, ids, w)
 
