@@ -265,7 +265,8 @@ def quantize_experts(gate, up, down, quant_config, experts=None):
     """Quantizes float experts (float32 / bfloat16 / float16 arrays or CPU tensors, HF layout) as
     `quant_config` (a QuantConfig or a mapping of its fields) says: method "FP8" per-channel or
     block-wise (group_size = block edge), or "BF16".
-    The result holds NumPy arrays whatever the input.
+    The result holds NumPy arrays whatever the input; with method "BF16", bfloat16 input is held as
+    given (views of it, no copy).
     experts=range(a, b): quantize only that contiguous shard of the layer (see ExpertWeights.shard);
     every scale is per expert, so a shard's codes equal the same experts' codes of the whole layer."""
     from . import fp8
@@ -285,7 +286,9 @@ def quantize_experts(gate, up, down, quant_config, experts=None):
         gate, up, down = (a[experts.start:experts.stop] for a in (gate, up, down))
         shard = {"first_expert": experts.start, "total_experts": total}
     if quant_config.method == "BF16":
-        as_bf16 = [np.ascontiguousarray(a).astype(ml_dtypes.bfloat16) for a in (gate, up, down)]
+        # BF16 input is held as it is, views included (MoE packs its own copy): copying it here put a
+        # third full-size copy of a model's experts beside its parameters and the packed layer
+        as_bf16 = [a if a.dtype == ml_dtypes.bfloat16 else a.astype(ml_dtypes.bfloat16) for a in (gate, up, down)]
         for name, a, b in zip(("gate", "up", "down"), (gate, up, down), as_bf16):
             _check_bf16_range(a, b, name, shard.get("first_expert", 0))
         return ExpertWeights("bf16", *as_bf16, **shard)

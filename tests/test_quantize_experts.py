@@ -64,3 +64,30 @@ def test_bf16_names_the_layers_index_of_a_shards_weight(weights):
     down[2, 0, 1] = 3.4e38
     with pytest.raises(ValueError, match=r"down holds .* at \[2, 0, 1\], beyond bfloat16's largest finite value"):
         ktfp8.quantize_experts(gate, up, down, {"method": "BF16"}, experts=range(1, 3))
+
+
+def test_bf16_input_is_held_without_a_copy_and_packs_as_a_copy_would():
+    """BF16 weights (a fused gate_up's halves, as ktfp8.hf hands them) were copied once more before
+    MoE packed them: a third full-size copy of the experts at the peak of a model's preparation."""
+    import tracemalloc
+    e, i, h = 4, 256, 512
+    rng = np.random.default_rng(5)
+    gate_up = rng.standard_normal((e, 2 * i, h), np.float32).astype(ml_dtypes.bfloat16)   # 2 MiB
+    gate, up = gate_up[:, :i], gate_up[:, i:]
+    down = rng.standard_normal((e, h, i), np.float32).astype(ml_dtypes.bfloat16)
+    tracemalloc.start()
+    try:
+        made = ktfp8.quantize_experts(gate, up, down, {"method": "BF16"}, experts=range(1, 3))
+        allocated = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert allocated < 64 << 10, allocated         # a copy: 1.5 MiB
+    assert np.shares_memory(made.gate, gate_up) and np.shares_memory(made.up, gate_up)
+    assert np.shares_memory(made.down, down)
+    copied = ktfp8.quantize_experts(*(np.ascontiguousarray(w) for w in (gate, up, down)), {"method": "BF16"},
+                                    experts=range(1, 3))
+    cfg = ktfp8.MoeConfig(expert_num=e, num_experts_per_tok=2, hidden_size=h, intermediate_size=i)
+    cfg.quant_config.method = "BF16"
+    x = rng.standard_normal((5, h), np.float32)
+    ids, w = np.array([[1, 2]] * 5), np.full((5, 2), 0.5, np.float32)
+    np.testing.assert_array_equal(ktfp8.MoE(cfg, made)(x, ids, w), ktfp8.MoE(cfg, copied)(x, ids, w))
