@@ -80,6 +80,17 @@ def check_codec():
     return out
 
 
+def check_read_probe():
+    """The read probe's sums over a buffer of fixed words, by (threads, streams): every 128-byte step
+    read once, whether the AVX2 loop or the portable one runs."""
+    from ktfp8 import roofline
+    from ktfp8._native import _ext
+    buf = roofline.probe_buffer(128 * 1001)  # 1001 steps: shares and runs that do not divide evenly
+    buf.view(np.uint64)[:] = np.arange(buf.nbytes // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return {f"{threads},{streams}": str(_ext.probe_read(buf, threads, streams))
+            for threads in (1, 2, 3) for streams in (1, 2, 3, 4, 8, 2000)}
+
+
 def check_moe():
     """NMSE of a small FP8 per-channel MoE forward, per usable variant, against the float64 oracle
     (elementwise NumPy only, see moe_oracle.moe_fp64)."""

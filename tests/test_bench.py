@@ -1117,9 +1117,23 @@ def test_read_probe_reuses_a_given_buffer(monkeypatch):
     assert buf.nbytes == 1 << 20 and buf.ctypes.data % 64 == 0  # down to the probe's 128-byte step
     seen = []
     real = roofline._ext.probe_read
-    monkeypatch.setattr(roofline._ext, "probe_read", lambda b, n: seen.append(b.ctypes.data) or real(b, n))
+    monkeypatch.setattr(roofline._ext, "probe_read", lambda b, n, s: seen.append((b.ctypes.data, s)) or real(b, n, s))
     assert roofline.read_bandwidth(1, repeats=2, buf=buf) > 0
-    assert seen == [buf.ctypes.data] * 2
+    assert seen == [(buf.ctypes.data, s) for s in roofline.READ_STREAMS] * 2  # the stream counts take turns
+    with pytest.raises(ValueError, match="streams must be >= 1"):
+        real(buf, 1, 0)
+
+
+def test_read_bandwidth_is_the_best_stream_count(monkeypatch):
+    """One sequential stream a thread under-read the bus: the kernels' several streams read 104 % of
+    it on an Emerald Rapids VM.  The probe reports the best stream count's median."""
+    buf = roofline.probe_buffer(1 << 20, threads=1)
+    seconds = {1: 4e-3, 4: 1e-3}   # one pass of each stream count, on a clock of the test's own
+    now = [0.0]
+    monkeypatch.setattr(roofline, "READ_STREAMS", (1, 4))
+    monkeypatch.setattr(roofline._ext, "probe_read", lambda b, threads, streams: now.append(now.pop() + seconds[streams]))
+    monkeypatch.setattr(roofline.time, "perf_counter", lambda: now[0])
+    assert roofline.read_bandwidth(1, repeats=3, buf=buf) == pytest.approx(buf.nbytes / 1e-3 / 1e9)
 
 
 # ---------------------------------------------------------------- python -m ktfp8.bench.model

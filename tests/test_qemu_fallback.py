@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import ktfp8
@@ -102,3 +103,11 @@ def test_moe_forward_matches_the_fp64_oracle(probe):
     assert set(moe) == set(result["backends"]["usable"])
     for variant, error in moe.items():
         assert error <= 2e-5, f"{variant} under -cpu {cpu}: NMSE {error:.2e}"
+
+
+def test_read_probe_reads_every_step_once(probe):
+    cpu, result = probe
+    host = qemu_probe.check_read_probe()
+    words = np.arange(128 * 1001 // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    assert set(host.values()) == {str(int(words.sum(dtype=np.uint64)))}  # wraps modulo 2**64, as the probe
+    assert result["read_probe"] == host, f"the read probe under -cpu {cpu} differs from the host"

@@ -3,18 +3,23 @@
 from libc.stdint cimport uint64_t
 
 cdef extern from "ktfp8/probe.h":
-    uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads) nogil
+    uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads, int streams) nogil
     double ktfp8_probe_fma(int64_t iters, int threads) nogil
     double ktfp8_probe_fma512(int64_t iters, int threads) nogil
     double ktfp8_probe_dpbf16(int64_t iters, int threads) nogil
     double ktfp8_probe_tdpbf16(int64_t iters, int threads) nogil
 
 
-def probe_read(buf, int threads):
-    """Reads the whole uint8 buffer (length a multiple of 128, 32-byte aligned) once."""
+def probe_read(buf, int threads, int streams=1):
+    """Reads the whole uint8 buffer (length a multiple of 128, 32-byte aligned) once, each thread's
+    share as `streams` runs side by side; returns the sum of its 64-bit words modulo 2**64."""
+    if streams < 1:
+        raise ValueError(f"probe_read: streams must be >= 1, got {streams}")
     cdef const uint8_t[::1] b = buf
+    cdef uint64_t total
     with nogil:
-        ktfp8_probe_read(&b[0], b.shape[0], threads)
+        total = ktfp8_probe_read(&b[0], b.shape[0], threads, streams)
+    return total
 
 
 def probe_fma(int64_t iters, int threads):
