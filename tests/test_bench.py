@@ -894,6 +894,8 @@ def test_cli_writes_json_text_and_plot(tmp_path):
     assert f"ktfp8 {res['default_backend']} *" in text
     # ... and the tiny layer's walks say that they are read partly from cache (where the L3 is known)
     assert ("read partly from cache" in text) == bool(L.l3_bytes())
+    # no goals on a layer other than the benchmark layer, and the text says why (they used to vanish)
+    assert res["goals"] == [] and "goals: not judged, since they are set on the benchmark layer" in text
     assert "bench-results.json" in run.stdout
 
 
