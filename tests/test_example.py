@@ -16,6 +16,18 @@ def test_example_runs_and_matches_the_reference():
     assert nmse < 2e-5
 
 
+def test_example_help_describes_it_and_does_not_run_it():
+    """--help (or any argument) ran the whole example: it takes none."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "tools/fp8_perchannel_moe_example.py", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and "FP8 per-channel MoE, configured the way" in proc.stdout
+    assert "NMSE" not in proc.stdout
+    proc = subprocess.run([sys.executable, "tools/fp8_perchannel_moe_example.py", "--tokens", "4"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and "unrecognized arguments: --tokens 4" in proc.stderr and not proc.stdout
+
+
 def test_readme_quick_start_runs_as_written():
     """The README's Quick start, pasted into Python as it stands: it defines what it uses and runs."""
     readme = (ROOT / "README.md").read_text()

@@ -6,11 +6,14 @@
 Builds a small random layer, quantizes it to FP8 E4M3 with one scale per output row, runs it with
 AMXFP8PerChannel_MOE (or ktfp8.MoE's fallback on CPUs without AVX-512-BF16), and compares the
 output with a float64 NumPy computation on the dequantized weights."""
+import argparse
+
 import numpy as np
 
 import ktfp8
 from ktfp8 import moe as ktmoe
 
+argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help says what this does; no options
 E, TOPK, HIDDEN, INTER, TOKENS = 16, 4, 512, 256, 8
 
 cfg = ktfp8.MoeConfig(expert_num=E, num_experts_per_tok=TOPK, hidden_size=HIDDEN, intermediate_size=INTER)
