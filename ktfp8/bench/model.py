@@ -282,7 +282,8 @@ def main(argv=None):
                    help="threads (default: all this process may use)")
     p.add_argument("--prompt-tokens", type=_positive, default=512)
     p.add_argument("--decode-tokens", type=_positive, default=16,
-                   help="new tokens per generation; decode tokens/s counts those after the first (needs 2)")
+                   help="new tokens per generation; decode tokens/s counts those after the first (1: prefill "
+                        "only, no decode figure)")
     p.add_argument("--repeats", type=_positive, default=2, help="measurements per side; the best counts")
     p.add_argument("--vocab", type=_positive, default=8192)
     p.add_argument("--sides", type=_sides, default=list(SIDES), help=f"comma-separated from {','.join(SIDES)}")
