@@ -1122,8 +1122,9 @@ def test_read_probe_reuses_a_given_buffer(monkeypatch):
     monkeypatch.setattr(roofline._ext, "probe_read", lambda b, n, s: seen.append((b.ctypes.data, s)) or real(b, n, s))
     assert roofline.read_bandwidth(1, repeats=2, buf=buf) > 0
     assert seen == [(buf.ctypes.data, s) for s in roofline.READ_STREAMS] * 2  # the stream counts take turns
-    with pytest.raises(ValueError, match="streams must be >= 1"):
-        real(buf, 1, 0)
+    for streams in (0, 65):
+        with pytest.raises(ValueError, match="streams must be 1 .. 64"):
+            real(buf, 1, streams)
 
 
 def test_read_bandwidth_is_the_best_stream_count(monkeypatch):

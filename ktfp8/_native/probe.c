@@ -19,7 +19,8 @@ uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads, int stream
     const uint64_t *p = (const uint64_t *)buf;
 #pragma omp parallel num_threads(threads) reduction(+ : sum)
     {
-        const ktfp8_probe_share share = ktfp8_probe_share_of(bytes, streams);
+        ktfp8_probe_share share;
+        ktfp8_probe_share_of(&share, bytes, streams);
         for (size_t i = 0; i < share.run; i++)
             for (int s = 0; s < streams; s++)
                 for (int w = 0; w < 16; w++) sum += p[ktfp8_probe_stream_step(&share, s, i) * 16 + w];

@@ -14,7 +14,8 @@ uint64_t KTFP8_SYM(ktfp8_probe_read)(const void *buf, size_t bytes, int threads,
     uint64_t total = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
     {
-        const ktfp8_probe_share share = ktfp8_probe_share_of(bytes, streams);
+        ktfp8_probe_share share;
+        ktfp8_probe_share_of(&share, bytes, streams);
         __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
 #define STEP(i)                                                                     \
     do {                                                                            \
