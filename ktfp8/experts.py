@@ -290,7 +290,8 @@ def quantize_experts(gate, up, down, quant_config, experts=None):
         # third full-size copy of a model's experts beside its parameters and the packed layer
         as_bf16 = [a if a.dtype == ml_dtypes.bfloat16 else a.astype(ml_dtypes.bfloat16) for a in (gate, up, down)]
         for name, a, b in zip(("gate", "up", "down"), (gate, up, down), as_bf16):
-            _check_bf16_range(a, b, name, shard.get("first_expert", 0))
+            if b is not a:  # bfloat16 input, finite as checked above, is in range
+                _check_bf16_range(a, b, name, shard.get("first_expert", 0))
         return ExpertWeights("bf16", *as_bf16, **shard)
     if quant_config.per_channel:
         q = [fp8.quantize(a, per_channel=True) for a in (gate, up, down)]

@@ -284,11 +284,12 @@ def _run(args, written):
     machine = results["machine"]
     header = (f"{machine['cpu']}: {cores_and_cpus(machine['cores'], machine['cpus'])}, L3 {machine['l3_mib']:.0f} "
               f"MiB, {machine['ram_gb']} GiB; ktfp8 {__version__}, {results['date']}")
+    goals_text = (report.goals_lines(goal_rows) if goal_layer else
+                  f"goals: not judged, since they are set on the benchmark layer ({L.BENCH_LAYER.name}), which "
+                  f"this run's --layer leaves out")
     text = "\n\n".join(part for part in (
         header, report.results_table(rows, limits, default, machine['l3_mib']), report.scaling_table(rows),
-        report.goals_lines(goal_rows) if goal_rows else
-        f"goals: not judged, since they are set on the benchmark layer ({L.BENCH_LAYER.name}), which this run's "
-        f"--layer leaves out" if not goal_layer else "",
+        goals_text,
         "skipped:\n" + "\n".join(f"  {s['side']} [{s['format']}] on {s['layer']}: {s['reason']}"
                                  for s in runner.skipped) if runner.skipped else "") if part)
     # the files first: a reader of stdout that leaves during the table (| head) does not cost them

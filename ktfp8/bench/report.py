@@ -72,8 +72,8 @@ def results_table(rows, limits, default=None, l3_mib=None):
         lines.append("")
     if default:
         lines.append(f"* the default backend (what MoE() picks with no backend=): {default}")
-    lines.append("of-peak: TFLOP/s / the measured peak of the side's unit (peers: the fastest unit here, NumPy's FP32 FMA); "
-                 "floor: max(active bytes / read bandwidth, FLOPs / that peak) in ms at the row's thread count; "
+    lines.append("of-peak: TFLOP/s / the measured peak of the side's unit (peers: the fastest unit here, NumPy's "
+                 "FP32 FMA); floor: max(active bytes / read bandwidth, FLOPs / that peak) in ms at the row's thread count; "
                  "of-roof: floor / ms")
     lines += walk_lines(rows, l3_mib) + limits_lines(limits)
     return "\n".join(lines)
