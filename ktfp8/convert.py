@@ -26,7 +26,7 @@ from .config import check_threads
 from .convert_args import parse_quant_config, parse_size
 from .convert_items import INPUT_DTYPES, input_nbytes
 from .convert_plan import build_plan, natural_key
-from .convert_work import ShardSet, chunks, run_chunk, sqnr_db, verify_chunk
+from .convert_work import VERIFY_CHUNK_BYTES, ShardSet, chunks, run_chunk, sqnr_db, verify_chunk
 from .loader import INDEX_NAME, Checkpoint
 from .safetensors_io import SafetensorsError, SafetensorsFile, tensor_nbytes
 
@@ -382,7 +382,7 @@ def _verify(checkpoint, plan, spec, tmp, names, threads, min_db):
     for n, f in names.items():
         outputs[n] = files[f]
     sums = {item.out: [0.0, 0.0] for item in plan.items}
-    work = [c for item in plan.items for c in chunks(item, checkpoint, spec)]
+    work = [c for item in plan.items for c in chunks(item, checkpoint, spec, chunk_bytes=VERIFY_CHUNK_BYTES)]
     total = sum(c.in_bytes for c in work)
 
     def add(chunk, energies):

@@ -13,6 +13,9 @@ from .loader import SCALE_RULE, first_bad_scale
 from .safetensors_io import SafetensorsError, ShardWriter
 
 CHUNK_BYTES = 32 << 20      # input bytes per chunk: big enough to stream, small enough to bound RSS
+# ... and with --verify, whose float64 reference, float32 restored copy and float64 error take about
+# 21 bytes a weight (a 32 MiB chunk of FP8 input: 672 MB a thread)
+VERIFY_CHUNK_BYTES = CHUNK_BYTES // 4
 CODEC_THREADS = 1           # the pool runs one chunk per core; the codec itself stays on its thread
 
 
@@ -42,7 +45,9 @@ def chunks(item, checkpoint, spec, chunk_bytes=CHUNK_BYTES):
     if item.action != "copy" and not spec.per_channel:
         align = math.lcm(align, spec.block[0])
     row_bytes = input_nbytes(item, checkpoint) // rows
-    step = max(align, (chunk_bytes // row_bytes) // align * align)
+    # a chunk's size counts an FP8 input's codes as the float32 they are dequantized to (4 bytes, not 1)
+    work_row_bytes = max(row_bytes, 4 * math.prod(item.shape[1:])) if item.src_block else row_bytes
+    step = max(align, (chunk_bytes // work_row_bytes) // align * align)
     return [Chunk(item, a, min(a + step, rows), min(step, rows - a) * row_bytes) for a in range(0, rows, step)]
 
 
