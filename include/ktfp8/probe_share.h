@@ -7,7 +7,8 @@
 #include <omp.h>
 #include <stddef.h>
 
-#define KTFP8_PROBE_MAX_STREAMS 64
+#include "ktfp8/probe.h"
+
 /* Each run is read from a start rotated by s x SKEW steps (wrapping to the run's start), so that side
  * by side the streams sit at different offsets within a page: 4.6 KiB, an odd count of steps, off
  * every power-of-two stride. */

@@ -3,6 +3,7 @@
 from libc.stdint cimport uint64_t
 
 cdef extern from "ktfp8/probe.h":
+    const int KTFP8_PROBE_MAX_STREAMS
     uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads, int streams) nogil
     double ktfp8_probe_fma(int64_t iters, int threads) nogil
     double ktfp8_probe_fma512(int64_t iters, int threads) nogil
@@ -13,8 +14,8 @@ cdef extern from "ktfp8/probe.h":
 def probe_read(buf, int threads, int streams=1):
     """Reads the whole uint8 buffer (length a multiple of 128, 32-byte aligned) once, each thread's
     share as `streams` runs side by side; returns the sum of its 64-bit words modulo 2**64."""
-    if not 1 <= streams <= 64:      # KTFP8_PROBE_MAX_STREAMS
-        raise ValueError(f"probe_read: streams must be 1 .. 64, got {streams}")
+    if not 1 <= streams <= KTFP8_PROBE_MAX_STREAMS:
+        raise ValueError(f"probe_read: streams must be 1 .. {KTFP8_PROBE_MAX_STREAMS}, got {streams}")
     cdef const uint8_t[::1] b = buf
     cdef uint64_t total
     with nogil:
