@@ -52,6 +52,13 @@ def check_layer_types(config, experts):
         raise TypeError(f"experts must be ktfp8.ExpertWeights, got {type(experts).__name__}")
 
 
+def native_shape(expert_num, hidden, intermediate, fmt, block=None):
+    """The shape tuple the native seam takes (PackedMoE, _ext.packed_size) for experts in format `fmt`
+    ("fp8_per_channel", "fp8_block" with its (n, k) block, "bf16")."""
+    block = block or (0, 0)
+    return expert_num, hidden, intermediate, _FORMAT_CODES[fmt], int(block[0]), int(block[1])
+
+
 def _check_matches(config, experts):
     check_layer_types(config, experts)
     got = (experts.total_experts, experts.hidden_size, experts.intermediate_size)
@@ -109,9 +116,8 @@ class MoE:
         self._whole_layer = len(self.expert_range) == config.expert_num
         self._act_dtype = variant.act_dtype
         fmt = experts.format
-        block = experts.block or (0, 0)
-        self._shape = (experts.expert_num, experts.hidden_size, experts.intermediate_size,
-                       _FORMAT_CODES[fmt], int(block[0]), int(block[1]))
+        self._shape = native_shape(experts.expert_num, experts.hidden_size, experts.intermediate_size, fmt,
+                                   experts.block)
         bits = np.uint16 if fmt == "bf16" else np.uint8
         proj = [_packable(p, bits) for p in (experts.gate, experts.up, experts.down)]
         scales = [None if s is None else np.ascontiguousarray(s, dtype=np.float32)

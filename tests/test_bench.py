@@ -16,6 +16,8 @@ import ktfp8
 from ktfp8.bench import layers as L
 from ktfp8.bench import report
 from ktfp8 import roofline
+from ktfp8._native import _ext
+from ktfp8.moe import native_shape
 from ktfp8.bench.run import oracle_forward, result_row
 from ktfp8.bench.sides import Ktfp8Side, PeerUnavailable, check_fits, relative_error
 from moe_oracle import make_experts, moe_fp64, random_routing
@@ -106,16 +108,20 @@ def test_random_experts_are_finite_and_sized_as_the_layer(fmt):
 
 @pytest.mark.parametrize("fmt", L.FORMATS)
 @pytest.mark.parametrize("hidden, intermediate", [(1, 1), (70, 33), (64, 32), (300, 129)])
-def test_packed_bytes_per_expert_are_what_the_simd_kernels_pack(fmt, hidden, intermediate):
-    """The memory check's packed size against MoE.nbytes of the layer packed by each tiled backend
+def test_packed_bytes_are_what_the_largest_packer_packs(fmt, hidden, intermediate):
+    """The memory check's packed size against MoE.nbytes of the layer packed by every usable backend
     (native or emulated): the padding of a tiny layer (1.7 KB an expert at H = I = 1) made a layer that
-    passed the check end in a MemoryError traceback."""
+    passed a check on the drawn bytes end in a MemoryError traceback."""
     layer = L.Layer("odd", 2, 1, hidden, intermediate)
     experts = L.random_experts(layer, fmt)
-    tiled = [b for b in ktfp8.backends.usable_variants() if b != "reference"]
-    for backend in tiled:
-        packed = ktfp8.MoE(layer.config(fmt), experts, backend=backend).nbytes
-        assert packed == layer.experts * layer.packed_bytes_per_expert(fmt), backend
+    packed = [ktfp8.MoE(layer.config(fmt), experts, backend=b).nbytes for b in ktfp8.backends.usable_variants()]
+    assert layer.packed_bytes(fmt) == max(packed)
+
+
+def test_packed_size_refuses_an_invalid_shape():
+    variant = ktfp8.backends.variant("reference")
+    with pytest.raises(ValueError, match="invalid MoE shape"):
+        _ext.packed_size(variant, native_shape(2, 0, 64, "fp8_per_channel"))
 
 
 def test_random_codes_are_distributed_as_a_quantized_gaussian():
@@ -1043,9 +1049,10 @@ def test_cli_that_cannot_write_its_results_at_the_end_prints_the_table_and_says_
     assert err.rstrip().endswith("; wrote only bench-results.json")
 
 
-def test_tokens_per_expert_refuses_what_would_fail_after_the_limits():
+def test_tokens_per_expert_refuses_what_would_fail_after_the_limits(capsys, monkeypatch):
     """A thread count past the limit, an unusable $KTFP8_BACKEND and a layer or call larger than the
-    memory ended in tracebacks after the limits were measured (a helper's audit)."""
+    memory ended in tracebacks after the limits were measured (a helper's audit); a tiny layer is
+    mostly padding once packed, so its drawn bytes alone can fit where the packed ones do not."""
     from ktfp8.bench import tokens_per_expert as tpe
     for args, message in ((["--threads", "99999"], "--threads must be at most"),
                           (["--experts", "100000"], "the layer's weights take"),
@@ -1054,6 +1061,13 @@ def test_tokens_per_expert_refuses_what_would_fail_after_the_limits():
         with pytest.raises(SystemExit) as e:
             tpe.parse_args(args)
         assert e.value.code == 2, args
+        assert message in capsys.readouterr().err, args
+    tiny = ["--experts", "20000", "--hidden", "1", "--intermediate", "1", "--tokens", "1"]
+    drawn = 20000 * 3
+    monkeypatch.setattr(tpe, "available_memory", lambda: 100 * drawn)
+    with pytest.raises(SystemExit):
+        tpe.parse_args(tiny)
+    assert "(as drawn and as packed)" in capsys.readouterr().err
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KTFP8_BACKEND", "bogus")
         with pytest.raises(SystemExit):

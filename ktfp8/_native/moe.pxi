@@ -63,6 +63,22 @@ cdef object expert_pointers(weights, int64_t E, int64_t out, int64_t inp, size_t
     return pointers
 
 
+cdef ktfp8_moe_shape moe_shape(tuple shape) except *:
+    """shape = (experts, hidden, inter, format, block_n, block_k), format an enum ktfp8_wformat, checked."""
+    cdef ktfp8_moe_shape s
+    s.experts, s.hidden, s.inter, s.format, s.block_n, s.block_k = shape
+    if ktfp8_shape_check(&s) != 0:
+        raise ValueError(f"invalid MoE shape {shape}")
+    return s
+
+
+def packed_size(Variant variant, tuple shape):
+    """The bytes PackedMoE(variant, shape, ...) packs its experts into, found without packing (the
+    variant need not run here): the packer's own rule, so that a caller can check memory first."""
+    cdef ktfp8_moe_shape s = moe_shape(shape)
+    return ktfp8_packed_size(&s, &variant.v.moe.layout)
+
+
 cdef class PackedMoE:
     """The experts of one layer packed once for one variant, their shape checked once.
 
@@ -79,9 +95,7 @@ cdef class PackedMoE:
     def __cinit__(self, Variant variant, tuple shape, gate, up, down, gate_scale, up_scale, down_scale,
                   int threads):
         self.v = runnable(variant)
-        self.s.experts, self.s.hidden, self.s.inter, self.s.format, self.s.block_n, self.s.block_k = shape
-        if ktfp8_shape_check(&self.s) != 0:
-            raise ValueError(f"invalid MoE shape {shape}")
+        self.s = moe_shape(shape)
         cdef int64_t E = self.s.experts, H = self.s.hidden, I = self.s.inter
         cdef ktfp8_proj_src src[3]
         cdef int i

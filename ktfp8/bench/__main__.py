@@ -140,8 +140,8 @@ def _does_not_fit(args):
     free = available_memory()
     for layer in layers:
         # as drawn and as packed: both are held while a MoE packs
-        weights = layer.experts * max(layer.weights_per_expert * L.BYTES_PER_WEIGHT[f]
-                                      + layer.packed_bytes_per_expert(f) for f in formats)
+        weights = max(layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[f] + layer.packed_bytes(f)
+                      for f in formats)
         if weights > free:
             return (f"--layer: the weights of {layer.name!r} take {weights / 1e9:.1f} GB (as drawn and as "
                     f"packed), more than the {free / 1e9:.1f} GB of memory available now")

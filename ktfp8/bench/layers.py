@@ -6,8 +6,11 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from .. import backends
+from .._native import _ext
 from ..config import MoeConfig
 from ..experts import ExpertWeights
+from ..moe import native_shape
 
 FORMATS = ("fp8_per_channel", "fp8_block", "bf16")
 BYTES_PER_WEIGHT = {"fp8_per_channel": 1, "fp8_block": 1, "bf16": 2, "fp32": 4}
@@ -28,18 +31,13 @@ class Layer:
     def weights_per_expert(self):
         return 3 * self.hidden * self.intermediate  # gate, up, down
 
-    def packed_bytes_per_expert(self, fmt):
-        """An expert's bytes as the SIMD kernels pack them in format `fmt` (`reference`, one row a tile,
-        packs fewer): each projection's rows padded to whole tiles of 16 and its K to 32
-        (include/ktfp8/abi.h, KTFP8_K_ALIGN), a float32 scale per row (block-wise: per row and K block).
-        A tiny projection is mostly padding: H = I = 1 packs 1.7 KB an expert in FP8."""
-        def padded(n, multiple):
-            return -(-n // multiple) * multiple
-
-        def scales_per_row(inn):
-            return {"fp8_per_channel": 1, "fp8_block": -(-inn // BLOCK), "bf16": 0}[fmt]
-        return sum(padded(out, 16) * (padded(inn, 32) * BYTES_PER_WEIGHT[fmt] + 4 * scales_per_row(inn))
-                   for out, inn in ((self.intermediate, self.hidden),) * 2 + ((self.hidden, self.intermediate),))
+    def packed_bytes(self, fmt):
+        """The layer's bytes as packed in format `fmt` by the usable backend that packs the most (the
+        packer's own size, _ext.packed_size): rows padded to whole tiles, a float32 scale per row (and
+        K block), so that a tiny projection is mostly padding (H = I = 1: 1.7 KB an expert in FP8)."""
+        shape = native_shape(self.experts, self.hidden, self.intermediate, fmt,
+                             (BLOCK, BLOCK) if fmt == "fp8_block" else None)
+        return max(_ext.packed_size(backends.variant(name), shape) for name in backends.usable_variants())
 
     def flops(self, tokens):
         """Multiply-adds x2 of the routed experts for `tokens` tokens."""

@@ -62,10 +62,13 @@ def parse_args(argv):
 def _does_not_fit(args):
     """Why the layer's weights, or a call's activations and routing, cannot fit in the memory free now."""
     free = available_memory()
-    weights = args.experts * 3 * args.hidden * args.intermediate * L.BYTES_PER_WEIGHT[args.format]
+    layer = _layer(args)
+    # as drawn and as packed: both are held while a MoE packs
+    drawn = layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[args.format]
+    weights = drawn + layer.packed_bytes(args.format)
     if weights > free:
-        return (f"--experts / --hidden / --intermediate: the layer's weights take {weights / 1e9:.1f} GB, more "
-                f"than the {free / 1e9:.1f} GB of memory available now")
+        return (f"--experts / --hidden / --intermediate: the layer's weights take {weights / 1e9:.1f} GB (as "
+                f"drawn and as packed), more than the {free / 1e9:.1f} GB of memory available now")
     m = max(args.tokens)
     # per token: float32 x and output, int64 ids and float32 weights, and the kernels' h (float32 at most)
     call = m * (args.hidden * 8 + args.experts * (12 + 4 * args.intermediate))
@@ -129,10 +132,14 @@ def table(rows):
     return "\n".join(lines)
 
 
+def _layer(args):
+    return L.Layer(f"E={args.experts} (every token on every expert) H={args.hidden} I={args.intermediate}",
+                   args.experts, args.experts, args.hidden, args.intermediate)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    layer = L.Layer(f"E={args.experts} (every token on every expert) H={args.hidden} I={args.intermediate}",
-                    args.experts, args.experts, args.hidden, args.intermediate)
+    layer = _layer(args)
     thread_counts = sorted(set(args.threads or [1, backends.usable_cores()]))
     plan = Plan(layers=[layer], tokens=args.tokens, threads=thread_counts,
                 backends=args.backends or _default_backends())  # the bench's walk sizes
