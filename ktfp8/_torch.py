@@ -158,6 +158,15 @@ def _numpy_dtype(torch_dtype):
         return torch_dtype          # let the entry point's own dtype check name it
 
 
+def _check_out_outside_autograd(out, torch):
+    """ktfp8 writes out= in place with no autograd node (no gradient flows through its kernels): a
+    tensor that requires grad, written while grad mode is on, would hold values its graph does not
+    account for.  torch refuses such writes into leaves; ktfp8 refuses them into any such tensor."""
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError("out requires grad: ktfp8 writes it in place outside autograd (no gradient flows "
+                         "through ktfp8); pass a tensor that does not require grad, or call under torch.no_grad()")
+
+
 def accepts_tensors(main, copy_to_cpu=None):
     """Decorator: every torch tensor argument reaches the function as a NumPy view (`to_numpy`, the
     argument's parameter name in messages); when the `main` argument was a tensor, the arrays returned
@@ -181,14 +190,20 @@ def accepts_tensors(main, copy_to_cpu=None):
                 return fn(*args, **kwargs)                  # NumPy callers pay nothing more
             given = dict(zip(names, args))
             given.update(kwargs)
+            out = given.get("out")
+            if isinstance(out, torch.Tensor):
+                _check_out_outside_autograd(out, torch)
             allow_copy = None if copy_to_cpu is None else bool(copy_to_cpu(given))
             arrays = {name: to_numpy(value, name, allow_copy) for name, value in given.items()}
             result = fn(*[arrays[name] for name in names[:len(args)]], *args[len(names):],
                         **{name: arrays[name] for name in kwargs})
-            out = given.get("out")
-            if out is not None and isinstance(out, torch.Tensor) and result is arrays["out"]:
+            if isinstance(out, torch.Tensor) and result is arrays["out"]:
                 if not out.is_cpu:                          # written into a CPU copy: copy it back
                     out.copy_(to_tensor(result))
+                elif not out.is_inference():                # (an inference tensor keeps no version)
+                    # written through a NumPy view, which autograd does not see: a tensor saved for a
+                    # backward pass is then refused there, as after any in-place write
+                    torch.autograd.graph.increment_version(out)
                 return out
             tensor = given.get(main)
             if not isinstance(tensor, torch.Tensor):

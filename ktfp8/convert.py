@@ -9,6 +9,7 @@ renamed into place at the very end (config.json is written last), so an interrup
 folder that looks like a finished checkpoint; a non-empty OUT is replaced only with --overwrite."""
 import argparse
 import concurrent.futures as cf
+import contextlib
 import glob
 import json
 import logging
@@ -123,6 +124,9 @@ def main(argv=None):
     try:
         convert(args)
         return 0
+    except _InterruptedWhenPublished as e:
+        log.error("interrupted after %s was written in full and put in place", args.output_path)
+        return 128 + e.signum
     except KeyboardInterrupt as e:
         log.error("interrupted; nothing was written to %s", args.output_path)
         return 128 + getattr(e, "signum", signal.SIGINT)      # the shell's status for a signal
@@ -137,6 +141,14 @@ def main(argv=None):
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, unwound like Ctrl-C so that the same cleanup runs."""
     signum = signal.SIGTERM
+
+
+class _InterruptedWhenPublished(KeyboardInterrupt):
+    """A Ctrl-C or SIGTERM that arrived after the output folder was complete and in place."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _raise_interrupt(signum, frame):
@@ -197,10 +209,11 @@ def convert(args):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _remove_stale_replaced(dst)
-    out_bytes = sum(os.path.getsize(dst / f) for f in set(names.values()))
-    log.info("wrote %s: %d shard(s), %.2f GB; read %.2f GB in %.1f s (%.0f MB/s of input)",
-             dst, len(plan.shards), out_bytes / 1e9, total_in / 1e9, elapsed, total_in / 1e6 / max(elapsed, 1e-9))
+    with _interrupts_after_publishing():
+        _remove_stale_replaced(dst)
+        out_bytes = sum(os.path.getsize(dst / f) for f in set(names.values()))
+        log.info("wrote %s: %d shard(s), %.2f GB; read %.2f GB in %.1f s (%.0f MB/s of input)", dst,
+                 len(plan.shards), out_bytes / 1e9, total_in / 1e9, elapsed, total_in / 1e6 / max(elapsed, 1e-9))
 
 
 def _warn_fused_split(checkpoint, plan):
@@ -313,7 +326,9 @@ def _alive(pid):
 
 def _publish(tmp, dst, overwrite):
     """Moves the finished folder into place; an existing (checked, --overwrite) one is swapped out first.
-    A folder that another process filled since the check is replaced only with --overwrite."""
+    A folder that another process filled since the check is replaced only with --overwrite.  An
+    interrupt between the swap's two renames puts the old folder back; one after them is raised as
+    _InterruptedWhenPublished (the output is complete and in place)."""
     old = None
     if dst.exists():
         if not any(dst.iterdir()):
@@ -323,11 +338,29 @@ def _publish(tmp, dst, overwrite):
                                "nothing replaced, pass --overwrite to replace it")
         else:
             old = dst.parent / f".{dst.name}{REPLACED_TAG}{os.getpid()}"
+    try:
+        if old is not None:
             os.rename(dst, old)
-    os.rename(tmp, dst)
-    _fsync_dir(dst.parent)
-    if old is not None:
-        _remove_output(old)
+        os.rename(tmp, dst)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) and not tmp.exists():   # the second rename had happened
+            raise _InterruptedWhenPublished(getattr(e, "signum", signal.SIGINT)) from e
+        if old is not None and old.exists() and not dst.exists():
+            os.rename(old, dst)
+        raise
+    with _interrupts_after_publishing():
+        _fsync_dir(dst.parent)
+        if old is not None:
+            _remove_output(old)     # (if cut short, a later run removes it: _remove_stale_replaced)
+
+
+@contextlib.contextmanager
+def _interrupts_after_publishing():
+    """An interrupt in the block, which runs once the output is in place, as _InterruptedWhenPublished."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        raise _InterruptedWhenPublished(getattr(e, "signum", signal.SIGINT)) from e
 
 
 def _fsync_dir(path):

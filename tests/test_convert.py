@@ -228,6 +228,38 @@ def test_output_folder_rules(qwen, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "out"]   # no temp folders left
 
 
+@pytest.mark.parametrize("after_rename", [1, 2])
+def test_overwrite_interrupted_within_the_swap(qwen, tmp_path, capsys, monkeypatch, after_rename):
+    """A Ctrl-C right after the first of --overwrite's two renames (the old output moved aside) puts the
+    old output back; right after the second (the new one in place) the run says so.  Before, the first
+    lost both outputs and the second said "nothing was written" (a helper's review)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("previous output")
+    import ktfp8.convert as module
+    real, calls = os.rename, []
+
+    def rename(a, b):
+        calls.append((a, b))
+        real(a, b)
+        if len(calls) == after_rename:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(module.os, "rename", rename)
+    assert run(qwen, out, "--overwrite") == 130
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    if after_rename == 1:
+        assert sorted(os.listdir(out)) == ["old.txt"] and "nothing was written" in err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    else:
+        assert (out / "config.json").exists() and not (out / "old.txt").exists()
+        assert "was written in full and put in place" in err
+        aside, = tmp_path.glob(f".out{module.REPLACED_TAG}{os.getpid()}")    # removed by a later run
+        aside.rename(tmp_path / f".out{module.REPLACED_TAG}{_dead_pid()}")  # (this process lives on)
+        assert run(qwen, out, "--overwrite") == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_output_through_a_symlink_replaces_the_folder_it_points_to(qwen, tmp_path):
     """The link stays and shows the new checkpoint; the folder's old files are gone, and no moved-aside
     copy or temporary folder is left next to the link or the folder."""

@@ -191,6 +191,32 @@ def test_out_tensor_is_written_in_place_and_returned(views, setup, accumulate):
     assert raw(out) == raw(want)
 
 
+def test_out_tensor_written_under_no_grad_is_seen_by_autograd(setup):
+    """out= is written through a NumPy view; its version counter moves as after any in-place write, so
+    a tensor saved for a backward pass and overwritten is refused there, not used with the new values
+    (a helper's review: the gradient came out silently wrong)."""
+    _, _, _, moe = setup
+    ids, tw = routing()
+    a = torch.randn(T, H, requires_grad=True)
+    saved = a.exp()                     # exp keeps its output for the backward pass
+    version = saved._version
+    with torch.no_grad():
+        moe(torch.randn(T, H), ids, tw, out=saved)
+    assert saved._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
+def test_out_inference_tensor_is_written(setup):
+    _, _, _, moe = setup
+    ids, tw = routing()
+    x = torch.randn(T, H)
+    with torch.inference_mode():
+        out = torch.empty(T, H)
+    assert moe(x, ids, tw, out=out) is out
+    assert raw(out) == raw(moe(x.numpy(), ids.numpy(), tw.numpy()))
+
+
 def test_out_tensor_with_array_inputs_is_returned(setup):
     _, _, _, moe = setup
     ids, tw = routing()
