@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -184,6 +185,7 @@ def convert(args):
     checkpoint = Checkpoint(src)
     plan = build_plan(checkpoint, args.input_type, args.quant_config, args.all_linear, args.max_shard_size)
     _check_writable(dst.parent, Path(args.output_path))
+    other_files = _other_files(src, set(checkpoint.weight_map.values()))
     total_in = sum(input_nbytes(i, checkpoint) for i in plan.items)
     log.info("%s: %d tensors (%d FP8 weights out, %s), %.2f GB -> %d shard(s), %d threads",
              src, len(plan.items), len(plan.quantized) + _passthrough_count(plan),
@@ -200,7 +202,7 @@ def convert(args):
         elapsed = time.monotonic() - started
         if args.verify:
             _verify(checkpoint, plan, args.quant_config, tmp, names, threads, args.verify_min_sqnr)
-        _copy_other_files(src, tmp, set(checkpoint.weight_map.values()))
+        _copy_other_files(other_files, tmp)
         _write_index(plan, names, tmp)
         _write_config(checkpoint, plan, tmp)     # last: a folder without config.json is no checkpoint
         (tmp / PARTIAL_MARKER).unlink()
@@ -446,10 +448,13 @@ def _verify(checkpoint, plan, spec, tmp, names, threads, min_db):
 
 
 # -- other files -----------------------------------------------------------------------------------
-def _copy_other_files(src, tmp, weight_files):
-    """Copies tokenizer, generation config, code, docs, ... unchanged (symlinks are followed, as in a
-    Hugging Face cache snapshot); skips the input's weights, which the output replaces, and weight
-    files of other formats, which would be stale unquantized duplicates."""
+def _other_files(src, weight_files):
+    """[(path, relative path)] of the input's tokenizer, generation config, code, docs, ... that the
+    output gets unchanged (symlinks are followed, as in a Hugging Face cache snapshot), each checked
+    here, before any work: a dangling link (an interrupted download) or a device, FIFO or socket is a
+    ConvertError naming it.  Skips the input's weights, which the output replaces, and weight files of
+    other formats, which would be stale unquantized duplicates."""
+    found = []
     for root, dirs, files in os.walk(src):
         dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
         rel = Path(root).relative_to(src)
@@ -460,8 +465,23 @@ def _copy_other_files(src, tmp, weight_files):
             if name.endswith(_WEIGHT_SUFFIXES):
                 log.info("not copied (weights in another format, or not in the checkpoint): %s", rel / name)
                 continue
-            (tmp / rel).mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(Path(root) / name, tmp / rel / name)
+            path = Path(root) / name
+            try:
+                regular = stat.S_ISREG(os.stat(path).st_mode)
+            except FileNotFoundError:
+                raise ConvertError(f"{path} is a symlink to {os.readlink(path)!r}, which does not exist (an "
+                                   f"interrupted download?); the output would lack it") from None
+            if not regular:
+                raise ConvertError(f"{path} is not a regular file (a device, FIFO or socket); only regular files "
+                                   f"are copied into the output: move it out of the input folder")
+            found.append((path, rel / name))
+    return found
+
+
+def _copy_other_files(files, tmp):
+    for path, rel in files:
+        (tmp / rel.parent).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, tmp / rel)
 
 
 def _write_index(plan, names, tmp):

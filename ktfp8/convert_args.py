@@ -1,5 +1,6 @@
 """The converter's option values: --quant-config JSON -> QuantSpec, --max-shard-size text -> bytes."""
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -79,7 +80,10 @@ def parse_size(text):
     unit = m and m[2].upper()
     if not m or unit not in _SIZE_UNITS:
         raise ValueError(f"size {text!r} is not like 5GB, 500MB, 2GiB or a byte count")
-    size = int(float(m[1]) * _SIZE_UNITS[unit])
+    size = float(m[1]) * _SIZE_UNITS[unit]
+    if not math.isfinite(size):         # (int() of a float overflow is an OverflowError traceback)
+        raise ValueError(f"size {text!r} is too large")
+    size = int(size)
     if size <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return size

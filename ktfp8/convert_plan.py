@@ -126,6 +126,9 @@ def _fp8_item(checkpoint, name, info, input_type, spec, in_block, consumed):
             if name + "_scale" in checkpoint else "no weight_scale_inv"
         raise SafetensorsError(f"tensor {name!r} is F8_E4M3 with {other}; --input-type fp8 reads "
                                f"block-wise FP8 (weight + weight_scale_inv)")
+    if name + "_scale" in checkpoint:
+        raise SafetensorsError(f"tensor {name!r} has both a weight_scale_inv and a weight_scale "
+                               f"({name + '_scale'!r}): one of them is stale; remove it from the input")
     scale = checkpoint.info(scale_name)
     expected = (math.ceil(info.shape[0] / in_block[0]), math.ceil(info.shape[1] / in_block[1]))
     if scale.shape != expected or scale.dtype not in SCALE_DTYPES:

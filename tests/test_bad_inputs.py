@@ -156,9 +156,9 @@ def _under_a_file(c):
     return _convert_bf16(c, "bf16_under_a_file", lambda tensors, config: None, out="a_file/sub/out")
 
 
-def _convert_bf16(c, name, edit, out="o"):
+def _convert_bf16(c, name, edit, out="o", add_files=lambda folder: None):
     """Converts a BF16 checkpoint of the catalogue's experts (layer 0) after edit(tensors, config) changed
-    its {name: (dtype, array)} and config.json dict, into c.tmp / out."""
+    its {name: (dtype, array)} and config.json dict and add_files(folder) added files, into c.tmp / out."""
     folder = c.tmp / name
     folder.mkdir()
     tensors = {_expert(e, role): ("BF16", c.w[role][e].astype(BF16)) for e in range(E) for role in c.w}
@@ -167,12 +167,13 @@ def _convert_bf16(c, name, edit, out="o"):
     edit(tensors, config)
     write_file(folder / "model.safetensors", tensors)
     (folder / "config.json").write_text(json.dumps(config))
+    add_files(folder)
     return convert_main(["--input-type", "bf16", "--input-path", str(folder), "--output-path", str(c.tmp / out)])
 
 
-def _convert_block_fp8(c, name, bad_scale):
+def _convert_block_fp8(c, name, bad_scale=None, extra=()):
     """Converts a block-wise FP8 checkpoint (32 x 32 blocks, weight_scale_inv) of the catalogue's experts
-    whose expert 1 gate_proj scale holds bad_scale at [0, 1]."""
+    whose expert 1 gate_proj scale holds bad_scale at [0, 1] (if given), plus the tensors `extra`."""
     folder = c.tmp / name
     folder.mkdir()
     tensors = {}
@@ -181,12 +182,20 @@ def _convert_block_fp8(c, name, bad_scale):
             codes, scale = fp8.quantize(c.w[role][e], per_channel=False, block=(32, 32))
             tensors[_expert(e, role)] = ("F8_E4M3", codes)
             tensors[_expert(e, role) + "_scale_inv"] = ("F32", scale)
-    tensors[_expert(1, "gate") + "_scale_inv"][1][0, 1] = bad_scale
+    if bad_scale is not None:
+        tensors[_expert(1, "gate") + "_scale_inv"][1][0, 1] = bad_scale
+    tensors.update(extra)
     write_file(folder / "model.safetensors", tensors)
     (folder / "config.json").write_text(json.dumps({
         "model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": K, "hidden_size": H,
         "moe_intermediate_size": I, "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}))
     return convert_main(["--input-type", "fp8", "--input-path", str(folder), "--output-path", str(c.tmp / "o")])
+
+
+def _with_other_file(c, name, target):
+    """Converts a BF16 checkpoint whose tokenizer.json is a symlink to `target`."""
+    return _convert_bf16(c, name, lambda tensors, config: None,
+                         add_files=lambda folder: (folder / "tokenizer.json").symlink_to(target))
 
 
 def _expert(e, role):
@@ -805,6 +814,8 @@ CASES = [
          "the thread count must be at most"),
     Case("python -m ktfp8.convert", "--max-shard-size 5XB", lambda c: _convert(c, "--max-shard-size", "5XB"), 2,
          "is not like 5GB"),
+    Case("python -m ktfp8.convert", "--max-shard-size of 400 digits",
+         lambda c: _convert(c, "--max-shard-size", "1" + "0" * 400), 2, "is too large"),
     Case("python -m ktfp8.convert", "an input folder that does not exist",
          lambda c: convert_main(["--input-type", "bf16", "--input-path", str(c.tmp / "absent"),
                                  "--output-path", str(c.tmp / "o")]), 1, "does not exist or is not a directory"),
@@ -845,6 +856,16 @@ CASES = [
              {_expert(1, "gate") + "_scale_inv": ("F32", np.ones((1, 1), F32))})), 1,
          f"tensor '{_expert(1, 'gate')}_scale_inv' scales '{_expert(1, 'gate')}', which is BF16, not F8_E4M3: a "
          f"scale beside a float weight is stale"),
+    Case("python -m ktfp8.convert", "a weight_scale beside a block-wise FP8 weight and its weight_scale_inv",
+         lambda c: _convert_block_fp8(c, "both_scales", extra={_expert(1, "gate") + "_scale": ("F32", np.ones(
+             (I, 1), F32))}), 1,
+         f"tensor '{_expert(1, 'gate')}' has both a weight_scale_inv and a weight_scale"),
+    Case("python -m ktfp8.convert", "a dangling symlink among the input's other files (an interrupted download)",
+         lambda c: _with_other_file(c, "dangling", c.tmp / "absent_blob"), 1,
+         "which does not exist (an interrupted download?)"),
+    Case("python -m ktfp8.convert", "a symlink to /dev/zero among the input's other files",
+         lambda c: _with_other_file(c, "device", "/dev/zero"), 1,
+         "tokenizer.json is not a regular file (a device, FIFO or socket)"),
     Case("python -m ktfp8.convert", "an expert weight with no rows",
          lambda c: _convert_bf16(c, "empty_expert", lambda t, cfg: t.update(
              {_expert(1, "up"): ("BF16", np.zeros((0, H), BF16))})),

@@ -296,8 +296,8 @@ def test_output_filled_by_another_run_meanwhile_is_not_replaced(qwen, tmp_path, 
     out = tmp_path / "out"
     copy_other_files = convert_module._copy_other_files
 
-    def and_another_run_writes(src, tmp, skip):  # lands in `out` between the check and the rename
-        copy_other_files(src, tmp, skip)
+    def and_another_run_writes(files, tmp):  # lands in `out` between the check and the rename
+        copy_other_files(files, tmp)
         out.mkdir()
         (out / "config.json").write_text("{}")
 
