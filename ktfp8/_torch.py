@@ -38,8 +38,9 @@ def to_numpy(obj, name, copy_to_cpu=None):
             raise ValueError(f"{name} is a tensor on device {str(device)!r}; ktfp8 computes on the CPU: "
                              f"pass {name}.cpu()" + ("" if copy_to_cpu is None else " or copy_to_cpu=True"))
         obj = obj.cpu()
-    if obj.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense tensor, got layout {obj.layout}")
+    if obj.layout != torch.strided or obj.is_nested:
+        raise TypeError(f"{name} must be a dense tensor, got " +
+                        ("a nested tensor" if obj.is_nested else f"layout {obj.layout}"))
     if _is_wrapper(obj, torch):
         raise TypeError(f"{name} is a tensor wrapped by a torch.func transform (vmap, grad, jvp, functionalize), "
                         f"whose memory does not hold its values; ktfp8 reads a tensor's memory: call it outside "
@@ -115,7 +116,7 @@ def plain_layer_memory(x, topk_ids, topk_weights, hidden, top_k, bf16_weights):
         _plain_dtypes = {torch.float32: False, torch.bfloat16: True}
     for t in (x, topk_ids, topk_weights):
         if type(t) is not torch.Tensor or not t.is_cpu or t.requires_grad or t.layout is not torch.strided \
-                or not t.is_contiguous() or t.is_neg() or _is_wrapper(t, torch):
+                or t.is_nested or not t.is_contiguous() or t.is_neg() or _is_wrapper(t, torch):
             return None
     x_bf16, w_bf16 = _plain_dtypes.get(x.dtype), _plain_dtypes.get(topk_weights.dtype)
     if x_bf16 is None or w_bf16 is None or (w_bf16 and not bf16_weights) or topk_ids.dtype is not torch.int64:

@@ -287,9 +287,13 @@ def _check_moe_field(name, value):
             raise TypeError(f"MoeConfig.routed_scaling_factor must be a number, got {type(value).__name__} {value!r}")
         # route() multiplies in float32: a factor that is finite as a Python float but not as a
         # float32 (1e40 -> inf, 1e-50 -> 0) would make every weight inf or 0
-        with np.errstate(over="ignore"):
-            as_float32 = np.float32(value)
-        if not (math.isfinite(value) and value > 0 and np.isfinite(as_float32) and as_float32 > 0):
+        try:
+            with np.errstate(over="ignore"):
+                as_float32 = np.float32(value)
+            finite = math.isfinite(value)
+        except OverflowError:       # an int past the largest float (10**400)
+            as_float32, finite = np.float32(np.inf), False
+        if not (finite and value > 0 and np.isfinite(as_float32) and as_float32 > 0):
             raise ValueError(f"MoeConfig.routed_scaling_factor must be finite and > 0 in float32, got {value!r}")
         return float(value)
     if name == "threads":

@@ -192,6 +192,8 @@ def _output_dtype(dtype, name):
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"{name} must be np.float32 or ml_dtypes.bfloat16, got {dtype!r}") from None
+    if dtype is None or any(dtype is t for t in (float, int, bool, complex)):   # NumPy: float64, int64, ...
+        raise TypeError(f"{name} must be np.float32 or ml_dtypes.bfloat16, got {dtype!r}")
     if dt not in _FLOAT_OUTPUTS:
         raise ValueError(f"{name} must be np.float32 or ml_dtypes.bfloat16, got {dt}")
     return dt

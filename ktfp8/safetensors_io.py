@@ -342,7 +342,10 @@ class ShardWriter:
     def _pwrite(self, data, offset):
         view = memoryview(data)
         while len(view):
-            n = os.pwrite(self._fd, view, offset)
+            try:
+                n = os.pwrite(self._fd, view, offset)
+            except OSError as e:        # (pwrite names no file: "[Errno 28] No space left on device")
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
             view, offset = view[n:], offset + n
 
     def write(self, name, array, row_offset=0):

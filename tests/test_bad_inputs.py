@@ -10,6 +10,7 @@ import re
 import shutil
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
@@ -196,6 +197,14 @@ def _with_other_file(c, name, target):
     """Converts a BF16 checkpoint whose tokenizer.json is a symlink to `target`."""
     return _convert_bf16(c, name, lambda tensors, config: None,
                          add_files=lambda folder: (folder / "tokenizer.json").symlink_to(target))
+
+
+def _nested_rows(torch):
+    """3 rows of H as a nested tensor of the default (strided) layout, which had reached torch's
+    "Internal error: NestedTensorImpl doesn't support sizes"."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)        # "nested tensors are in prototype stage"
+        return torch.nested.nested_tensor([torch.zeros(H)] * 3)
 
 
 def _expert(e, role):
@@ -467,6 +476,8 @@ CASES = [
          "topk_group (3) must be <= n_group (2)"),
     Case("MoeConfig", "routed_scaling_factor NaN", lambda c: cfg(routed_scaling_factor=math.nan), ValueError,
          "routed_scaling_factor must be finite and > 0"),
+    Case("MoeConfig", "routed_scaling_factor 10**400 (an int no float holds)",
+         lambda c: cfg(routed_scaling_factor=10**400), ValueError, "routed_scaling_factor must be finite and > 0"),
     Case("MoeConfig", "routed_scaling_factor 1e40 (inf as a float32)", lambda c: cfg(routed_scaling_factor=1e40),
          ValueError, "routed_scaling_factor must be finite and > 0 in float32, got 1e+40"),
     Case("MoeConfig", "routed_scaling_factor 1e-50 (0 as a float32)", lambda c: cfg(routed_scaling_factor=1e-50),
@@ -572,6 +583,11 @@ CASES = [
          "dtype must be np.float32 or ml_dtypes.bfloat16, got float16"),
     Case("fp8.decode", "dtype='nonsense'", lambda c: fp8.decode(np.zeros(4, U8), "nonsense"), TypeError,
          "dtype must be np.float32 or ml_dtypes.bfloat16"),
+    Case("fp8.decode", "dtype=None (NumPy would read float64)", lambda c: fp8.decode(np.zeros(4, U8), None),
+         TypeError, "dtype must be np.float32 or ml_dtypes.bfloat16, got None"),
+    Case("MoE.__call__", "x a nested tensor",
+         lambda c: c.call(x=_tensor(_nested_rows)), TypeError,
+         "x must be a dense tensor, got a nested tensor"),
     Case("fp8.quantize", "a 1-D array", lambda c: fp8.quantize(np.zeros(8, F32)), ValueError,
          "w must be 2-D [out, in] or 3-D [experts, out, in]"),
     Case("fp8.quantize", "an empty matrix", lambda c: fp8.quantize(np.zeros((0, 8), F32)), ValueError,
