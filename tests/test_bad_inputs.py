@@ -347,6 +347,17 @@ def _vocab_changed(c, fp8):
     return folder
 
 
+def _fewer_experts(c):
+    """The whole tiny Qwen3-MoE converted to FP8 per-channel, then without expert 3 of layer 0."""
+    from ktfp8.safetensors_io import SafetensorsFile
+    folder = c.tmp / "whole_fp8_fewer"
+    convert_main(["--input-type", "bf16", "--input-path", str(_whole_bf16_source(c)), "--output-path", str(folder)])
+    with SafetensorsFile(folder / "model.safetensors") as f:
+        kept = {n: (f.tensors[n].dtype, f.read_rows(n)) for n in f.keys() if ".experts.3." not in n}
+    write_file(folder / "model.safetensors", kept)
+    return _hf().from_pretrained(folder)
+
+
 def _whole_bf16_source(c):
     """The whole tiny Qwen3-MoE saved in BF16 (made once)."""
     import torch
@@ -378,6 +389,25 @@ def _switched_back(c):
     model = _prepared_qwen3_moe()
     model.set_experts_implementation("eager")
     return model(torch.tensor([[1, 2, 3]]))
+
+
+def _nan_at_first_forward(c):
+    """A NaN in an expert weight of a model whose experts ktfp8 quantizes at its first forward."""
+    import torch
+    model = _tiny_qwen3_moe()
+    with torch.no_grad():
+        model.model.layers[0].mlp.experts.gate_up_proj[2, 3, 4] = float("nan")
+    model.set_experts_implementation("ktfp8")
+    with torch.no_grad():
+        return model(torch.tensor([[1, 2, 3]]))
+
+
+def _half_after_first_forward(c):
+    import torch
+    model = _prepared_qwen3_moe()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+        return model.half()(torch.tensor([[1, 2, 3]]))
 
 
 def _float16_model(c):
@@ -925,6 +955,9 @@ CASES = [
     Case("ktfp8.hf.from_pretrained", "dtype=torch.float16",
          lambda c: _hf().from_pretrained(c.ckpt, dtype=__import__("torch").float16), TypeError,
          "dtype must be torch.bfloat16 or torch.float32"),
+    Case("ktfp8.hf.from_pretrained", "a layer holding fewer experts than config.json says", _fewer_experts,
+         ValueError, "model.layers.0.mlp.experts has 4 experts by config.json, the checkpoint holds experts 0-2 of "
+         "layer 0"),
     Case("ktfp8.hf.from_pretrained", "key_mapping= (set by ktfp8.hf)",
          lambda c: _hf().from_pretrained(c.ckpt, key_mapping={}), TypeError, "sets key_mapping= itself"),
     Case("ktfp8.hf.from_pretrained", "a config.json whose vocab_size is not the checkpoint's",
@@ -948,6 +981,11 @@ CASES = [
          "whose experts ktfp8 holds cannot be pickled"),
     Case("ktfp8.hf.prepare", "a float16 model", _float16_model, TypeError,
          "the model runs in torch.float16; ktfp8 takes float32 or bfloat16 activations"),
+    Case("ktfp8.hf.prepare", "the model cast with .half() after its first forward", _half_after_first_forward,
+         TypeError, "the model runs in torch.float16; ktfp8 takes float32 or bfloat16 activations"),
+    Case("experts_implementation='ktfp8'", "a NaN expert weight, met when the first forward quantizes it",
+         _nan_at_first_forward, ValueError,
+         "Qwen3MoeExperts, quantized at its first forward: gate holds nan at [2, 3, 4]; only finite weights"),
     # ---------------------------------------------------------------- python -m ktfp8.generate
     Case("python -m ktfp8.generate", "a folder that does not exist",
          lambda c: _generate(c, "--model", str(c.tmp / "absent"), "--prompt-ids", "1"), 1, "no such model folder"),

@@ -201,6 +201,10 @@ def _attach_experts(model, loader, quant_config, threads, path):
             raise ValueError(f"{path}: no expert tensors for {name} (the checkpoint has experts in layers "
                              f"{loader.moe_layers()})")
         layer = int(m[1])
+        held = loader.expert_count(layer)
+        if held < module.num_experts:   # (more: the layer's own check names config.json's count)
+            raise ValueError(f"{path}: {name} has {module.num_experts} experts by config.json, the checkpoint "
+                             f"holds experts 0-{held - 1} of layer {layer}")
         top_k = hf_experts.layer_top_k(module, block)      # per layer where config.json lists them (Hunyuan)
         config_of_layer = hf_experts.layer_config(module, quant_config, top_k, threads)
         experts = loader.load_experts(layer, experts=local_experts(module.num_experts))

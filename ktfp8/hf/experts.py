@@ -15,7 +15,7 @@ from ..backends import requested_threads
 from ..config import MoeConfig, QuantConfig
 from ..experts import quantize_experts
 from . import op
-from .layer import build_layer, local_experts
+from .layer import build_layer, check_activation_dtype, local_experts
 
 # transformers experts classes whose layout and activation the kernels compute (silu(gate) * up, no bias)
 SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_moe",
@@ -33,7 +33,6 @@ IMPLEMENTATIONS = {"ktfp8": lambda: QuantConfig("FP8", per_channel=True),
                    "ktfp8_block": lambda: QuantConfig("FP8", per_channel=False, group_size=128),
                    "ktfp8_bf16": lambda: QuantConfig("BF16")}
 RELEASED = ("gate_up_proj", "down_proj")
-ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)      # what the kernels take as x and give back
 
 
 def is_experts_module(module):
@@ -54,13 +53,6 @@ def check_model_type(config):
     text_type = getattr(get_text_config(), "model_type", None) if callable(get_text_config) else None
     if model_type not in SUPPORTED_MODEL_TYPES and text_type not in SUPPORTED_MODEL_TYPES:
         raise _unsupported(f"model type {model_type!r}")
-
-
-def check_activation_dtype(dtype):
-    """Raises TypeError when a model running in `dtype` hands the experts activations ktfp8 cannot take."""
-    if dtype not in ACTIVATION_DTYPES:
-        raise TypeError(f"ktfp8 experts implementation: the model runs in {dtype}; ktfp8 takes float32 or "
-                        f"bfloat16 activations: load it with dtype=torch.bfloat16 (or torch.float32)")
 
 
 def check_supported(module):
@@ -327,7 +319,14 @@ def _forward_for(name):
             raise ValueError(f"ktfp8 experts implementation: {type(module).__name__} got top_k_index of shape "
                              f"{tuple(top_k_shape)}, expected [tokens, experts per token]")
         # the router's own width: the layer's top-k even where the config lists one per layer (Hunyuan)
-        prepare_module(module, IMPLEMENTATIONS[name](), top_k_shape[1])
+        try:
+            prepare_module(module, IMPLEMENTATIONS[name](), top_k_shape[1])
+        except ValueError as err:
+            if type(err) is not ValueError:
+                raise
+            # the module does not know its name in the model; prepare() walks the model and does
+            raise ValueError(f"{type(module).__name__}, quantized at its first forward: {err} (ktfp8.hf.prepare"
+                             f"(model) before the first forward names the layer)") from None
         return module._ktfp8_handle
 
     def ktfp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):

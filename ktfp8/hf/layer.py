@@ -11,6 +11,16 @@ import torch
 from ..moe import MoE
 
 
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)      # what the kernels take as x and give back
+
+
+def check_activation_dtype(dtype):
+    """Raises TypeError when a model running in `dtype` hands the experts activations ktfp8 cannot take."""
+    if dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"ktfp8 experts implementation: the model runs in {dtype}; ktfp8 takes float32 or "
+                        f"bfloat16 activations: load it with dtype=torch.bfloat16 (or torch.float32)")
+
+
 class TorchMoE:
     """y = layer(x [T, H], topk_ids [T, k], topk_weights [T, k]): CPU tensors, y a new tensor like x.
     The core validates them (device, dtype, shape) with messages naming the argument.
@@ -36,6 +46,8 @@ class TorchMoE:
             y = self.moe._plain_tensor_call(hidden_states, topk_ids, topk_weights, bf16_weights=True)
             if y is not None:
                 return y
+        if isinstance(hidden_states, torch.Tensor):    # (a model cast with .half() after its first forward)
+            check_activation_dtype(hidden_states.dtype)
         # transformers routers hand back weights in the model's dtype; the kernels take float32 weights
         if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype in (torch.bfloat16, torch.float16):
             topk_weights = topk_weights.float()
