@@ -258,9 +258,20 @@ def _check_paths(src, dst, overwrite):
             raise ConvertError(f"output {dst} is a mount point: the output is written beside it and renamed "
                                f"into its place, which a mount point cannot take; give a folder inside it "
                                f"(e.g. {dst / src.name})")
-        if any(d.iterdir()) and not overwrite:
-            raise ConvertError(f"output folder {dst} is not empty; pass --overwrite to replace it")
+        if any(d.iterdir()):
+            if not overwrite:
+                raise ConvertError(f"output folder {dst} is not empty; pass --overwrite to replace it")
+            _check_replaceable(d, dst)
     return d
+
+
+def _check_replaceable(folder, shown):
+    """--overwrite deletes everything in the folder it replaces: only a model folder (config.json or
+    safetensors at its top, as any earlier output has), not a folder of other files named by mistake."""
+    if not ((folder / "config.json").exists() or any(folder.glob("*.safetensors"))):
+        raise ConvertError(f"output folder {shown} holds no config.json or *.safetensors: it is no model "
+                           f"folder, and --overwrite would delete everything in it; nothing replaced, remove "
+                           f"it yourself or give another output path")
 
 
 def _resolved(path, what):
@@ -339,6 +350,7 @@ def _publish(tmp, dst, overwrite):
             raise ConvertError(f"output folder {dst} was filled while converting (by another run?); "
                                "nothing replaced, pass --overwrite to replace it")
         else:
+            _check_replaceable(dst, dst)
             old = dst.parent / f".{dst.name}{REPLACED_TAG}{os.getpid()}"
     try:
         if old is not None:

@@ -227,10 +227,10 @@ def _fused(tensors, config):
     tensors["model.layers.0.mlp.experts.down_proj"] = ("BF16", w["down"])
 
 
-def _non_empty(c):
+def _non_empty(c, *args):
     (c.tmp / "full").mkdir(exist_ok=True)
     (c.tmp / "full" / "mine.txt").write_text("keep")
-    return _convert(c, out="full")
+    return _convert(c, *args, out="full")
 
 
 def _into_working_dir(c, monkeypatch):
@@ -867,6 +867,9 @@ CASES = [
                                  "--output-path", str(c.tmp / "o")]), 1, "does not exist or is not a directory"),
     Case("python -m ktfp8.convert", "a non-empty output folder without --overwrite", _non_empty, 1,
          "is not empty; pass --overwrite to replace it"),
+    Case("python -m ktfp8.convert", "--overwrite of a folder that holds no model (no config.json, no safetensors)",
+         lambda c: _non_empty(c, "--overwrite"), 1,
+         "holds no config.json or *.safetensors: it is no model folder, and --overwrite would delete everything"),
     Case("python -m ktfp8.convert", "the output inside the input",
          lambda c: _convert(c, out="ckpt/inner"), 1, "must be outside the input"),
     Case("python -m ktfp8.convert", "--output-path . (the working directory)", _into_working_dir, 1,

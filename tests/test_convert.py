@@ -218,8 +218,12 @@ def test_output_folder_rules(qwen, tmp_path, capsys):
     assert run(qwen, out) == 1
     assert "not empty; pass --overwrite" in capsys.readouterr().err
     assert sorted(os.listdir(out)) == ["keep.txt"]
+    assert run(qwen, out, "--overwrite") == 1        # not a model folder: --overwrite would delete all in it
+    assert "holds no config.json or *.safetensors: it is no model folder" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["keep.txt"]
+    (out / "config.json").write_text("{}")          # an earlier output: replaced as a whole
     assert run(qwen, out, "--overwrite") == 0
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert not (out / "keep.txt").exists() and json.loads((out / "config.json").read_text())
     empty = tmp_path / "empty"
     empty.mkdir()
     assert run(qwen, empty) == 0 and (empty / "config.json").exists()
@@ -235,7 +239,7 @@ def test_overwrite_interrupted_within_the_swap(qwen, tmp_path, capsys, monkeypat
     lost both outputs and the second said "nothing was written" (a helper's review)."""
     out = tmp_path / "out"
     out.mkdir()
-    (out / "old.txt").write_text("previous output")
+    (out / "config.json").write_text('{"previous": "output"}')
     import ktfp8.convert as module
     real, calls = os.rename, []
 
@@ -249,10 +253,11 @@ def test_overwrite_interrupted_within_the_swap(qwen, tmp_path, capsys, monkeypat
     monkeypatch.undo()
     err = capsys.readouterr().err
     if after_rename == 1:
-        assert sorted(os.listdir(out)) == ["old.txt"] and "nothing was written" in err
+        assert json.loads((out / "config.json").read_text()) == {"previous": "output"}
+        assert sorted(os.listdir(out)) == ["config.json"] and "nothing was written" in err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     else:
-        assert (out / "config.json").exists() and not (out / "old.txt").exists()
+        assert "previous" not in json.loads((out / "config.json").read_text())
         assert "was written in full and put in place" in err
         aside, = tmp_path.glob(f".out{module.REPLACED_TAG}{os.getpid()}")    # removed by a later run
         aside.rename(tmp_path / f".out{module.REPLACED_TAG}{_dead_pid()}")  # (this process lives on)
@@ -266,6 +271,7 @@ def test_output_through_a_symlink_replaces_the_folder_it_points_to(qwen, tmp_pat
     target, link = tmp_path / "data" / "model", tmp_path / "links" / "model"
     target.mkdir(parents=True)
     (target / "old.txt").write_text("previous output")
+    (target / "model.safetensors").write_bytes(b"")         # a model folder: --overwrite replaces it
     link.parent.mkdir()
     link.symlink_to(target)
     assert run(qwen, link) == 1                                   # not empty, no --overwrite
@@ -305,6 +311,23 @@ def test_output_filled_by_another_run_meanwhile_is_not_replaced(qwen, tmp_path, 
     assert run(qwen, out) == 1
     assert "was filled while converting" in capsys.readouterr().err
     assert os.listdir(out) == ["config.json"] and (out / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_overwrite_never_replaces_a_folder_of_other_files_filled_meanwhile(qwen, tmp_path, monkeypatch, capsys):
+    import ktfp8.convert as convert_module
+    out = tmp_path / "out"
+    copy_other_files = convert_module._copy_other_files
+
+    def and_someone_writes(files, tmp):
+        copy_other_files(files, tmp)
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(convert_module, "_copy_other_files", and_someone_writes)
+    assert run(qwen, out, "--overwrite") == 1
+    assert "it is no model folder, and --overwrite would delete everything in it" in capsys.readouterr().err
+    assert os.listdir(out) == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
