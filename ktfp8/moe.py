@@ -81,6 +81,9 @@ def _check_matches(config, experts):
 def _as_c_array(name, a, dtypes, ndim):
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(a).__name__}")
+    if isinstance(a, np.ma.MaskedArray):    # the kernels would read the masked values as they are
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray, whose mask ktfp8 cannot honour: pass "
+                        f"{name}.filled(...) or np.asarray({name})")
     if a.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {a.dtype}")
     if a.ndim != ndim:

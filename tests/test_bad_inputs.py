@@ -770,6 +770,8 @@ CASES = [
          TypeError, "topk_weights must have dtype float32, got float64"),
     Case("MoE.__call__", "topk_weights for fewer tokens", lambda c: c.call(topk_weights=c.tw[:2].copy()),
          ValueError, "topk_weights must have shape [T, num_experts_per_tok] = (3, 2), got (2, 2)"),
+    Case("MoE.__call__", "x a numpy.ma.MaskedArray", lambda c: c.call(x=np.ma.masked_less(c.x, 0)), TypeError,
+         "x is a numpy.ma.MaskedArray, whose mask ktfp8 cannot honour"),
     Case("MoE.__call__", "out of another shape", lambda c: c.call(out=np.zeros((2, H), F32)), ValueError,
          "out must have the shape of x (3, 64), got (2, 64)"),
     Case("MoE.__call__", "out of another dtype than x", lambda c: c.call(out=np.zeros((3, H), BF16)), TypeError,
