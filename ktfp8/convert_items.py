@@ -25,6 +25,7 @@ class Item:
     scale_shape: Tuple[int, ...] = ()
     fused: Optional["FusedPart"] = None      # src holds a layer's experts fused: which part is this weight
     check_scale: bool = False                # a copied weight_scale_inv: refused where the loader refuses it
+    check_codes: bool = False                # a copied FP8 weight: refused if it holds the NaN code
 
     def outputs(self):
         specs = [(self.out, self.out_dtype, self.shape)]

@@ -93,9 +93,11 @@ def _classify(checkpoint, input_type, spec, all_linear, hf_config, fused):
         _check_matrix(name, info.shape)
         _check_unscaled(checkpoint, name, info)
         items.append(_quantized_item("quantize", name, info, spec))
-    kept = {i.src + "_scale_inv" for i in items if i.action == "copy" and i.out_dtype == "F8_E4M3"
-            and i.src.endswith(".weight")}       # FP8 weights already in the target format, copied with their scales
-    return [replace(i, check_scale=True) if i.src in kept else i for i in items if i.src not in consumed]
+    weights = {i.src for i in items if i.action == "copy" and i.out_dtype == "F8_E4M3"
+               and i.src.endswith(".weight")}    # FP8 weights already in the target format, copied with their scales
+    scales = {name + "_scale_inv" for name in weights}
+    return [replace(i, check_scale=i.src in scales, check_codes=i.src in weights)
+            for i in items if i.src not in consumed]
 
 
 def _check_matrix(name, shape):

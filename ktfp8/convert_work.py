@@ -124,6 +124,18 @@ def _check_weights(chunk, weights):
                            f"{fp8.NON_FINITE_WEIGHTS}")
 
 
+def _check_codes(name, codes, first_row):
+    """Refuses the E4M3 NaN code (S.1111.111) in a copied FP8 weight, as a NaN is refused in a weight to
+    quantize or requantize."""
+    nan = (codes & 0x7F) == 0x7F
+    if nan.any():
+        index = [int(i) for i in np.argwhere(nan)[0]]
+        code = int(codes[tuple(index)])
+        index[0] += first_row
+        raise SafetensorsError(f"tensor {name!r} holds the FP8 NaN code 0x{code:02X} at {index}; a NaN weight "
+                               f"makes every output of its row NaN")
+
+
 def _check_scales(name, scale, first_row=0):
     """Refuses what ktfp8's loader refuses in an input weight_scale_inv (rows first_row.. of tensor
     `name`): loader.first_bad_scale."""
@@ -182,6 +194,8 @@ def run_chunk(chunk, checkpoint, shards, spec):
         data = checkpoint.file_of(item.src).read_rows(item.src, chunk.start, chunk.stop)
         if item.check_scale:
             _check_scales(item.src, data, chunk.start)
+        if item.check_codes:
+            _check_codes(item.src, data, chunk.start)
         shards.write(item.out, data, chunk.start)
         return
     weights = _source_rows(chunk, checkpoint)

@@ -172,9 +172,10 @@ def _convert_bf16(c, name, edit, out="o", add_files=lambda folder: None):
     return convert_main(["--input-type", "bf16", "--input-path", str(folder), "--output-path", str(c.tmp / out)])
 
 
-def _convert_block_fp8(c, name, bad_scale=None, extra=()):
-    """Converts a block-wise FP8 checkpoint (32 x 32 blocks, weight_scale_inv) of the catalogue's experts
-    whose expert 1 gate_proj scale holds bad_scale at [0, 1] (if given), plus the tensors `extra`."""
+def _convert_block_fp8(c, name, bad_scale=None, extra=(), nan_code=False, args=()):
+    """Converts (with `args`) a block-wise FP8 checkpoint (32 x 32 blocks, weight_scale_inv) of the
+    catalogue's experts whose expert 1 gate_proj scale holds bad_scale at [0, 1] (if given) and its
+    codes the NaN code 0xFF there (nan_code), plus the tensors `extra`."""
     folder = c.tmp / name
     folder.mkdir()
     tensors = {}
@@ -185,12 +186,15 @@ def _convert_block_fp8(c, name, bad_scale=None, extra=()):
             tensors[_expert(e, role) + "_scale_inv"] = ("F32", scale)
     if bad_scale is not None:
         tensors[_expert(1, "gate") + "_scale_inv"][1][0, 1] = bad_scale
+    if nan_code:
+        tensors[_expert(1, "gate")][1][0, 1] = 0xFF
     tensors.update(extra)
     write_file(folder / "model.safetensors", tensors)
     (folder / "config.json").write_text(json.dumps({
         "model_type": "qwen3_moe", "num_experts": E, "num_experts_per_tok": K, "hidden_size": H,
         "moe_intermediate_size": I, "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}))
-    return convert_main(["--input-type", "fp8", "--input-path", str(folder), "--output-path", str(c.tmp / "o")])
+    return convert_main(["--input-type", "fp8", "--input-path", str(folder), "--output-path", str(c.tmp / "o"),
+                         *args])
 
 
 def _with_other_file(c, name, target):
@@ -911,6 +915,13 @@ CASES = [
          lambda c: _convert_block_fp8(c, "both_scales", extra={_expert(1, "gate") + "_scale": ("F32", np.ones(
              (I, 1), F32))}), 1,
          f"tensor '{_expert(1, 'gate')}' has both a weight_scale_inv and a weight_scale"),
+    Case("python -m ktfp8.convert", "the NaN code in a block-wise FP8 weight copied as it is (same blocks)",
+         lambda c: _convert_block_fp8(c, "nan_code_copied", nan_code=True, args=("--quant-config",
+                                                                                 '{"group_size": 32}')), 1,
+         f"tensor '{_expert(1, 'gate')}' holds the FP8 NaN code 0xFF at [0, 1]; a NaN weight makes every output"),
+    Case("python -m ktfp8.convert", "the NaN code in a block-wise FP8 weight to requantize per-channel",
+         lambda c: _convert_block_fp8(c, "nan_code_requantized", nan_code=True), 1,
+         f"tensor '{_expert(1, 'gate')}' dequantized with '{_expert(1, 'gate')}_scale_inv' holds nan at [0, 1]"),
     Case("python -m ktfp8.convert", "a dangling symlink among the input's other files (an interrupted download)",
          lambda c: _with_other_file(c, "dangling", c.tmp / "absent_blob"), 1,
          "which does not exist (an interrupted download?)"),
