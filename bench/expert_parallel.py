@@ -66,9 +66,9 @@ def rank_main(rank, world, port, threads, tokens, rounds, queue):
     for T in tokens:
         x = L.activations(layer, T)
         draws = L.routing_rounds(layer, T, rounds + 1, seed=T)      # same seed: every rank routes alike
-        moe(x, *draws[0])                                          # warm-up
+        moe(x, *draws[0][:2])                                      # warm-up
         totals, computes, reduces, bare = [], [], [], []
-        for ids, w in draws[1:]:
+        for ids, w, _ in draws[1:]:
             if world > 1:
                 D.all_reduce_sum(torch.zeros(1))                   # a barrier: start together
                 before = dict(moe.timings)

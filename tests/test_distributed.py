@@ -167,7 +167,22 @@ def test_destroy_process_group_ends_torch_distributed_then_leaves_the_gil(monkey
 
 
 def test_importing_ktfp8_and_its_distributed_module_does_not_import_torch():
+    import os
     import subprocess
     import sys
     code = "import sys, ktfp8, ktfp8.distributed; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_expert_parallel_bench_script_runs(tmp_path):
+    """bench/expert_parallel.py on 2 ranks, one call: it had stopped running when the bench's routing
+    draws gained a third field (a helper re-measuring the README's tables found it)."""
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "ep.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "expert_parallel.py"), "--ranks", "2", "--tokens", "1",
+                           "--rounds", "1", "--repeat", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=LIMIT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.exists() and json.loads(out.read_text())
