@@ -18,6 +18,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import queue as queue_module
 import socket
 import statistics
 import sys
@@ -148,12 +149,20 @@ def run(world, cores, target, *args):
     procs = [ctx.Process(target=target, args=(r, world, port, threads, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = sorted((queue.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
+    results, deadline = [], time.monotonic() + 1800
+    while len(results) < world:         # a rank that dies sends nothing: stop then, not at the deadline
+        try:
+            results.append(queue.get(timeout=1))
+        except queue_module.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
     for p in procs:
         p.join(60)
-    if any(p.exitcode != 0 for p in procs):
+        if p.exitcode is None:
+            p.kill()
+    if len(results) < world or any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    return results
+    return sorted(results, key=lambda r: r["rank"])
 
 
 def _merge(best, new):

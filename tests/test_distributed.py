@@ -186,3 +186,23 @@ def test_expert_parallel_bench_script_runs(tmp_path):
                           capture_output=True, text=True, timeout=LIMIT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.exists() and json.loads(out.read_text())
+
+
+def _rank_that_fails(rank, world, port, threads, queue):
+    if rank == 1:
+        raise SystemExit(3)
+    queue.put({"rank": rank})
+
+
+def test_expert_parallel_bench_stops_when_a_rank_dies():
+    """The script's launcher stops as soon as a rank has died without a result (it waited 30 minutes)."""
+    import importlib.util
+    import os
+    import time
+    spec = importlib.util.spec_from_file_location("expert_parallel", os.path.join(REPO, "bench", "expert_parallel.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"a rank failed: exit codes \[0, 3\]"):
+        module.run(2, 2, _rank_that_fails)
+    assert time.monotonic() - start < 30
