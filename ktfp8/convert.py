@@ -6,7 +6,8 @@ FP16 / FP32, or block-wise FP8, to FP8 E4M3 with per-channel (or block-wise) sca
 
 Safety: the input is only read; the output is built in a hidden temporary folder next to OUT and
 renamed into place at the very end (config.json is written last), so an interrupted run leaves no
-folder that looks like a finished checkpoint; a non-empty OUT is replaced only with --overwrite."""
+folder that looks like a finished checkpoint; a non-empty OUT is replaced only with --overwrite, and
+only if it is a model folder."""
 import argparse
 import concurrent.futures as cf
 import contextlib
@@ -481,8 +482,9 @@ def _other_files(src, weight_files):
             try:
                 regular = stat.S_ISREG(os.stat(path).st_mode)
             except FileNotFoundError:
-                raise ConvertError(f"{path} is a symlink to {os.readlink(path)!r}, which does not exist (an "
-                                   f"interrupted download?); the output would lack it") from None
+                what = f"a symlink to {os.readlink(path)!r}, which" if path.is_symlink() else "gone: it"
+                raise ConvertError(f"{path} is {what} does not exist (an interrupted download?); the output "
+                                   f"would lack it") from None
             if not regular:
                 raise ConvertError(f"{path} is not a regular file (a device, FIFO or socket); only regular files "
                                    f"are copied into the output: move it out of the input folder")
