@@ -148,9 +148,9 @@ class _Terminated(KeyboardInterrupt):
 class _InterruptedWhenPublished(KeyboardInterrupt):
     """A Ctrl-C or SIGTERM that arrived after the output folder was complete and in place."""
 
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum = signum
+    def __init__(self, interrupt):
+        self.signum = getattr(interrupt, "signum", signal.SIGINT)     # Ctrl-C, or _Terminated's
+        super().__init__(self.signum)
 
 
 def _raise_interrupt(signum, frame):
@@ -359,7 +359,7 @@ def _publish(tmp, dst, overwrite):
         os.rename(tmp, dst)
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) and not tmp.exists():   # the second rename had happened
-            raise _InterruptedWhenPublished(getattr(e, "signum", signal.SIGINT)) from e
+            raise _InterruptedWhenPublished(e) from e
         if old is not None and old.exists() and not dst.exists():
             os.rename(old, dst)
         raise
@@ -375,7 +375,7 @@ def _interrupts_after_publishing():
     try:
         yield
     except KeyboardInterrupt as e:
-        raise _InterruptedWhenPublished(getattr(e, "signum", signal.SIGINT)) from e
+        raise _InterruptedWhenPublished(e) from e
 
 
 def _fsync_dir(path):

@@ -1,7 +1,12 @@
 """Expert parallelism over torch.distributed (gloo, loopback), 2 and 3 ranks in subprocesses
 (tests/dist_worker.py), each run bounded in wall-clock time.  Oracle: the single-process MoE over the
 whole layer, and the sum of the shards' outputs computed in this process."""
+import importlib.util
 import json
+import os
+import subprocess
+import sys
+import time
 
 import ml_dtypes
 import numpy as np
@@ -177,9 +182,6 @@ def test_importing_ktfp8_and_its_distributed_module_does_not_import_torch():
 def test_expert_parallel_bench_script_runs(tmp_path):
     """bench/expert_parallel.py on 2 ranks, one call: it had stopped running when the bench's routing
     draws gained a third field (a helper re-measuring the README's tables found it)."""
-    import os
-    import subprocess
-    import sys
     out = tmp_path / "ep.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "expert_parallel.py"), "--ranks", "2", "--tokens", "1",
                            "--rounds", "1", "--repeat", "1", "--json", str(out)],
@@ -196,9 +198,6 @@ def _rank_that_fails(rank, world, port, threads, queue):
 
 def test_expert_parallel_bench_stops_when_a_rank_dies():
     """The script's launcher stops as soon as a rank has died without a result (it waited 30 minutes)."""
-    import importlib.util
-    import os
-    import time
     spec = importlib.util.spec_from_file_location("expert_parallel", os.path.join(REPO, "bench", "expert_parallel.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
