@@ -44,6 +44,14 @@ def test_op_dispatch():
     assert "the op's dispatch, per round" in proc.stdout
 
 
+def test_ep_checks():
+    pytest.importorskip("torch.distributed")
+    proc = _run("ep_checks.py", "--rounds", "1", "--launches", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "input check at T = 512" in proc.stdout
+    assert "lost rank (kill" in proc.stdout and "lost rank (stall" in proc.stdout
+
+
 def test_hf_memory_and_busy_core_say_how_to_call_them():
     proc = _run("hf_memory.py")
     assert proc.returncode == 2 and "hf_memory.py make BF16_FOLDER" in proc.stderr
