@@ -1098,7 +1098,7 @@ def ctx(tmp_path_factory):
 
 
 # entry points above the core, which need torch and transformers: skipped where they are not installed
-TORCH_ENTRIES = ("ktfp8.hf.", "python -m ktfp8.generate", "python -m ktfp8.bench.model")
+TORCH_ENTRIES = ("ktfp8.hf.", "experts_implementation=", "python -m ktfp8.generate", "python -m ktfp8.bench.model")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.entry}: {c.bad}" for c in CASES])

@@ -4,6 +4,7 @@ The sdist comes from a copy of the sources in a temporary folder (setup.py write
 beside itself); the wheel is built without build isolation (this venv's setuptools, Cython and NumPy:
 no index is asked) and without the test-only emulated variants, to keep it under a minute."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -109,3 +110,15 @@ for b in ktfp8.available_backends():
     cpu = subprocess.run([sys.executable, "-m", "ktfp8.cpu"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=120)
     assert cpu.returncode == 0 and "Selected backend:" in cpu.stdout, cpu.stderr[-3000:]
+
+
+def test_the_package_needs_no_newer_python_than_it_declares():
+    """pyproject.toml's requires-python against what the package's code uses: vermin reads its syntax and
+    standard-library calls (math.lcm sets 3.9 today).  The machines here run a newer Python than the
+    oldest declared one, so nothing else would notice code that needs a newer one."""
+    pytest.importorskip("vermin", reason="vermin is a test dependency")
+    oldest = re.search(r'^requires-python = ">=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    proc = subprocess.run([sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", "--no-tips",
+                           "--violations", f"-t={oldest}-", "ktfp8", "setup.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
