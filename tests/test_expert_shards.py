@@ -5,7 +5,10 @@ the checkpoint bytes written here."""
 import ml_dtypes
 import numpy as np
 import pytest
-from numpy.lib.array_utils import byte_bounds
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:                     # NumPy 1.x (tools/oldest_deps_tests.sh)
+    from numpy import byte_bounds
 
 import ktfp8
 from ktfp8.experts import ExpertWeights

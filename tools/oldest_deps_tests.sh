@@ -26,5 +26,5 @@ EOF
 PYTHONPATH=. .venv-oldest/bin/python -m pytest -q -n auto -p no:cacheprovider \
     tests/test_moe.py tests/test_kernels.py tests/test_fp8_codec.py tests/test_routing.py tests/test_config.py \
     tests/test_packing.py tests/test_quantize_experts.py tests/test_convert.py tests/test_loader.py \
-    tests/test_safetensors_io.py tests/test_moe_errors.py tests/test_tokens_per_expert.py \
+    tests/test_safetensors_io.py tests/test_moe_errors.py tests/test_tokens_per_expert.py tests/test_expert_shards.py \
     tests/test_properties.py tests/test_bad_inputs.py
