@@ -4,6 +4,7 @@ import copy
 import gc
 import json
 import pickle
+import subprocess
 import sys
 import warnings
 
@@ -463,3 +464,12 @@ def test_switching_back_to_transformers_experts_refused(qwen3, implementation):
             logits(model)
         model.set_experts_implementation("ktfp8")
         np.testing.assert_array_equal(logits(model), want)
+
+
+@pytest.mark.parametrize("module, release", [("transformers", "5.23.0"), ("torch", "2.5.1+cpu")])
+def test_import_refuses_a_release_older_than_the_tests_pass_on(module, release):
+    code = f"import {module}; {module}.__version__ = {release!r}; import ktfp8.hf"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    oldest = ".".join(map(str, ktfp8.hf.MIN_VERSIONS[module]))
+    assert proc.returncode == 1
+    assert f"ImportError: ktfp8.hf needs {module} {oldest} or later, found {release}; upgrade it" in proc.stderr
