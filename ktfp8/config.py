@@ -14,6 +14,9 @@ import numpy as np
 QUANT_METHODS = ("FP8", "BF16")
 DEFAULT_BLOCK = 128              # block edge of block-wise FP8 when none is given (DeepSeek-V3's)
 MAX_BLOCK_EDGE = 2**31 - 1
+# sizes and expert counts: expert ids may arrive as int32, and the kernels' byte counts (experts x rows
+# x K) must stay far from 64-bit overflow; no model comes near
+MAX_SIZE = 2**31 - 1
 # why every MoE kernel refuses an odd K block edge (and so QuantConfig and ktfp8.convert refuse it)
 ODD_BLOCK_EDGE = ("the kernels read K two weights at a time (a BF16 pair per 32-bit lane), and a block "
                   "edge inside a pair would need two scales for one lane")
@@ -39,13 +42,15 @@ def check_threads(source, value):
     return value
 
 
-def _as_int(owner, name, value, minimum):
+def _as_int(owner, name, value, minimum, maximum=None):
     # bool is an int subclass: `expert_num=True` is a mistake, not 1.
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)
     if value < minimum:
         raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{owner}.{name} must be at most {maximum}, got {value}")
     return value
 
 
@@ -273,7 +278,7 @@ MOEConfig = MoeConfig  # KTransformers' spelling
 
 def _check_moe_field(name, value):
     if name in ("expert_num", "num_experts_per_tok", "hidden_size", "intermediate_size", "n_group", "topk_group"):
-        return _as_int("MoeConfig", name, value, 1)
+        return _as_int("MoeConfig", name, value, 1, MAX_SIZE)
     if name == "scoring_func":
         return _as_choice("MoeConfig", name, value, SCORING_FUNCS)
     if name == "hidden_act":

@@ -23,6 +23,9 @@ from .moe import MoE, check_layer_types
 ENV_TIMEOUT = "KTFP8_DIST_TIMEOUT_S"
 ENV_EXPERT_PARALLEL = "KTFP8_EXPERT_PARALLEL"   # "0": ktfp8.hf keeps every expert on every rank
 DEFAULT_TIMEOUT_S = 300.0
+# about 3 years: torch's stores and gloo count a timeout in 64-bit milli- or nanoseconds, and 1e10 s
+# failed the rendezvous at once, 1e11 s hung it, 1e15 s overflowed datetime.timedelta (torch 2.13)
+MAX_TIMEOUT_S = 1e8
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -41,8 +44,9 @@ def timeout_seconds(timeout_s=None):
         value = float(timeout_s)
     except (TypeError, ValueError):
         raise ValueError(f"{source} must be a positive number of seconds, got {timeout_s!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{source} must be a positive, finite number of seconds, got {timeout_s!r}")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{source} must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0e} (about 3 "
+                         f"years), got {timeout_s!r}")
     return value
 
 

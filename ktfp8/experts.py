@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 
 from ._torch import accepts_tensors, to_numpy
-from .config import as_block, as_quant_config
+from .config import MAX_SIZE, as_block, as_quant_config
 
 FORMATS = ("fp8_per_channel", "fp8_block", "bf16")
 # The largest |scale| an FP8 expert may carry (Inf too is refused): the avx512 and avx2 kernels fold
@@ -176,8 +176,8 @@ def _validate_shard(w):
 
 
 def _check_count(name, v):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-        raise ValueError(f"ExpertWeights.{name} must be a non-negative int, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= MAX_SIZE:
+        raise ValueError(f"ExpertWeights.{name} must be a non-negative int at most {MAX_SIZE}, got {v!r}")
     return int(v)
 
 

@@ -122,6 +122,12 @@ def test_packed_size_refuses_an_invalid_shape():
     variant = ktfp8.backends.variant("reference")
     with pytest.raises(ValueError, match="invalid MoE shape"):
         _ext.packed_size(variant, native_shape(2, 0, 64, "fp8_per_channel"))
+    # sizes whose byte count would wrap size_t: each below 2**31, at most 2**59 weights in all
+    for experts, hidden, inter in [(2**31, 64, 64), (1, 2**31, 1), (2**29 + 1, 2**15, 2**15), (2**31 - 1,) * 3]:
+        with pytest.raises(ValueError, match="at most 2\\*\\*59 weights"):
+            _ext.packed_size(variant, native_shape(experts, hidden, inter, "bf16"))
+    largest = _ext.packed_size(variant, native_shape(2**29, 2**15, 2**15, "bf16"))
+    assert largest >= 3 * 2 * 2**59         # counted, not wrapped
 
 
 def test_random_codes_are_distributed_as_a_quantized_gaussian():

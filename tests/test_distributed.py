@@ -151,9 +151,10 @@ def test_outside_a_process_group_is_a_clear_error(monkeypatch):
         distributed.ExpertParallelMoE({"expert_num": 4}, W.layer("bf16"))
     with pytest.raises(TypeError, match="experts must be ktfp8.ExpertWeights, got tuple"):
         distributed.ExpertParallelMoE(cfg, (1, 2, 3))
-    for bad in (0, -3, float("nan"), float("inf"), "x", True):
+    for bad in (0, -3, float("nan"), float("inf"), "x", True, 1e10, "99999999999"):
         with pytest.raises(ValueError, match="timeout_s must be a positive"):
             distributed.timeout_seconds(bad)
+    assert distributed.timeout_seconds(distributed.MAX_TIMEOUT_S) == 1e8
 
 
 def test_destroy_process_group_ends_torch_distributed_then_leaves_the_gil(monkeypatch):

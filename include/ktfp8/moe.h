@@ -34,7 +34,8 @@ static inline int64_t ktfp8_row_stride(int64_t k_pad, size_t esz) {
     return (k_pad / line) % 2 ? k_pad : k_pad + line;
 }
 
-/* 0, or -1 when the shape is invalid (sizes <= 0, odd block_k, unknown format). */
+/* 0, or -1 when the shape is invalid (sizes <= 0 or past what the packed sizes can count, odd block_k,
+ * unknown format). */
 int ktfp8_shape_check(const ktfp8_moe_shape *shape);
 size_t ktfp8_packed_size(const ktfp8_moe_shape *shape, const ktfp8_layout *layout);
 /* Views of gate, up, down inside a packed buffer starting at base. */

@@ -68,7 +68,8 @@ cdef ktfp8_moe_shape moe_shape(tuple shape) except *:
     cdef ktfp8_moe_shape s
     s.experts, s.hidden, s.inter, s.format, s.block_n, s.block_k = shape
     if ktfp8_shape_check(&s) != 0:
-        raise ValueError(f"invalid MoE shape {shape}")
+        raise ValueError(f"invalid MoE shape {shape}: experts, hidden and intermediate sizes must be positive, "
+                         f"below 2**31 and at most 2**59 weights in all; block edges positive, K's even")
     return s
 
 

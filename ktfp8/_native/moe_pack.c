@@ -17,6 +17,10 @@ static int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 int ktfp8_shape_check(const ktfp8_moe_shape *s) {
     if (s->experts <= 0 || s->hidden <= 0 || s->inter <= 0) return -1;
+    /* The packed sizes (experts x rows x K x 2 bytes x 3 projections, padded) must not wrap size_t: at
+     * most 2^59 weights an expert set, each size below 2^31 so that hidden * inter cannot overflow. */
+    if (s->experts > INT32_MAX || s->hidden > INT32_MAX || s->inter > INT32_MAX) return -1;
+    if (s->experts > ((int64_t)1 << 59) / (s->hidden * s->inter)) return -1;
     if (s->format < KTFP8_FMT_FP8_CHANNEL || s->format > KTFP8_FMT_BF16) return -1;
     if (s->format == KTFP8_FMT_FP8_BLOCK && (s->block_n <= 0 || s->block_k <= 0 || s->block_k % 2))
         return -1;

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from .. import __version__, backends, cpu, cpu_quota, numa
-from ..config import check_threads
+from ..config import MAX_SIZE, check_threads
 from . import layers as L
 from . import backend_choice, interleaved, peer_rounds, report
 from .run import Plan, Runner
@@ -56,8 +56,9 @@ def _layer(spec):
     except ValueError:
         raise argparse.ArgumentTypeError(f"--layer takes 'bench', 'deepseek-v3' or 'E,top_k,hidden,intermediate', "
                                          f"got {spec!r}") from None
-    if min(E, k, H, I) <= 0 or k > E:
-        raise argparse.ArgumentTypeError(f"--layer {spec!r}: sizes must be positive and top_k <= E")
+    if min(E, k, H, I) <= 0 or k > E or max(E, H, I) > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"--layer {spec!r}: sizes must be positive and at most {MAX_SIZE}, and "
+                                         f"top_k <= E")
     return L.Layer(f"E={E} top-{k} H={H} I={I}", E, k, H, I)
 
 
@@ -139,12 +140,15 @@ def _does_not_fit(args):
     formats = args.formats or L.FORMATS
     free = available_memory()
     for layer in layers:
-        # as drawn and as packed: both are held while a MoE packs
-        weights = max(layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[f] + layer.packed_bytes(f)
-                      for f in formats)
+        # as drawn and as packed: both are held while a MoE packs.  The drawn bytes alone are checked first:
+        # the packer refuses to size a layer past 2**59 weights, far past any memory.
+        drawn = {f: layer.experts * layer.weights_per_expert * L.BYTES_PER_WEIGHT[f] for f in formats}
+        weights, held = max(drawn.values()), "as drawn"
+        if weights <= free:
+            weights, held = max(drawn[f] + layer.packed_bytes(f) for f in formats), "as drawn and as packed"
         if weights > free:
-            return (f"--layer: the weights of {layer.name!r} take {weights / 1e9:.1f} GB (as drawn and as "
-                    f"packed), more than the {free / 1e9:.1f} GB of memory available now")
+            return (f"--layer: the weights of {layer.name!r} take {weights / 1e9:.1f} GB ({held}), more than the "
+                    f"{free / 1e9:.1f} GB of memory available now")
         T = max(args.tokens or preset["tokens"])
         draw = T * layer.hidden * 8   # a call's activations are drawn in float64
         if draw > free:
