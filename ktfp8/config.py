@@ -443,6 +443,8 @@ def _one_value(value):
 def _fields_from_hf(config, routing_given=False):
     """MoeConfig fields of a config.json dict.  routing_given: the caller passes scoring_func itself."""
     family = config.get("model_type")
+    if family is not None and not isinstance(family, str):
+        raise ValueError(f"Hugging Face config: model_type must be a string, got {type(family).__name__} {family!r}")
     defaults = _FAMILY_DEFAULTS.get(family, {})
     names_routing = any(config.get(key) is not None for key in ("scoring_func", "topk_method"))
     if family is not None and family not in _KNOWN_FAMILIES and not (names_routing or routing_given):

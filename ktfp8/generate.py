@@ -4,11 +4,12 @@ A folder written by `python -m ktfp8.convert` (its config.json has a quantizatio
 ktfp8.hf.from_pretrained, experts memory-mapped from the FP8 shards; any other (BF16) folder loads
 with transformers and its experts are quantized to FP8 per-channel on load.  Prints the generated text
 (the token ids when the folder has no tokenizer) and the prefill and decode speeds; with --json, one
-JSON object on stdout: {"ids", "text", "prefill_tokens_per_s", "decode_tokens_per_s"}.
+JSON object on stdout: {"ids", "text", "prefill_tokens_per_s", "decode_tokens_per_s"} (and "interrupted").
 Under `torchrun --nproc-per-node N` each rank holds 1/N of every layer's experts (expert parallel over
 torch.distributed, gloo, one all-reduce per MoE block); the tokens are those of one process and only
 rank 0 prints.
-Exit status: 0 done, 1 the folder cannot be loaded, 2 bad arguments."""
+Ctrl-C prints the tokens generated so far, then exits.
+Exit status: 0 done, 1 the folder cannot be loaded, 2 bad arguments, 130 interrupted."""
 import argparse
 import json
 import os
@@ -21,6 +22,14 @@ from .cpu import StdoutFailed, checked_stdout, stdout_failed
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 PROGRESS_EVERY_S = 0.5
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during greedy(): `ids`, the tokens generated before it."""
+
+    def __init__(self, ids):
+        super().__init__()
+        self.ids = ids
 
 
 class _Failure(Exception):
@@ -115,10 +124,28 @@ def _cannot_load(folder, error):
     return _Failure(f"{folder}: cannot load the model: {text}", 1)
 
 
+def load_tokenizer(folder, needed):
+    """The folder's tokenizer, or None where it holds no tokenizer file.  One that fails to load is an
+    error when `needed` (a text prompt), else a warning: the run goes on and prints token ids."""
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    # transformers' tokenizer loaders fail with whatever their parsers raise (JSONDecodeError, an
+    # AttributeError on a tokenizer_config.json that is no object, ...): any of them is the tokenizer's
+    except Exception as e:  # noqa: BLE001
+        message = f"{folder}: cannot load the tokenizer: {type(e).__name__}: {e}"
+        if needed:
+            raise _Failure(message, 1) from None
+        print(f"ktfp8.generate: warning: {message}; printing token ids", file=sys.stderr)
+        return None
+
+
 def load(folder, threads):
     """(model, tokenizer or None) of `folder`, experts run by ktfp8."""
     import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     import ktfp8.hf
     from ktfp8.hf.checkpoint import check_loading_info, text_model_class
@@ -135,10 +162,7 @@ def load(folder, threads):
             raise _cannot_load(folder, e) from None
         check_loading_info(folder, model, info)
         ktfp8.hf.prepare(model, threads=threads)
-    tokenizer = None
-    if any((folder / f).is_file() for f in TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    return model, tokenizer
+    return model
 
 
 class Progress:
@@ -163,25 +187,29 @@ class Progress:
 
 
 def greedy(model, prompt_ids, max_new_tokens, eos_ids=(), progress=None):
-    """(new ids, prefill tokens/s, decode tokens/s or None): argmax decoding with the KV cache."""
+    """(new ids, prefill tokens/s, decode tokens/s or None): argmax decoding with the KV cache.  Ctrl-C
+    raises Interrupted (a KeyboardInterrupt) holding the ids generated before it."""
     import torch
 
     new = []
-    with torch.inference_mode():
-        ids = torch.tensor([prompt_ids])
-        start = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        while True:
-            token = int(out.logits[0, -1].argmax())
-            new.append(token)
-            if len(new) == max_new_tokens or token in eos_ids:
-                break
-            out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
-            if progress is not None:
-                progress.update(len(new), len(new) / (time.perf_counter() - start))
-        decode_s = time.perf_counter() - start
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor([prompt_ids])
+            start = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            prefill_s = time.perf_counter() - start
+            start = time.perf_counter()
+            while True:
+                token = int(out.logits[0, -1].argmax())
+                new.append(token)
+                if len(new) == max_new_tokens or token in eos_ids:
+                    break
+                out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+                if progress is not None:
+                    progress.update(len(new), len(new) / (time.perf_counter() - start))
+            decode_s = time.perf_counter() - start
+    except KeyboardInterrupt:
+        raise Interrupted(new) from None
     decoded = len(new) - 1              # the first new token comes out of the prefill
     return new, len(prompt_ids) / prefill_s, (decoded / decode_s if decoded else None)
 
@@ -207,6 +235,8 @@ def _start_ranks():
 
 
 def run(args):
+    if not args.model:
+        raise _Failure("--model: an empty path", 2)
     folder = Path(args.model)
     if not folder.is_dir():
         raise _Failure(f"{folder}: no such model folder", 1)
@@ -244,33 +274,58 @@ def _generate(args, folder, prints):
         import torch
         torch.set_num_threads(args.threads)
     from .distributed import ExpertParallelError
+    tokenizer = load_tokenizer(folder, needed=args.prompt is not None)
     try:
-        model, tokenizer = load(folder, args.threads)
+        model = load(folder, args.threads)
     except ExpertParallelError as e:               # another rank died or stalled: its message says which
         raise _Failure(str(e), 1) from None
     except (OSError, ValueError, TypeError, *_config_errors()) as e:
         raise _cannot_load(folder, e) from None
     prompt_ids = _prompt_ids(args, folder, tokenizer, model.config.get_text_config().vocab_size)
+    if prints:
+        _warn_past_positions(model, len(prompt_ids) + args.max_new_tokens)
     progress = Progress(args.max_new_tokens) if prints and not args.json else None
     try:
         ids, prefill_tps, decode_tps = greedy(model, prompt_ids, args.max_new_tokens, _eos_ids(model), progress)
     except ExpertParallelError as e:
         raise _Failure(str(e), 1) from None
+    except Interrupted as e:                       # print what there is, then exit 130 (main)
+        if progress is not None:
+            progress.close()
+        if prints:
+            _print_result(args, e.ids, tokenizer, len(prompt_ids), None)
+        raise
     if progress is not None:
         progress.close()
+    if prints:
+        _print_result(args, ids, tokenizer, len(prompt_ids), (prefill_tps, decode_tps))
+
+
+def _warn_past_positions(model, positions):
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and positions > limit:
+        print(f"ktfp8.generate: warning: the prompt and --max-new-tokens take up to {positions} positions, past "
+              f"the model's max_position_embeddings ({limit}); tokens beyond it are outside what it was trained "
+              f"for", file=sys.stderr)
+
+
+def _print_result(args, ids, tokenizer, prompt_tokens, speeds):
+    """The generated ids (text where the folder has a tokenizer) and, unless interrupted (speeds None),
+    the prefill and decode speeds; with --json one object, speeds null and "interrupted": true if so."""
     text = tokenizer.decode(ids) if tokenizer is not None else None
-    if not prints:
-        return
+    prefill_tps, decode_tps = speeds or (None, None)
     try:
         out = checked_stdout()
         if args.json:
-            print(json.dumps({"ids": ids, "text": text, "prefill_tokens_per_s": prefill_tps,
-                              "decode_tokens_per_s": decode_tps}), file=out)
+            result = {"ids": ids, "text": text, "prefill_tokens_per_s": prefill_tps,
+                      "decode_tokens_per_s": decode_tps, **({} if speeds else {"interrupted": True})}
+            print(json.dumps(result), file=out)
         else:
             print(text if text is not None else " ".join(map(str, ids)), file=out)
-            decode = f"{decode_tps:.2f} tokens/s" if decode_tps is not None else "-"
-            print(f"prefill: {len(prompt_ids)} tokens, {prefill_tps:.2f} tokens/s; "
-                  f"decode: {len(ids) - 1} tokens, {decode}", file=out)
+            if speeds:
+                decode = f"{decode_tps:.2f} tokens/s" if decode_tps is not None else "-"
+                print(f"prefill: {prompt_tokens} tokens, {prefill_tps:.2f} tokens/s; "
+                      f"decode: {len(ids) - 1} tokens, {decode}", file=out)
         out.flush()
     except OSError as e:                           # a reader that left (| head), a full disk, a closed stdout
         raise StdoutFailed(e) from None
@@ -285,6 +340,10 @@ def main(argv=None):
         return e.status
     except StdoutFailed as e:
         return stdout_failed("ktfp8.generate", e.args[0])
+    except KeyboardInterrupt as e:
+        done = f" after {len(e.ids)} new tokens" if isinstance(e, Interrupted) else ""
+        print(f"ktfp8.generate: interrupted{done}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -119,9 +119,55 @@ def test_text_prompt_and_text_out(mixtral, tmp_path, capsys):
     assert len(lines[0].split()) <= 3 and lines[1].startswith("prefill: 2 tokens")
 
 
+@pytest.mark.parametrize("broken, error", [
+    ("tokenizer_config.json", "AttributeError"),     # no object: an AttributeError traceback from transformers
+    ("tokenizer.json", "JSONDecodeError"),           # cut short: was worded "cannot load the model"
+])
+def test_a_broken_tokenizer_is_named_and_ids_go_on_without_it(mixtral, tmp_path, capsys, broken, error):
+    folder = _with_tokenizer(mixtral["fp8"], tmp_path / "broken")
+    path = folder / broken
+    path.write_text("[1, 2]" if broken == "tokenizer_config.json" else path.read_text()[:50])
+    assert main(["--model", str(folder), "--prompt", "w1 w2", "--max-new-tokens", "2"]) == 1
+    assert f"{folder}: cannot load the tokenizer: {error}" in capsys.readouterr().err
+    assert main(["--model", str(folder), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW),
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    got = json.loads(captured.out)
+    assert got["ids"] == _expected(ktfp8.hf.from_pretrained(mixtral["fp8"])) and got["text"] is None
+    assert f"warning: {folder}: cannot load the tokenizer: {error}" in captured.err
+    assert captured.err.splitlines()[0].endswith("; printing token ids")
+
+
+def test_ctrl_c_prints_the_tokens_so_far_and_exits_130(mixtral, monkeypatch, capsys):
+    def interrupt_at_the_fourth(self, done, tokens_per_s):
+        if done == 4:
+            raise KeyboardInterrupt
+    monkeypatch.setattr("ktfp8.generate.Progress.update", interrupt_at_the_fourth)
+    assert main(["--model", str(mixtral["fp8"]), "--prompt-ids", ",".join(map(str, PROMPT)),
+                 "--max-new-tokens", str(NEW)]) == 130
+    captured = capsys.readouterr()
+    want = _expected(ktfp8.hf.from_pretrained(mixtral["fp8"]))[:4]
+    assert captured.out.split() == list(map(str, want))           # the ids so far, no speed line
+    assert captured.err.strip().endswith("ktfp8.generate: interrupted after 4 new tokens")
+
+
+def test_a_run_past_max_position_embeddings_is_warned_about(mixtral, tmp_path, capsys):
+    folder = shutil.copytree(mixtral["fp8"], tmp_path / "short")
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = len(PROMPT) + 2
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["--model", str(folder), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "2"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["--model", str(folder), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "3"]) == 0
+    assert (f"the prompt and --max-new-tokens take up to {len(PROMPT) + 3} positions, past the model's "
+            f"max_position_embeddings ({len(PROMPT) + 2})") in capsys.readouterr().err
+
+
 def test_exit_statuses(mixtral, tmp_path, capsys):
     assert main(["--model", str(tmp_path / "missing"), "--prompt-ids", "1"]) == 1
     assert "no such model folder" in capsys.readouterr().err
+    assert main(["--model", "", "--prompt-ids", "1"]) == 2                      # not the current folder
+    assert "--model: an empty path" in capsys.readouterr().err
     assert main(["--model", str(mixtral["fp8"]), "--prompt", "hello"]) == 2     # no tokenizer for text
     assert "--prompt-ids" in capsys.readouterr().err
     assert main(["--model", str(mixtral["fp8"]), "--prompt-ids", "1,500"]) == 2
