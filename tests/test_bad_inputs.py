@@ -1095,7 +1095,7 @@ CASES = [
          "--layers: Qwen3-30B-A3B has 48 layers, got 49"),
     Case("python -m ktfp8.bench.model", "--json in a folder that does not exist",
          lambda c: _bench_model(c, "--layers", "1", "--json", str(c.tmp / "absent" / "r.json")), 2,
-         "--json: the folder"),
+         "absent' does not exist"),
     Case("python -m ktfp8.bench.model", "KTFP8_BACKEND=junk in the environment (found after the model was built)",
          _with_env("KTFP8_BACKEND", "junk", lambda c: _bench_model(c, "--layers", "1", "--sides", "ktfp8")), 2,
          "KTFP8_BACKEND='junk' is not compiled in this build; usable backends:"),

@@ -1177,7 +1177,8 @@ _FAKE_ROWS = ([{"side": "eager", "backend": None, "skipped": None, "prefill": 4.
     (["--layers", "49"], "--layers: Qwen3-30B-A3B has 48 layers, got 49"),
     (["--vocab", "999999999"], "the model needs about 8200.7 GB, more than the"),
     (["--prompt-tokens", "4096"], "--prompt-tokens + --decode-tokens must be at most 4096"),
-    (["--layers", "1", "--json", "/nonexistent/x.json"], "--json: the folder '/nonexistent' does not exist"),
+    (["--layers", "1", "--json", "/nonexistent/x.json"], "--json: '/nonexistent' does not exist"),
+    (["--layers", "1", "--json", "/etc/hostname/x.json"], "--json: '/etc/hostname' is not a folder"),
     (["--layers", "1", "--json", "/"], "--json: '/' is a folder"),
 ])
 def test_model_cli_refuses_before_building_the_model(monkeypatch, capsys, args, message):

@@ -267,7 +267,8 @@ def _check(p, args):
         if os.path.isdir(args.json):
             p.error(f"--json: {args.json!r} is a folder; name the file to write")
         if not os.path.isdir(folder):
-            p.error(f"--json: the folder {folder!r} does not exist")
+            what = "is not a folder" if os.path.exists(folder) else "does not exist"
+            p.error(f"--json: {folder!r} {what}")
         why = _cannot_write_into(folder)
         if why:
             p.error(f"--json: cannot write into {folder!r}: {why}")
