@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from .config import check_threads
+from .cpu import StdoutFailed, checked_stdout, stdout_failed
 from .convert_args import parse_quant_config, parse_size
 from .convert_items import INPUT_DTYPES, input_nbytes
 from .convert_plan import build_plan, natural_key
@@ -132,6 +133,10 @@ def main(argv=None):
     except KeyboardInterrupt as e:
         log.error("interrupted; nothing was written to %s", args.output_path)
         return 128 + getattr(e, "signum", signal.SIGINT)      # the shell's status for a signal
+    except StdoutFailed as e:       # --verify's report, the one thing it prints there: nothing is published
+        status = stdout_failed("ktfp8-convert", e.args[0])
+        log.error("nothing was written to %s", args.output_path)
+        return status
     except (ConvertError, SafetensorsError, ValueError, OSError) as e:
         log.error("error: %s", e)
         return 1
@@ -446,14 +451,18 @@ def _verify(checkpoint, plan, spec, tmp, names, threads, min_db):
     copied_bad = [i.out for i in plan.items if i.action == "copy" and sums[i.out][1] != 0]
     results = sorted(((sqnr_db(*sums[i.out]), i.out) for i in plan.quantized),
                      key=lambda r: (not math.isnan(r[0]), r[0]))
-    for db, name in sorted(results, key=lambda r: natural_key(r[1])):
-        print(f"SQNR {db:7.2f} dB  {name}")
-    print(f"worst {min(VERIFY_WORST, len(results))} of {len(results)} quantized tensors:")
-    for db, name in results[:VERIFY_WORST]:
-        print(f"  {db:7.2f} dB  {name}")
-    print(f"copied tensors: {sum(1 for i in plan.items if i.action == 'copy')} checked, "
-          f"{len(copied_bad)} differ")
-    sys.stdout.flush()
+    try:        # a closed stdout (`>&-`) would lose the report without a word: print() to None
+        out = checked_stdout()
+        for db, name in sorted(results, key=lambda r: natural_key(r[1])):
+            print(f"SQNR {db:7.2f} dB  {name}", file=out)
+        print(f"worst {min(VERIFY_WORST, len(results))} of {len(results)} quantized tensors:", file=out)
+        for db, name in results[:VERIFY_WORST]:
+            print(f"  {db:7.2f} dB  {name}", file=out)
+        print(f"copied tensors: {sum(1 for i in plan.items if i.action == 'copy')} checked, "
+              f"{len(copied_bad)} differ", file=out)
+        out.flush()
+    except OSError as e:
+        raise StdoutFailed(e) from None
     low = [name for db, name in results if not db >= min_db]
     if copied_bad or low:
         raise ConvertError(f"verification failed: {len(low)} tensor(s) below {min_db} dB SQNR "

@@ -201,6 +201,26 @@ def test_verify_reports_sqnr(qwen, tmp_path, capsys):
     assert "verification failed: 24 tensor(s) below 60.0 dB" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("stdout", ["closed", "/dev/full"])
+def test_a_verify_report_it_cannot_print_fails_the_run(qwen, tmp_path, capsys, monkeypatch, stdout):
+    """The report is what --verify is for: a closed stdout (`>&-`) used to drop it without a word (print() to
+    None) and publish the output; a full disk was an OSError logged as if the conversion had failed."""
+    if stdout == "/dev/full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    full = open(stdout, "w") if stdout != "closed" else None
+    monkeypatch.setattr(sys, "stdout", full)
+    try:
+        assert run(qwen, tmp_path / "v", "--verify") == 1
+    finally:
+        if full is not None:
+            full.close()
+    err = capsys.readouterr().err
+    reason = "it is closed" if full is None else "No space left on device"
+    assert f"ktfp8-convert: error: cannot write to standard output: {reason}\n" in err
+    assert f"nothing was written to {tmp_path / 'v'}" in err
+    assert not (tmp_path / "v").exists() and list(tmp_path.iterdir()) == []
+
+
 def test_input_is_never_modified(qwen, tmp_path):
     before = folder_digest(qwen)
     assert run(qwen, tmp_path / "a", "--verify", "--all-linear") == 0
