@@ -27,6 +27,7 @@ DEFAULT_TIMEOUT_S = 300.0
 # failed the rendezvous at once, 1e11 s hung it, 1e15 s overflowed datetime.timedelta (torch 2.13)
 MAX_TIMEOUT_S = 1e8
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_group_timeout_s = None     # the bound init_process_group started torch.distributed with, once it has
 
 
 class ExpertParallelError(RuntimeError):
@@ -34,8 +35,11 @@ class ExpertParallelError(RuntimeError):
 
 
 def timeout_seconds(timeout_s=None):
-    """The bound on every collective: `timeout_s`, else $KTFP8_DIST_TIMEOUT_S, else 300 s."""
+    """The bound on every collective: `timeout_s`, else the one init_process_group() started the group
+    with, else $KTFP8_DIST_TIMEOUT_S, else 300 s."""
     source = "timeout_s"
+    if timeout_s is None and _group_timeout_s is not None:
+        return _group_timeout_s
     if timeout_s is None:
         timeout_s, source = os.environ.get(ENV_TIMEOUT, "").strip() or DEFAULT_TIMEOUT_S, ENV_TIMEOUT
     if isinstance(timeout_s, bool):   # float(True) would read as one second
@@ -73,8 +77,10 @@ def init_process_group(timeout_s=None, numa=True):
             raise RuntimeError(f"torch.distributed is not initialised and {', '.join(missing)} is not set: "
                                f"launch with `torchrun --nproc-per-node N ...` or call "
                                f"torch.distributed.init_process_group first")
-        timeout = datetime.timedelta(seconds=timeout_seconds(timeout_s))
-        dist.init_process_group("gloo", timeout=timeout)
+        global _group_timeout_s
+        seconds = timeout_seconds(timeout_s)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
+        _group_timeout_s = seconds      # the default of every collective that follows (ExpertParallelMoE's)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -90,9 +96,11 @@ def destroy_process_group():
     """Ends torch.distributed (if initialised), then sleeps GLOO_RELEASE_S so that gloo's worker threads
     can release the last collective's tensors before the interpreter finalizes.  For the end of a rank's
     script, in place of torch.distributed.destroy_process_group."""
+    global _group_timeout_s
     dist = _dist()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _group_timeout_s = None
     time.sleep(GLOO_RELEASE_S)   # releases the GIL
 
 

@@ -17,7 +17,7 @@ from ktfp8.moe import MoE
 
 pytest.importorskip("torch.distributed")
 import dist_worker as W  # noqa: E402  (needs the tests folder on sys.path, as conftest sets)
-from dist_launch import REPO, run_ranks  # noqa: E402
+from dist_launch import REPO, free_port, rank_env, run_ranks  # noqa: E402
 
 LIMIT_S = 90       # hard wall-clock bound per launch; each normally takes a few seconds
 
@@ -155,6 +155,22 @@ def test_outside_a_process_group_is_a_clear_error(monkeypatch):
         with pytest.raises(ValueError, match="timeout_s must be a positive"):
             distributed.timeout_seconds(bad)
     assert distributed.timeout_seconds(distributed.MAX_TIMEOUT_S) == 1e8
+
+
+def test_collectives_default_to_the_timeout_the_group_was_started_with(monkeypatch):
+    """init_process_group(timeout_s=7) bounds the rendezvous, and ExpertParallelMoE's collectives waited
+    $KTFP8_DIST_TIMEOUT_S or 300 s all the same (its error then named timeout_s=300)."""
+    from ktfp8 import distributed
+    for name, value in rank_env(0, 1, free_port()).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(distributed.ENV_TIMEOUT, "60")
+    assert distributed.init_process_group(timeout_s=7, numa=False) == (0, 1)
+    try:
+        assert distributed.timeout_seconds() == 7 and distributed.timeout_seconds(2) == 2
+        assert distributed.ExpertParallelMoE(W.config("bf16"), W.layer("bf16"), threads=1).timeout_s == 7
+    finally:
+        distributed.destroy_process_group()
+    assert distributed.timeout_seconds() == 60
 
 
 def test_destroy_process_group_ends_torch_distributed_then_leaves_the_gil(monkeypatch):
