@@ -168,12 +168,24 @@ def requested_threads(threads):
     if threads is None:
         for var in (ENV_THREADS, ENV_OMP_THREADS):
             env = (_getenv(var) or "").strip()
+            if env and var == ENV_OMP_THREADS:
+                return _positive_env(var, _outer_level(env))
             if env:
-                return _positive_env(var, env.split(",")[0] if var == ENV_OMP_THREADS else env)
+                return _positive_env(var, env)
         return usable_cores()
     if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads <= 0:
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
     return check_threads("threads", int(threads))
+
+
+def _outer_level(omp_num_threads):
+    """The first count of $OMP_NUM_THREADS, a list of one per nesting level ("8,2"); a list with an
+    invalid count ("2,abc", "2,") is refused whole, as OpenMP's runtime ignores it (with a warning)."""
+    levels = omp_num_threads.split(",")
+    if len(levels) > 1 and not all(re.fullmatch(r"\s*\+?[0-9]*[1-9][0-9]*\s*", level) for level in levels):
+        raise ValueError(f"{ENV_OMP_THREADS}={os.environ[ENV_OMP_THREADS]!r} is not a list of positive integers "
+                         f"(one per OpenMP nesting level)")
+    return levels[0]
 
 
 def _positive_env(var, text):

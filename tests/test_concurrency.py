@@ -273,6 +273,10 @@ def test_forked_worker_runs_on_one_thread_instead_of_hanging(tmp_path):
     ("KTFP8_NUM_THREADS", "four", "KTFP8_NUM_THREADS='four' is not an integer"),
     ("OMP_NUM_THREADS", "-2", "OMP_NUM_THREADS='-2' must be a positive integer"),
     ("OMP_NUM_THREADS", "many", "OMP_NUM_THREADS='many' is not an integer"),
+    # libgomp ignores such a list (a warning) and runs on every core; ktfp8 took its first count
+    ("OMP_NUM_THREADS", "2,abc", "OMP_NUM_THREADS='2,abc' is not a list of positive integers"),
+    ("OMP_NUM_THREADS", "2,", "OMP_NUM_THREADS='2,' is not a list of positive integers"),
+    ("OMP_NUM_THREADS", "2,0", "OMP_NUM_THREADS='2,0' is not a list of positive integers"),
 ])
 def test_invalid_thread_variables_raise(monkeypatch, var, value, message):
     monkeypatch.delenv("KTFP8_NUM_THREADS", raising=False)
