@@ -19,6 +19,7 @@ Build options (environment), each ON | OFF | AUTO (default AUTO = build when the
   sanitizers.
 """
 import os
+import platform
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -199,7 +200,18 @@ if option("EMULATED") != "OFF":
     extensions.append(extension("ktfp8._native._testing",
                                 baseline_sources("_testing.pyx", (ROOT / NATIVE / "testing").glob("*.c"))))
 
+def refuse_other_cpus():
+    """The kernels are x86-64 SIMD code, SSE2 their baseline: on another CPU (an ARM server) or under a
+    32-bit Python the build would stop at the first intrinsics header with a compiler error."""
+    machine = platform.machine()
+    if machine.lower() not in ("x86_64", "amd64") or sys.maxsize < 2**32:
+        bits = 64 if sys.maxsize >= 2**32 else 32
+        sys.exit(f"ktfp8 build: ktfp8's kernels are x86-64 SIMD code (SSE2, AVX2, AVX-512, AMX) and build for "
+                 f"x86-64 CPUs only; this is a {machine or 'unknown'} machine with a {bits}-bit Python")
+
+
 if __name__ == "__main__":  # as pip and `python setup.py` run it; tests import it for isa_levels()
+    refuse_other_cpus()
     setup(
         ext_modules=cythonize(extensions, language_level=3, compiler_directives={"boundscheck": False,
                                                                                   "wraparound": False}),

@@ -122,3 +122,13 @@ def test_the_package_needs_no_newer_python_than_it_declares():
                            "--violations", f"-t={oldest}-", "ktfp8", "setup.py"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("machine", ["aarch64", "arm64", "ppc64le", "i686"])
+def test_a_build_for_another_cpu_says_why_it_stops(machine):
+    """On an ARM server the build used to end in a compiler error about emmintrin.h."""
+    code = (f"import platform, runpy, sys; platform.machine = lambda: {machine!r}; "
+            "sys.argv = ['setup.py', '--version']; runpy.run_path('setup.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert f"build for x86-64 CPUs only; this is a {machine} machine with a 64-bit Python" in proc.stderr
