@@ -200,6 +200,7 @@ if option("EMULATED") != "OFF":
     extensions.append(extension("ktfp8._native._testing",
                                 baseline_sources("_testing.pyx", (ROOT / NATIVE / "testing").glob("*.c"))))
 
+
 def refuse_other_cpus():
     """The kernels are x86-64 SIMD code, SSE2 their baseline: on another CPU (an ARM server) or under a
     32-bit Python the build would stop at the first intrinsics header with a compiler error."""
