@@ -67,6 +67,7 @@ def init_process_group(timeout_s=None, numa=True):
     numa=True: on a machine with several NUMA nodes, first pins this rank to its node(s)
     (ktfp8.numa.pin_local_rank), so the experts it packs later live in its node's memory.
     Returns (rank, world_size)."""
+    global _group_timeout_s
     dist = _dist()
     if numa:
         from .numa import pin_local_rank
@@ -77,7 +78,6 @@ def init_process_group(timeout_s=None, numa=True):
             raise RuntimeError(f"torch.distributed is not initialised and {', '.join(missing)} is not set: "
                                f"launch with `torchrun --nproc-per-node N ...` or call "
                                f"torch.distributed.init_process_group first")
-        global _group_timeout_s
         seconds = timeout_seconds(timeout_s)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
         _group_timeout_s = seconds      # the default of every collective that follows (ExpertParallelMoE's)

@@ -143,7 +143,7 @@ def load_tokenizer(folder, needed):
 
 
 def load(folder, threads):
-    """(model, tokenizer or None) of `folder`, experts run by ktfp8."""
+    """The model of `folder`, experts run by ktfp8 (its tokenizer: load_tokenizer)."""
     import torch
     from transformers import AutoConfig
 
