@@ -4,8 +4,8 @@ weight.  The sizes come from config.json where it gives them (config_size, which
 checks use too)."""
 from .config import _EXPERT_COUNT_KEYS, _EXPERT_HIDDEN_KEYS, _EXPERT_INTERMEDIATE_KEYS, _one_value, _read_hf_config
 from .convert_items import INPUT_DTYPES, FusedPart, Item, quantizable_dtype, scale_shape
-from .loader import (FUSED_LAYOUTS, FUSED_STACK_RE, PER_EXPERT_NAMES, _is_positive_int, fused_expert_names,
-                     stacks_by_prefix)
+from .loader import (FUSED_LAYOUTS, FUSED_MODEL_TYPES, FUSED_STACK_RE, PER_EXPERT_NAMES, _is_positive_int,
+                     fused_expert_names, stacks_by_prefix)
 from .safetensors_io import SafetensorsError
 
 
@@ -29,12 +29,12 @@ def _fused_layouts(checkpoint, hf_config, fused_names, all_linear):
             return FUSED_LAYOUTS[t]
     also = "; refused with --all-linear too, which would leave them, most of the weights, unquantized" \
         if all_linear else ""
-    known = " and ".join(t for t in FUSED_LAYOUTS if not t.endswith("_text"))
     first = min(fused_names)
     raise SafetensorsError(f"{checkpoint.folder}: tensor {first!r} {list(checkpoint.info(first).shape)} holds a "
                            f"layer's routed experts fused in one 3-D tensor, whose layout python -m ktfp8.convert "
                            f"does not know for model type {' / '.join(types) or '(none given)'}: it splits the "
-                           f"fused experts of {known} checkpoints, and otherwise reads {PER_EXPERT_NAMES}{also}. "
+                           f"fused experts of {FUSED_MODEL_TYPES} checkpoints, and otherwise reads "
+                           f"{PER_EXPERT_NAMES}{also}. "
                            f"A BF16 checkpoint like this one is quantized on load instead: transformers' "
                            f"from_pretrained(path, experts_implementation=\"ktfp8\") after `import ktfp8.hf`")
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass, replace
 from .config import _EXPERT_COUNT_KEYS, _EXPERT_HIDDEN_KEYS, _EXPERT_INTERMEDIATE_KEYS, _read_hf_config
 from .convert_fused import config_size, fused_items
 from .convert_items import INPUT_DTYPES, Item, quantizable_dtype, scale_shape
-from .loader import EXPERT_RE, ROLE, ROLES, SCALE_DTYPES, block_size_of, stacks_by_prefix
+from .loader import EXPERT_RE, EXPERTS_PARENT, ROLE, ROLES, SCALE_DTYPES, block_size_of, stacks_by_prefix
 from .safetensors_io import SafetensorsError, tensor_nbytes
 
 # a name inside a numbered layer, and what comes before 'layers.<n>.' (its root: a VLM's text decoder and
 # vision encoder differ there, e.g. model.language_model. and model.vision_model.encoder.)
 _DECODER_LAYER = re.compile(r"^(?P<root>(?:.*\.)?)layers\.\d+\.")
-_EXPERTS_LAYER = re.compile(r"^(?P<root>(?:.*\.)?)layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.")
+_EXPERTS_LAYER = re.compile(rf"^(?P<root>(?:.*\.)?)layers\.\d+\.{EXPERTS_PARENT}\.experts\.")
 _ROUTERS = ("gate", "router", "shared_expert_gate")
 _HEADS = ("lm_head", "head")
 _EMBEDDINGS = ("wte", "wpe", "word_embeddings")

@@ -25,7 +25,18 @@ SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_m
                      "DeepseekV32Experts": "deepseek_v32", "MiniMaxExperts": "minimax",
                      "Qwen3NextExperts": "qwen3_next", "Qwen3_5MoeExperts": "qwen3_5_moe_text",
                      "Qwen3VLMoeTextExperts": "qwen3_vl_moe_text", "Mistral4Experts": "mistral4",
-                     "Ernie4_5_MoeExperts": "ernie4_5_moe", "HunYuanMoEV1Experts": "hunyuan_v1_moe"}
+                     "Ernie4_5_MoeExperts": "ernie4_5_moe", "HunYuanMoEV1Experts": "hunyuan_v1_moe",
+                     # the same experts code as those above, under other names (transformers 5.25's source;
+                     # tests/test_hf_families.py builds each family from its own config class)
+                     "AfmoeExperts": "afmoe", "AXK1Experts": "axk1", "BeamExperts": "beam",
+                     "Cohere2MoeExperts": "cohere2_moe", "Dots1Experts": "dots1", "ExaoneMoeExperts": "exaone_moe",
+                     "FlexOlmoExperts": "flex_olmo", "FlintExperts": "flint", "GraniteMoeExperts": "granitemoe",
+                     "GraniteMoeSWAExperts": "granitemoe_swa", "GraniteMoeSharedExperts": "granitemoeshared",
+                     "HYV3Experts": "hy_v3", "JambaExperts": "jamba", "KimiLinearExperts": "kimi_linear",
+                     "Kolibri1Experts": "kolibri1", "LagunaExperts": "laguna", "LaraMiniExperts": "lara_mini",
+                     "LongcatFlashExperts": "longcat_flash", "MellumExperts": "mellum",
+                     "MiMoV2FlashExperts": "mimo_v2_flash", "MiniCPM5MoeExperts": "minicpm5_moe",
+                     "PhimoeExperts": "phimoe", "SolarOpenExperts": "solar_open", "ZayaExperts": "zaya"}
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_EXPERTS.values())
 
 # experts_implementation name -> how the weights are held

@@ -1,0 +1,74 @@
+"""Tiny random models of transformers MoE families built from each family's own config class: its
+defaults with small sizes, two layers, and per-layer lists cut to those layers, so that a family needs no
+hand-written configuration.  Used for the families ktfp8.hf runs beyond hf_models.py's hand-made ones."""
+import torch
+
+LAYERS = 2
+# small sizes, set where a family's config class has the field and it is not None there (or it is one of
+# EXPERT_COUNTS); LongCat-Flash gets zero-computation experts beside its routed ones (zero_expert_num)
+TINY = dict(hidden_size=64, num_experts=8, n_routed_experts=8, num_local_experts=8, moe_num_experts=8,
+            num_experts_per_tok=2, num_experts_per_token=2, moe_topk=2, moe_k=2, moe_intermediate_size=32,
+            intermediate_size=48, ffn_hidden_size=48, expert_ffn_hidden_size=32, shared_expert_intermediate_size=32,
+            head_dim=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, n_group=2, topk_group=1,
+            num_expert_group=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, qk_head_dim=16, index_head_dim=16, index_n_heads=2, index_topk=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_head_dim=16, linear_num_heads=4, first_k_dense_replace=0, num_dense_layers=0,
+            moe_layer_start_index=0, max_position_embeddings=64, n_shared_experts=1, num_shared_experts=1,
+            zero_expert_num=4, expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2,
+            attn_layer_offset=1, decoder_sparse_step=1, sliding_window=16)
+EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts", "num_experts_per_tok", "n_shared_experts")
+
+
+def _shrink(cfg):
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "num_layers", None)
+    for key in ("num_hidden_layers", "num_layers"):
+        if isinstance(getattr(cfg, key, None), int):
+            setattr(cfg, key, LAYERS)
+    for key, value in vars(cfg).copy().items():
+        if isinstance(value, list) and layers and len(value) == layers:
+            # a per-layer list: the last layer of each kind where it names kinds (attention and linear
+            # attention, dense and sparse MLP: the first layers are often dense), else the last layers
+            last = {v: i for i, v in enumerate(value)} if all(isinstance(v, str) for v in value) else {}
+            picked = sorted(last.values())[-LAYERS:] if len(last) > 1 else range(layers - LAYERS, layers)
+            setattr(cfg, key, [value[i] for i in picked])
+    if isinstance(getattr(cfg, "mlp_only_layers", None), list):
+        cfg.mlp_only_layers = []
+    if getattr(cfg, "pad_token_id", None) is not None:
+        cfg.pad_token_id = 0
+    for key, value in TINY.items():
+        # a None elsewhere may mean "off" (no q LoRA, no indexer); an expert count of None means "set me"
+        if key in vars(cfg) and not isinstance(getattr(cfg, key), (list, dict)) and (
+                getattr(cfg, key) is not None or key in EXPERT_COUNTS):
+            setattr(cfg, key, value)
+    if getattr(cfg, "qk_rope_head_dim", None) is not None and "head_dim" in vars(cfg):
+        cfg.head_dim = cfg.qk_rope_head_dim          # multi-head latent attention: head_dim is the rope part
+
+
+# what a family's config class refuses otherwise
+OVERRIDES = {"zaya": dict(num_experts_per_tok=1)}
+
+
+def tiny_config(model_type):
+    """The transformers config of `model_type` at its class defaults, made tiny (its text config too)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    config = CONFIG_MAPPING[model_type]()
+    text = config.get_text_config()
+    for cfg in [config] + ([text] if text is not config else []):
+        _shrink(cfg)
+        for key, value in OVERRIDES.get(model_type, {}).items():
+            setattr(cfg, key, value)
+    return config
+
+
+def build_family_model(model_type, seed=0):
+    """A random float32 causal LM of `model_type` (eval mode), expert rows scaled apart like trained
+    ones (as hf_models.build_model does)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name and p.ndim == 3:
+                p.mul_(torch.exp(torch.randn(p.shape[0], p.shape[1], 1)))
+    return model

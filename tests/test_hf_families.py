@@ -1,0 +1,139 @@
+"""ktfp8.hf on the transformers MoE families beyond hf_models.py's hand-made ones, each built from its own
+config class (hf_families.py): both loading paths of a whole model against transformers' eager experts on
+the same FP8 weights; and every experts class ktfp8.hf runs, alone, with activations large enough that a
+clamped SwiGLU (DeepSeek-V4's, GLM-5-Next's) or any other activation would show."""
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import ktfp8.hf  # noqa: E402
+from hf_families import build_family_model, tiny_config  # noqa: E402
+from hf_models import save_model  # noqa: E402
+from hf_oracle import PER_CHANNEL, greedy, logits, per_channel_roundtrip, tiny_model_settings  # noqa: E402
+from ktfp8.convert import main as convert  # noqa: E402
+from ktfp8.hf import experts as hf_experts  # noqa: E402
+from moe_oracle import nmse  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+NMSE_MAX = 1e-8     # float32 on the same weights: the sums' order alone differs
+# model type -> its experts class, for the families whose whole model is built here
+FAMILIES = {"afmoe": "AfmoeExperts", "axk1": "AXK1Experts", "beam": "BeamExperts", "cohere2_moe": "Cohere2MoeExperts",
+            "dots1": "Dots1Experts", "exaone_moe": "ExaoneMoeExperts", "flex_olmo": "FlexOlmoExperts",
+            "flint": "FlintExperts", "granitemoe": "GraniteMoeExperts", "granitemoe_swa": "GraniteMoeSWAExperts",
+            "granitemoeshared": "GraniteMoeSharedExperts", "hy_v3": "HYV3Experts", "jamba": "JambaExperts",
+            "kimi_linear": "KimiLinearExperts", "kolibri1": "Kolibri1Experts", "laguna": "LagunaExperts",
+            "lara_mini": "LaraMiniExperts", "longcat_flash": "LongcatFlashExperts", "mellum": "MellumExperts",
+            "mimo_v2_flash": "MiMoV2FlashExperts", "minicpm5_moe": "MiniCPM5MoeExperts", "phimoe": "PhimoeExperts",
+            "solar_open": "SolarOpenExperts", "zaya": "ZayaExperts"}
+# families whose checkpoints python -m ktfp8.convert cannot read (GraniteMoE's experts are stored fused
+# under other names, block_sparse_moe.input_linear / output_linear): quantized on load only
+ON_LOAD_ONLY = {"granitemoe", "granitemoeshared"}
+# experts classes with a clamped SwiGLU, which the kernels do not compute: refused, and the oracle below
+# tells them apart (a check that the comparison can fail)
+CLAMPED = {"deepseek_v4": "DeepseekV4Experts", "glm5_next_text": "Glm5NextTextExperts"}
+
+
+@pytest.fixture(autouse=True)
+def settings(monkeypatch):
+    yield from tiny_model_settings(monkeypatch)      # float32 kernels, 1 thread
+
+
+def _quantized_per_channel(model):
+    """`model` (eager experts) with every experts module's weights replaced by their per-channel FP8
+    round trip: what the ktfp8 layers compute with."""
+    with torch.no_grad():
+        for _, ex, _ in hf_experts.experts_modules(model):
+            inter = ex.intermediate_dim
+            gate_up = ex.gate_up_proj.detach().numpy()
+            ex.gate_up_proj.copy_(torch.from_numpy(np.concatenate(
+                [per_channel_roundtrip(gate_up[:, :inter]), per_channel_roundtrip(gate_up[:, inter:])], axis=1)))
+            ex.down_proj.copy_(torch.from_numpy(per_channel_roundtrip(ex.down_proj.detach().numpy())))
+    return model
+
+
+def _check_against(model, oracle):
+    assert nmse(logits(model), logits(oracle)) < NMSE_MAX
+    assert greedy(model) == greedy(oracle)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_whole_model_both_loading_paths(model_type, tmp_path):
+    assert hf_experts.SUPPORTED_EXPERTS[FAMILIES[model_type]] == model_type
+    bf16 = save_model(build_family_model(model_type), tmp_path / "bf16")
+    oracle = _quantized_per_channel(AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32,
+                                                                         experts_implementation="eager"))
+    assert hf_experts.experts_modules(oracle), "the tiny model has no routed experts"
+
+    on_load = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32, experts_implementation="ktfp8")
+    _check_against(on_load, oracle)
+
+    fp8 = tmp_path / "fp8"
+    converted = convert(["--input-type", "bf16", "--input-path", str(bf16), "--output-path", str(fp8),
+                         "--quant-config", PER_CHANNEL])
+    if model_type in ON_LOAD_ONLY:
+        assert converted == 1 and not fp8.exists()
+        return
+    assert converted == 0
+    mapped = ktfp8.hf.from_pretrained(fp8, dtype=torch.float32)
+    _check_against(mapped, oracle)
+    assert all(ex.gate_up_proj.numel() == 0 for _, ex, _ in hf_experts.experts_modules(mapped))
+
+
+def _experts_alone(cls_name, model_type):
+    """(experts module of class `cls_name` built from `model_type`'s tiny config, weights drawn so that
+    the gate and up products reach +-50, x, top-k ids and weights)."""
+    import importlib
+    config = tiny_config(model_type).get_text_config()
+    modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    cls = getattr(modeling, cls_name)
+    torch.manual_seed(1)
+    module = cls(config, 0) if "layer_idx" in cls.__init__.__code__.co_varnames else cls(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * torch.exp(torch.randn(p.shape[0], p.shape[1], 1)) / p.shape[-1] ** 0.5)
+    tokens, experts, top_k = 13, module.num_experts, 2
+    x = 20 * torch.randn(tokens, module.hidden_dim)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    return module, x, ids, torch.rand(tokens, top_k)
+
+
+def _ktfp8_against_eager(module, x, ids, w):
+    """NMSE of the module's output under experts_implementation "ktfp8" against its eager output on the
+    per-channel FP8 round trip of its weights."""
+    theirs = copy.deepcopy(module)
+    with torch.no_grad():
+        inter = theirs.intermediate_dim
+        gate_up = theirs.gate_up_proj.numpy()
+        theirs.gate_up_proj.copy_(torch.from_numpy(np.concatenate(
+            [per_channel_roundtrip(gate_up[:, :inter]), per_channel_roundtrip(gate_up[:, inter:])], axis=1)))
+        theirs.down_proj.copy_(torch.from_numpy(per_channel_roundtrip(theirs.down_proj.numpy())))
+        theirs.config._experts_implementation = "eager"
+        want = theirs(x, ids, w)
+        module.config._experts_implementation = "ktfp8"
+        got = module(x, ids, w)
+    return nmse(got.numpy(), want.numpy())
+
+
+def _family_of(text_model_type):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    return text_model_type if text_model_type in CONFIG_MAPPING else text_model_type.removesuffix("_text")
+
+
+@pytest.mark.parametrize("cls_name", sorted(hf_experts.SUPPORTED_EXPERTS))
+def test_every_supported_experts_class_alone(cls_name):
+    module, x, ids, w = _experts_alone(cls_name, _family_of(hf_experts.SUPPORTED_EXPERTS[cls_name]))
+    assert _ktfp8_against_eager(module, x, ids, w) < NMSE_MAX
+
+
+@pytest.mark.parametrize("model_type", sorted(CLAMPED))
+def test_clamped_swiglu_experts_refused_and_told_apart(model_type, monkeypatch):
+    cls_name = CLAMPED[model_type]
+    module, x, ids, w = _experts_alone(cls_name, _family_of(model_type))
+    with pytest.raises(ValueError, match=f"{cls_name} .* is not supported"):
+        hf_experts.check_supported(module)
+    monkeypatch.setitem(hf_experts.SUPPORTED_EXPERTS, cls_name, model_type)     # past the refusal
+    assert _ktfp8_against_eager(module, x, ids, w) > 1e-3
