@@ -49,14 +49,34 @@ def to_numpy(obj, name, copy_to_cpu=None):
         raise TypeError(f"{name} is a tensor with its negative bit set, whose memory holds the negatives of its "
                         f"values; pass {name}.resolve_neg()")
     t = obj.detach() if obj.requires_grad else obj
+    _check_memory(t, name, torch)
     view = _bit_view(t.dtype, torch)
-    if view is None:
-        try:
+    try:
+        if view is None:
             return t.numpy()
-        except TypeError:       # a dtype NumPy has no equivalent for (float8_e4m3fnuz, qint8, ...)
-            raise TypeError(f"{name} has dtype {t.dtype}, which NumPy cannot hold") from None
-    bits, ml_dtype = view
-    return t.view(bits).numpy().view(ml_dtype)
+        bits, ml_dtype = view
+        return t.view(bits).numpy().view(ml_dtype)
+    except TypeError:           # a dtype NumPy has no equivalent for (float8_e4m3fnuz, qint8, ...)
+        raise TypeError(f"{name} has dtype {t.dtype}, which NumPy cannot hold") from None
+    except RuntimeError as err:     # tensor subclasses torch keeps from NumPy (TwoTensor, MaskedTensor, ...)
+        raise TypeError(f"{name} is a {type(obj).__name__} whose memory NumPy cannot view ({err}); ktfp8 reads "
+                        f"a tensor's memory: pass a plain torch.Tensor") from None
+
+
+def _check_memory(t, name, torch):
+    """Raises TypeError unless the memory of tensor `t` holds its values: a ZeroTensor (what forward-mode
+    AD hands out for a zero tangent) has none (address 0), and a storage resized below the tensor (what
+    FSDP and offloading do to freed parameters) has less than the tensor spans; reading either crashed
+    the process or read past the allocation."""
+    if t._is_zerotensor():
+        raise TypeError(f"{name} is a ZeroTensor, which has no memory; pass torch.zeros_like({name})")
+    if t.numel() == 0:
+        return
+    span = 1 + sum((n - 1) * abs(stride) for n, stride in zip(t.shape, t.stride()))
+    if t.untyped_storage().nbytes() < (t.storage_offset() + span) * t.element_size():
+        raise TypeError(f"{name}'s storage holds {t.untyped_storage().nbytes()} bytes, less than the tensor "
+                        f"spans ({(t.storage_offset() + span) * t.element_size()}): it was resized or freed "
+                        f"(as FSDP or offloading do to parameters)")
 
 
 _bit_views = {}     # torch dtype -> (torch integer dtype, ml_dtypes dtype) or None: str(dtype) costs ~0.5 us
@@ -126,7 +146,8 @@ def plain_layer_memory(x, topk_ids, topk_weights, hidden, top_k, bf16_weights):
             or topk_weights.shape != topk_ids.shape:
         return None
     addresses = x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr()
-    if any(a % size for a, size in zip(addresses, (2 if x_bf16 else 4, 8, 2 if w_bf16 else 4))):
+    # address 0: a ZeroTensor or a storage resized to nothing, which the checked path names
+    if any(a % size or not a for a, size in zip(addresses, (2 if x_bf16 else 4, 8, 2 if w_bf16 else 4))):
         return None
     return shape[0], addresses[0], x_bf16, addresses[1], addresses[2], w_bf16
 

@@ -203,6 +203,16 @@ def _with_other_file(c, name, target):
                          add_files=lambda folder: (folder / "tokenizer.json").symlink_to(target))
 
 
+def _freed(t):
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def _two_tensor(t):
+    from torch.testing._internal.two_tensor import TwoTensor
+    return TwoTensor(t, t.clone())
+
+
 def _nested_rows(torch):
     """3 rows of H as a nested tensor of the default (strided) layout, which had reached torch's
     "Internal error: NestedTensorImpl doesn't support sizes"."""
@@ -404,6 +414,16 @@ def _nan_at_first_forward(c):
     model.set_experts_implementation("ktfp8")
     with torch.no_grad():
         return model(torch.tensor([[1, 2, 3]]))
+
+
+def _forward_mode_ad(c):
+    import torch
+    import torch.autograd.forward_ad as fw_ad
+    model = _prepared_qwen3_moe()
+    model.set_attn_implementation("eager")          # (sdpa has no forward-mode AD)
+    embeds = model.get_input_embeddings()(torch.tensor([[1, 2, 3]])).detach()
+    with fw_ad.dual_level(), torch.no_grad():
+        return model(inputs_embeds=fw_ad.make_dual(embeds, torch.ones_like(embeds)))
 
 
 def _half_after_first_forward(c):
@@ -628,6 +648,15 @@ CASES = [
     Case("MoE.__call__", "x a nested tensor",
          lambda c: c.call(x=_tensor(_nested_rows)), TypeError,
          "x must be a dense tensor, got a nested tensor"),
+    Case("MoE.__call__", "x a ZeroTensor (forward-mode AD's zero tangent: no memory)",
+         lambda c: c.call(x=_tensor(lambda torch: torch._efficientzerotensor((3, H)))), TypeError,
+         "x is a ZeroTensor, which has no memory; pass torch.zeros_like(x)"),
+    Case("MoE.__call__", "x a tensor whose storage was resized to nothing (a parameter FSDP freed)",
+         lambda c: c.call(x=_tensor(lambda torch: _freed(torch.tensor(c.x)))), TypeError,
+         f"x's storage holds 0 bytes, less than the tensor spans ({3 * H * 4})"),
+    Case("MoE.__call__", "topk_weights a tensor subclass NumPy cannot view (TwoTensor)",
+         lambda c: c.call(topk_weights=_tensor(lambda torch: _two_tensor(torch.from_numpy(c.tw)))), TypeError,
+         "topk_weights is a TwoTensor whose memory NumPy cannot view"),
     Case("fp8.quantize", "a 1-D array", lambda c: fp8.quantize(np.zeros(8, F32)), ValueError,
          "w must be 2-D [out, in] or 3-D [experts, out, in]"),
     Case("fp8.quantize", "an empty matrix", lambda c: fp8.quantize(np.zeros((0, 8), F32)), ValueError,
@@ -1008,6 +1037,9 @@ CASES = [
          "the model runs in torch.float16; ktfp8 takes float32 or bfloat16 activations"),
     Case("ktfp8.hf.prepare", "the model cast with .half() after its first forward", _half_after_first_forward,
          TypeError, "the model runs in torch.float16; ktfp8 takes float32 or bfloat16 activations"),
+    Case("ktfp8.hf.prepare", "a forward-mode AD tangent (torch.autograd.forward_ad) through the experts",
+         _forward_mode_ad, NotImplementedError,
+         "forward-mode AD (torch.autograd.forward_ad) through Qwen3MoeExperts is not supported"),
     Case("experts_implementation='ktfp8'", "a NaN expert weight, met when the first forward quantizes it",
          _nan_at_first_forward, ValueError,
          "Qwen3MoeExperts, quantized at its first forward: gate holds nan at [2, 3, 4]; only finite weights"),

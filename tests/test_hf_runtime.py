@@ -290,6 +290,25 @@ def test_bad_activations(qwen3):
         layer(x, ids.float(), w)
     with pytest.raises(ValueError, match="expert id 9"):
         layer(x, torch.full((3, 2), 9), w)
+    # a sparse tensor's own .contiguous() raised a message naming neither the argument nor the layout
+    with pytest.raises(TypeError, match="x must be a dense tensor, got layout torch.sparse_coo"):
+        layer(x.to_sparse(), ids, w)
+
+
+def test_forward_mode_ad_is_refused_by_name(qwen3):
+    """Forward-mode AD (dual tensors under torch.autograd.forward_ad, often under no_grad) went past the
+    reverse-mode refusal, and the result carried the tangent of everything but the experts: a model's
+    logits tangent without their share (a helper's hunt).  Outside a dual level nothing changes."""
+    import torch.autograd.forward_ad as fwAD
+    model = ktfp8.hf.from_pretrained(qwen3["fp8"], dtype=torch.float32, attn_implementation="eager")  # (sdpa has
+    embeds = model.get_input_embeddings()(PROMPT).detach()                               # no forward AD)
+    with fwAD.dual_level(), torch.no_grad():
+        with pytest.raises(NotImplementedError, match=r"forward-mode AD \(torch.autograd.forward_ad\) through "
+                                                      r"Qwen3MoeExperts is not supported"):
+            model(inputs_embeds=fwAD.make_dual(embeds, torch.randn_like(embeds)))
+        plain = model(inputs_embeds=embeds).logits          # no tangent: runs as before
+    with torch.no_grad():
+        assert torch.equal(plain, model(inputs_embeds=embeds).logits)
 
 
 def test_float16_model_refused_before_its_weights_are_touched(qwen3):

@@ -278,6 +278,43 @@ def test_tensor_with_its_negative_bit_set_is_refused(setup):
         fp8.encode(torch._neg_view(x))
 
 
+@pytest.mark.parametrize("which", ["x", "topk_ids", "topk_weights", "out"])
+def test_zero_tensor_is_refused(setup, which):
+    """A ZeroTensor (forward-mode AD's zero tangent) has no memory: its address is 0.  The call on plain
+    tensors read it by address and crashed the process (a helper's hunt); now the checked path names it."""
+    _, _, _, moe = setup
+    ids, tw = routing()
+    args = {"x": torch.randn(T, H), "topk_ids": ids.long(), "topk_weights": tw, "out": torch.zeros(T, H)}
+    zero = args[which]
+    args[which] = torch._efficientzerotensor(zero.shape, dtype=zero.dtype)
+    with pytest.raises(TypeError, match=f"{which} is a ZeroTensor, which has no memory; pass torch.zeros_like"):
+        moe(args["x"], args["topk_ids"], args["topk_weights"], out=args["out"])
+
+
+@pytest.mark.parametrize("which", ["x", "topk_ids", "topk_weights"])
+@pytest.mark.parametrize("nbytes, ids_dtype", [(0, torch.int64), (16, torch.int32)])
+def test_storage_resized_below_the_tensor_is_refused(setup, which, nbytes, ids_dtype):
+    """A tensor whose storage was resized below it (FSDP and offloading free parameters so: to nothing)
+    crashed the process when the call on plain tensors (int64 ids) read it by address.  The checked path
+    (int32 ids here) also names one resized part way, which it read past its end; the plain path does not
+    look for that (its checks are per layer and token, and torch's own ops read such a tensor so too)."""
+    _, _, _, moe = setup
+    ids, tw = routing()
+    args = {"x": torch.randn(T, H), "topk_ids": ids.to(ids_dtype), "topk_weights": tw}
+    args[which].untyped_storage().resize_(nbytes)
+    with pytest.raises(TypeError, match=f"{which}'s storage holds {nbytes} bytes, less than the tensor spans"):
+        moe(args["x"], args["topk_ids"], args["topk_weights"])
+
+
+def test_tensor_subclass_numpy_cannot_view_is_named(setup):
+    """torch refuses .numpy() of wrapper subclasses with a RuntimeError naming no argument."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    _, _, _, moe = setup
+    ids, tw = routing()
+    with pytest.raises(TypeError, match="topk_weights is a TwoTensor whose memory NumPy cannot view"):
+        moe(torch.randn(T, H), ids, TwoTensor(tw, tw.clone()))
+
+
 # ------------------------------------------------------------------------------------ other devices
 
 def test_off_cpu_tensor_is_refused_by_default(setup):

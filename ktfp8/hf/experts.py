@@ -322,6 +322,22 @@ def _needs_the_op(hidden_states, top_k_weights):
     return torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)
 
 
+_FORWARD_AD = torch.autograd.forward_ad
+
+
+def _refuse_tangents(module, *tensors):
+    """Raises NotImplementedError where forward-mode AD (torch.autograd.forward_ad) carries a tangent
+    on one of `tensors`: the kernels compute none, and the result would lack the experts' share of the
+    tangent without a word (reverse mode is refused by the op's missing autograd formula).  Outside a
+    dual level this is one integer compare."""
+    if getattr(_FORWARD_AD, "_current_level", -1) < 0:
+        return
+    if any(isinstance(t, torch.Tensor) and _FORWARD_AD.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError(f"ktfp8 experts implementation: forward-mode AD (torch.autograd.forward_ad) "
+                                  f"through {type(module).__name__} is not supported: the ktfp8 kernels compute "
+                                  f"no tangent; load the model with experts_implementation=\"eager\" for it")
+
+
 def _forward_for(name):
     @torch.compiler.disable
     def first_call(module, dtype, top_k_shape):
@@ -341,6 +357,7 @@ def _forward_for(name):
         return module._ktfp8_handle
 
     def ktfp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+        _refuse_tangents(self, hidden_states, top_k_weights)
         handle = getattr(self, "_ktfp8_handle", None)
         if handle is None:
             handle = first_call(self, hidden_states.dtype, tuple(top_k_index.shape))

@@ -51,7 +51,13 @@ class TorchMoE:
         # transformers routers hand back weights in the model's dtype; the kernels take float32 weights
         if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype in (torch.bfloat16, torch.float16):
             topk_weights = topk_weights.float()
-        return self.moe(hidden_states.contiguous(), topk_ids.contiguous(), topk_weights.contiguous())
+        return self.moe(*(_contiguous(t) for t in (hidden_states, topk_ids, topk_weights)))
+
+
+def _contiguous(t):
+    """A dense tensor made contiguous; anything else as it is, for the layer's checks to name (a sparse
+    tensor's .contiguous() raises a message that names neither the argument nor the layout)."""
+    return t.contiguous() if isinstance(t, torch.Tensor) and t.layout is torch.strided else t
 
 
 def _expert_parallel():
