@@ -177,7 +177,7 @@ def _check_scale_mode(per_channel, group_size):
 
 _MOE_FIELDS = ("expert_num", "num_experts_per_tok", "hidden_size", "intermediate_size", "scoring_func",
                "norm_topk_prob", "n_group", "topk_group", "group_score", "routed_scaling_factor", "hidden_act",
-               "threads", "quant_config")
+               "swiglu_limit", "threads", "quant_config")
 
 
 class MoeConfig:
@@ -189,8 +189,10 @@ class MoeConfig:
     groups of experts (n_group = 1: no grouping); group_score: a group's score is its "best" score or
     the sum of its two best ("top2_sum"), None = the scoring's rule (softmax: best, sigmoid: top2_sum);
     routed_scaling_factor multiplies the final weights.
-    hidden_act: only "silu". threads: None = $KTFP8_NUM_THREADS, else $OMP_NUM_THREADS, else all cores
-    (an explicit MoE(..., threads=) overrides it).
+    hidden_act: only "silu".  swiglu_limit: None, or L > 0 for the clamped SwiGLU of DeepSeek-V4 and
+    GLM-5-Next, silu(min(gate, L)) * clamp(up, -L, L).
+    threads: None = $KTFP8_NUM_THREADS, else $OMP_NUM_THREADS, else all cores (an explicit
+    MoE(..., threads=) overrides it).
     quant_config: a QuantConfig (or a mapping of its fields); default FP8 per-channel.
 
     Every assignment is checked against the other fields and rejected (ValueError / TypeError, cfg
@@ -200,7 +202,7 @@ class MoeConfig:
 
     def __init__(self, expert_num, num_experts_per_tok=None, hidden_size=None, intermediate_size=None, *,
                  scoring_func="softmax", norm_topk_prob=True, n_group=1, topk_group=1, group_score=None,
-                 routed_scaling_factor=1.0, hidden_act="silu", threads=None, quant_config=None,
+                 routed_scaling_factor=1.0, hidden_act="silu", swiglu_limit=None, threads=None, quant_config=None,
                  routed_expert_num=None):
         if routed_expert_num is not None:
             if num_experts_per_tok is not None and num_experts_per_tok != routed_expert_num:
@@ -215,7 +217,7 @@ class MoeConfig:
         values = {name: _check_moe_field(name, value) for name, value in dict(
             given, scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group,
             topk_group=topk_group, group_score=group_score, routed_scaling_factor=routed_scaling_factor,
-            hidden_act=hidden_act, threads=threads,
+            hidden_act=hidden_act, swiglu_limit=swiglu_limit, threads=threads,
             quant_config=QuantConfig() if quant_config is None else quant_config).items()}
         _check_moe_combination(values)
         for name in _MOE_FIELDS:
@@ -265,10 +267,13 @@ class MoeConfig:
         without saying so in config.json.  A model_type outside the families ktfp8 knows must name its
         routing (scoring_func or topk_method, in the file or as an override), else ValueError; a dict
         without model_type takes MoeConfig's defaults for what it leaves out.
+        swiglu_limit: read for DeepSeek-V4, GLM-5-Next and HY-V4 (default 10); another family's config.json
+        naming a SwiGLU clamp is refused unless swiglu_limit is given.
         Note: transformers' DeepseekV2 ignores norm_topk_prob while DeepSeek's own code honours it; every
         released V2 checkpoint sets it to false, where both agree.
         """
-        fields = _fields_from_hf(_read_hf_config(path_or_dict), routing_given="scoring_func" in overrides)
+        fields = _fields_from_hf(_read_hf_config(path_or_dict), routing_given="scoring_func" in overrides,
+                                 limit_given="swiglu_limit" in overrides)
         fields.update(overrides)
         return cls(**fields)
 
@@ -300,6 +305,21 @@ def _check_moe_field(name, value):
             as_float32, finite = np.float32(np.inf), False
         if not (finite and value > 0 and np.isfinite(as_float32) and as_float32 > 0):
             raise ValueError(f"MoeConfig.routed_scaling_factor must be finite and > 0 in float32, got {value!r}")
+        return float(value)
+    if name == "swiglu_limit":
+        if value is None:
+            return None
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise TypeError(f"MoeConfig.swiglu_limit must be None or a number, got {type(value).__name__} {value!r}")
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:       # an int past the largest float
+            finite = False
+        # the kernels clamp in float32: the limit must be a positive float32 (1e-50 would be 0)
+        with np.errstate(over="ignore"):
+            in_float32 = finite and value > 0 and 0 < np.float32(value) < np.inf
+        if not in_float32:
+            raise ValueError(f"MoeConfig.swiglu_limit must be None or finite and > 0 in float32, got {value!r}")
         return float(value)
     if name == "threads":
         return None if value is None else check_threads("MoeConfig.threads", _as_int("MoeConfig", name, value, 1))
@@ -402,6 +422,12 @@ for _family in ("lfm2_moe", "muse_spark_text"):
 # default, or "sigmoid"), Inkling-2's and AFMoE's route_scale
 _KEY_ALIASES = {"scoring_func": ("expert_selection_fn",), "routed_scaling_factor": ("route_scale",)}
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
+# Families whose experts clamp their SwiGLU as MoeConfig.swiglu_limit does (gate at most L before silu, up
+# within +-L; transformers 5.25's experts modules) -> L where config.json leaves swiglu_limit out.  Other
+# clamps (after the activation, per layer, with an alpha: Bailing, Step-3.5, GPT-OSS, MiniMax-M3) are not
+# computed: a config.json naming one is refused, a silently unclamped layer being a wrong one.
+_SWIGLU_LIMIT_DEFAULTS = {"deepseek_v4": 10.0, "glm5_next_text": 10.0, "hy_v4": 10.0, "hy_v4_vl_text": 10.0}
+_CLAMP_KEYS = ("swiglu_limit", "swiglu_limits", "swiglu_alpha", "expert_swiglu_limit_list")
 
 
 def _read_hf_config(source):
@@ -440,8 +466,27 @@ def _one_value(value):
     return value
 
 
-def _fields_from_hf(config, routing_given=False):
-    """MoeConfig fields of a config.json dict.  routing_given: the caller passes scoring_func itself."""
+def _swiglu_limit(config, family):
+    """MoeConfig.swiglu_limit of a config.json dict (see _SWIGLU_LIMIT_DEFAULTS)."""
+    if family in _SWIGLU_LIMIT_DEFAULTS:
+        limit = config.get("swiglu_limit")
+        return _SWIGLU_LIMIT_DEFAULTS[family] if limit is None else limit
+    def sets_clamp(value):      # None, 0 and lists of them (Bailing's per-layer list) clamp nothing
+        if isinstance(value, (list, tuple)):
+            return any(sets_clamp(v) for v in value)
+        return value is not None and value != 0
+
+    clamp = next((key for key in _CLAMP_KEYS if sets_clamp(config.get(key))), None)
+    if clamp is not None:
+        raise ValueError(f"Hugging Face config (model_type {family!r}) sets {clamp} = {config[clamp]!r}: its experts "
+                         f"clamp their SwiGLU, which ktfp8 computes only as DeepSeek-V4 does, silu(min(gate, L)) * "
+                         f"clamp(up, -L, L); if this model's experts compute exactly that, pass swiglu_limit=L")
+    return None
+
+
+def _fields_from_hf(config, routing_given=False, limit_given=False):
+    """MoeConfig fields of a config.json dict.  routing_given / limit_given: the caller passes scoring_func /
+    swiglu_limit itself."""
     family = config.get("model_type")
     if family is not None and not isinstance(family, str):
         raise ValueError(f"Hugging Face config: model_type must be a string, got {type(family).__name__} {family!r}")
@@ -496,4 +541,4 @@ def _fields_from_hf(config, routing_given=False):
         intermediate_size=need("intermediate_size", _EXPERT_INTERMEDIATE_KEYS),
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
         group_score=defaults.get("group_score"), routed_scaling_factor=get("routed_scaling_factor", 1.0),
-        hidden_act=get("hidden_act", "silu"))
+        hidden_act=get("hidden_act", "silu"), swiglu_limit=None if limit_given else _swiglu_limit(config, family))

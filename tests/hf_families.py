@@ -45,8 +45,13 @@ def _shrink(cfg):
         cfg.head_dim = cfg.qk_rope_head_dim          # multi-head latent attention: head_dim is the rope part
 
 
-# what a family's config class refuses otherwise
-OVERRIDES = {"zaya": dict(num_experts_per_tok=1)}
+# what a family's config class refuses otherwise; a SwiGLU clamp that bites at these sizes (gate and up
+# products of a few tenths)
+# (and attention layers that do not share the indexer of a layer cut away)
+OVERRIDES = {"zaya": dict(num_experts_per_tok=1),
+             "hy_v4": dict(swiglu_limit=0.05, indexer_types=["full"] * 2),
+             "deepseek_v4": dict(swiglu_limit=0.05, layer_types=["heavily_compressed_attention"] * 2,
+                                 mlp_layer_types=["moe"] * 2)}
 
 
 def tiny_config(model_type):

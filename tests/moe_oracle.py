@@ -126,8 +126,10 @@ def round_to(a, dtype):
     return np.asarray(a).astype(np.float32).astype(dtype).astype(np.float64)
 
 
-def moe_fp64(x, topk_ids, topk_weights, gate, up, down, act=None):
-    """y[t] = sum_s w[t,s] * down_e @ (silu(gate_e @ x_t) * (up_e @ x_t)), float64, ids < 0 skipped.
+def moe_fp64(x, topk_ids, topk_weights, gate, up, down, act=None, swiglu_limit=None):
+    """y[t] = sum_s w[t,s] * down_e @ (silu(gate_e @ x_t) * (up_e @ x_t)), float64, ids < 0 skipped;
+    with swiglu_limit L, silu(min(g, L)) * clip(u, -L, L) (DeepSeek-V4's experts, as transformers writes
+    them: gate.clamp(max=L), up.clamp(-L, L)).
 
     act (None, np.float32 or ml_dtypes.bfloat16): the activation dtype of a kernel -- x and h are
     rounded to it where the kernel rounds them (moe_driver.c), so that only summation order
@@ -140,6 +142,8 @@ def moe_fp64(x, topk_ids, topk_weights, gate, up, down, act=None):
         xe = x[tokens]
         g = np.einsum("th,ih->ti", xe, gate[e])
         u = np.einsum("th,ih->ti", xe, up[e])
+        if swiglu_limit is not None:
+            g, u = np.minimum(g, swiglu_limit), np.clip(u, -swiglu_limit, swiglu_limit)
         with np.errstate(over="ignore", invalid="ignore"):  # exp(-g) of a very negative g; NaN codes
             h = round_to(g / (1 + np.exp(-g)) * u, act)
         z = np.einsum("ti,hi->th", h, down[e])

@@ -21,6 +21,7 @@ def test_defaults_match_api():
     assert (cfg.expert_num, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size) == (64, 8, 2048, 768)
     assert (cfg.scoring_func, cfg.norm_topk_prob, cfg.n_group, cfg.topk_group) == ("softmax", True, 1, 1)
     assert cfg.routed_scaling_factor == 1.0 and cfg.hidden_act == "silu" and cfg.threads is None
+    assert cfg.swiglu_limit is None and MoeConfig(64, 8, 2048, 768, swiglu_limit=7).swiglu_limit == 7.0
     assert cfg.quant_config == QuantConfig("FP8", True, 0)
     assert MOEConfig is MoeConfig and ktfp8.QuantConfig is QuantConfig
 
@@ -66,6 +67,12 @@ def test_routed_expert_num_alias():
     (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor"),
     (dict(routed_scaling_factor=True), TypeError, "routed_scaling_factor"),
     (dict(hidden_act="gelu"), ValueError, "hidden_act"),
+    (dict(swiglu_limit=0.0), ValueError, "swiglu_limit"),
+    (dict(swiglu_limit=-7.0), ValueError, "swiglu_limit"),
+    (dict(swiglu_limit=float("inf")), ValueError, "swiglu_limit"),
+    (dict(swiglu_limit=1e40), ValueError, "swiglu_limit"),      # inf as a float32
+    (dict(swiglu_limit="10"), TypeError, "swiglu_limit"),
+    (dict(swiglu_limit=True), TypeError, "swiglu_limit"),
     (dict(threads=0), ValueError, "threads"),
     (dict(threads=2.0), TypeError, "threads"),
     (dict(quant_config="FP8"), TypeError, "quant_config"),
@@ -342,6 +349,37 @@ def test_from_hf_config_unknown_family_must_name_its_routing():
     assert MoeConfig.from_hf_config(dict(sizes, model_type="glm4_moe")) == named
     # a hand-written dict without model_type takes MoeConfig's documented defaults
     assert MoeConfig.from_hf_config(sizes).scoring_func == MoeConfig(16, 4, 32, 24).scoring_func == "softmax"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "glm5_next_text", "hy_v4", "hy_v4_vl_text"])
+def test_from_hf_config_swiglu_limit_of_the_clamping_families(family):
+    """Their experts clamp the SwiGLU as MoeConfig.swiglu_limit does: config.json's value, else the
+    transformers config class's default (10), read as that class has it."""
+    pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    default = CONFIG_MAPPING[family]().swiglu_limit
+    hf = dict(model_type=family, n_routed_experts=8, num_experts_per_tok=2, hidden_size=64,
+              moe_intermediate_size=32, scoring_func="sigmoid")
+    assert MoeConfig.from_hf_config(hf).swiglu_limit == default == 10.0
+    assert MoeConfig.from_hf_config(dict(hf, swiglu_limit=7)).swiglu_limit == 7.0
+    assert MoeConfig.from_hf_config(hf, swiglu_limit=3.0).swiglu_limit == 3.0
+
+
+@pytest.mark.parametrize("fields", [dict(swiglu_limit=7.0, swiglu_alpha=1.702),         # GPT-OSS's form
+                                    dict(swiglu_limits=[0.0, 7.0]),                     # Step-3.5: after silu
+                                    dict(expert_swiglu_limit_list=[0, 7])])              # Bailing
+def test_from_hf_config_refuses_other_swiglu_clamps(fields):
+    """Another family's clamp is not MoeConfig.swiglu_limit's (after the activation, per layer, with an
+    alpha): read without it, the layer would be silently wrong; an explicit swiglu_limit= decides."""
+    hf = dict(model_type="gpt_oss", num_local_experts=8, num_experts_per_tok=2, hidden_size=64,
+              intermediate_size=32, scoring_func="softmax", **fields)
+    with pytest.raises(ValueError, match=f"sets {next(iter(fields))} = .*: its experts clamp their SwiGLU, which "
+                                         f"ktfp8 computes only as DeepSeek-V4 does"):
+        MoeConfig.from_hf_config(hf)
+    assert MoeConfig.from_hf_config(hf, swiglu_limit=None).swiglu_limit is None
+    assert MoeConfig.from_hf_config(dict(hf, **{k: [0, 0] for k, v in fields.items() if isinstance(v, list)},
+                                         **{k: None for k, v in fields.items() if not isinstance(v, list)})
+                                    ).swiglu_limit is None            # lists of 0: no clamp
 
 
 def test_from_hf_config_overrides():

@@ -1,7 +1,8 @@
 """ktfp8.hf on the transformers MoE families beyond hf_models.py's hand-made ones, each built from its own
 config class (hf_families.py): both loading paths of a whole model against transformers' eager experts on
-the same FP8 weights; and every experts class ktfp8.hf runs, alone, with activations large enough that a
-clamped SwiGLU (DeepSeek-V4's, GLM-5-Next's) or any other activation would show."""
+the same FP8 weights; and every experts class ktfp8.hf runs, alone, with activations large enough that
+DeepSeek-V4's clamped SwiGLU (MoeConfig.swiglu_limit), a clamp after the activation or any other
+activation would show."""
 import copy
 
 import numpy as np
@@ -22,9 +23,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 NMSE_MAX = 1e-8     # float32 on the same weights: the sums' order alone differs
 # model type -> its experts class, for the families whose whole model is built here
 FAMILIES = {"afmoe": "AfmoeExperts", "axk1": "AXK1Experts", "beam": "BeamExperts", "cohere2_moe": "Cohere2MoeExperts",
-            "dots1": "Dots1Experts", "exaone_moe": "ExaoneMoeExperts", "flex_olmo": "FlexOlmoExperts",
+            "deepseek_v4": "DeepseekV4Experts", "dots1": "Dots1Experts", "exaone_moe": "ExaoneMoeExperts", "flex_olmo": "FlexOlmoExperts",
             "flint": "FlintExperts", "granitemoe": "GraniteMoeExperts", "granitemoe_swa": "GraniteMoeSWAExperts",
-            "granitemoeshared": "GraniteMoeSharedExperts", "hy_v3": "HYV3Experts", "jamba": "JambaExperts",
+            "granitemoeshared": "GraniteMoeSharedExperts", "hy_v3": "HYV3Experts", "hy_v4": "HYV4Experts",
+            "jamba": "JambaExperts",
             "kimi_linear": "KimiLinearExperts", "kolibri1": "Kolibri1Experts", "laguna": "LagunaExperts",
             "lara_mini": "LaraMiniExperts", "longcat_flash": "LongcatFlashExperts", "mellum": "MellumExperts",
             "mimo_v2_flash": "MiMoV2FlashExperts", "minicpm5_moe": "MiniCPM5MoeExperts", "phimoe": "PhimoeExperts",
@@ -32,9 +34,9 @@ FAMILIES = {"afmoe": "AfmoeExperts", "axk1": "AXK1Experts", "beam": "BeamExperts
 # families whose checkpoints python -m ktfp8.convert cannot read (GraniteMoE's experts are stored fused
 # under other names, block_sparse_moe.input_linear / output_linear): quantized on load only
 ON_LOAD_ONLY = {"granitemoe", "granitemoeshared"}
-# experts classes with a clamped SwiGLU, which the kernels do not compute: refused, and the oracle below
-# tells them apart (a check that the comparison can fail)
-CLAMPED = {"deepseek_v4": "DeepseekV4Experts", "glm5_next_text": "Glm5NextTextExperts"}
+# experts classes that clamp their SwiGLU after the activation (Bailing-Hybrid, Step-3.5/3.7), which the kernels
+# do not compute: refused, and the oracle below tells them apart (a check that the comparison can fail)
+CLAMPED_AFTER = {"bailing_hybrid": "BailingHybridExperts", "step3p7": "Step3p7Experts"}
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +93,8 @@ def _experts_alone(cls_name, model_type):
     modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
     cls = getattr(modeling, cls_name)
     torch.manual_seed(1)
-    module = cls(config, 0) if "layer_idx" in cls.__init__.__code__.co_varnames else cls(config)
+    import inspect
+    module = cls(config, 0) if "layer_idx" in inspect.signature(cls.__init__).parameters else cls(config)
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn_like(p) * torch.exp(torch.randn(p.shape[0], p.shape[1], 1)) / p.shape[-1] ** 0.5)
@@ -129,10 +132,11 @@ def test_every_supported_experts_class_alone(cls_name):
     assert _ktfp8_against_eager(module, x, ids, w) < NMSE_MAX
 
 
-@pytest.mark.parametrize("model_type", sorted(CLAMPED))
-def test_clamped_swiglu_experts_refused_and_told_apart(model_type, monkeypatch):
-    cls_name = CLAMPED[model_type]
+@pytest.mark.parametrize("model_type", sorted(CLAMPED_AFTER))
+def test_experts_clamped_after_silu_refused_and_told_apart(model_type, monkeypatch):
+    cls_name = CLAMPED_AFTER[model_type]
     module, x, ids, w = _experts_alone(cls_name, _family_of(model_type))
+    module.limit = 2.0                      # (their configs' default per-layer limits are 0 or None: none)
     with pytest.raises(ValueError, match=f"{cls_name} .* is not supported"):
         hf_experts.check_supported(module)
     monkeypatch.setitem(hf_experts.SUPPORTED_EXPERTS, cls_name, model_type)     # past the refusal

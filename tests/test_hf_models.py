@@ -207,7 +207,7 @@ def test_fused_checkpoint_fp8_folder_through_from_pretrained_and_generate(fused,
                                                    f"tensors only (...experts.<e>.gate_proj.weight, up_proj, "
                                                    f"down_proj): python -m ktfp8.convert writes them, also from "
                                                    f"the fused experts of mistral4, qwen3_vl_moe, lara_mini, "
-                                                   f"granitemoe_swa, zaya")):
+                                                   f"granitemoe_swa, hy_v4, zaya")):
         ktfp8.hf.from_pretrained(folder)
     fp8 = tmp_path / "fp8"
     assert convert(["--input-type", "bf16", "--input-path", str(folder), "--output-path", str(fp8)]) == 0

@@ -119,6 +119,25 @@ def test_a_long_call_in_token_blocks(backend, fmt):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_swiglu_limit_clamps_gate_and_up(backend, fmt):
+    """MoeConfig.swiglu_limit L: silu(min(gate, L)) * clamp(up, -L, L), the clamped SwiGLU of DeepSeek-V4,
+    on every backend (the driver's epilogue) against float64; L is set where about a third of the gate
+    and up products pass it, so that the clamp moves the result (checked against the unclamped MoE)."""
+    experts, dense = make_experts(fmt, E, H, I, seed=5)
+    x, ids, w = _inputs(23, seed=5)
+    x *= 4
+    limit = 1.5
+    cfg = config(fmt)
+    cfg.swiglu_limit = limit
+    moe = MoE(cfg, experts, backend=backend, threads=2)
+    got = moe(x, ids, w)
+    assert nmse(got, moe_fp64(x, ids, w, *dense, swiglu_limit=limit)) <= 2e-5
+    assert nmse(got, moe_fp64(x, ids, w, *dense)) > 1e-2
+    assert moe.config.swiglu_limit == limit
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", ["fp8_per_channel", "fp8_block"])
 def test_scales_up_to_the_limit_compute_and_larger_ones_are_refused(backend, fmt):
     """An expert scale may be as large as experts.MAX_SCALE (FLT_MAX / 256: the avx512 and avx2 kernels

@@ -117,9 +117,10 @@ typedef struct ktfp8_tile_job {
  * products, they would otherwise be a large part of a prefill call. */
 typedef struct ktfp8_epilogue_ops {
     /* Phase 1: h row i, columns [0, cols) = silu(g[i]) * u[i] in the activation dtype act, for the m
-     * rows of g and u ([m][nb] FP32; g is overwritten); h rows h_stride elements apart. */
+     * rows of g and u ([m][nb] FP32; g is overwritten); h rows h_stride elements apart.  g clamped to at
+     * most limit and u to [-limit, limit] first (+inf: no clamp). */
     void (*silu_mul_store)(float *g, const float *u, int64_t m, int64_t nb, int64_t cols, void *h,
-                           int64_t h_stride, int act);
+                           int64_t h_stride, int act, float limit);
     /* Phase 2: acc[token[i] - token0][0, cols) += weight[i] * z[i][0, cols) for i < m; rows
      * acc_stride (acc) and z_stride (z) floats apart.  Pairs of one token accumulate in i order. */
     void (*scatter_add)(float *acc, int64_t acc_stride, const int64_t *token, int64_t token0, const float *weight,
@@ -168,6 +169,8 @@ typedef struct ktfp8_moe_call {
     int64_t layer_experts;         /* the whole layer's expert count, of which shape->experts may be a
                                     * shard (0: shape->experts); sets phase 2's token blocks alike for
                                     * every shard (moe_driver.c, phase2_block_tokens) */
+    float swiglu_limit;            /* > 0: gate at most this and up within +-it before silu(gate) * up
+                                    * (DeepSeek-V4's clamped SwiGLU); +inf: none */
 } ktfp8_moe_call;
 
 #ifdef __cplusplus

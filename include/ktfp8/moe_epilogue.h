@@ -3,7 +3,9 @@
  * element.  On the AMX Xeon the scalar versions (expf per element, a dtype switch per store) took
  * 11 % of a T = 512 call.
  *
- *   ktfp8_silu_mul(g, u, n)        g[i] = silu(g[i]) * u[i]                      (FP32, in place)
+ *   ktfp8_silu_mul(g, u, n, limit)  g[i] = silu(min(g[i], limit)) * clamp(u[i], -limit, limit)
+ *                                   (FP32, in place; limit +inf: silu(g) * u.  The clamped SwiGLU of
+ *                                   DeepSeek-V4 and GLM-5-Next; NaN stays NaN, as torch.clamp keeps it)
  *   ktfp8_store_row(dst, act, src, n)   src FP32 -> dst in the activation dtype (BF16: nearest even)
  *   ktfp8_load_row(dst, src, dtype, n)  F32 / BF16 / F16 -> FP32
  *   ktfp8_axpy(y, w, z, n)          y[i] += w * z[i]
@@ -58,10 +60,13 @@ static inline float ktfp8_exp_nonpos(float x) {
  * the exp runs on every lane, its value for |x| > 86 (meaningless: 2^n leaves the float range)
  * masked to 0.  (With selects, GCC sinks the exp into a branch, and it does not if-convert a branch
  * holding floating-point arithmetic under the default -ftrapping-math.) */
-static inline void ktfp8_silu_mul(float *restrict g, const float *restrict u, int64_t n) {
-    const uint32_t *gb = (const uint32_t *)g;
+static inline void ktfp8_silu_mul(float *restrict g, const float *restrict u, int64_t n, float limit) {
     for (int64_t i = 0; i < n; i++) {
-        const uint32_t bits = gb[i], nax_bits = bits | 0x80000000u; /* -|x| */
+        const float x = g[i] > limit ? limit : g[i];           /* selects: NaN fails both compares */
+        const float up = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
+        uint32_t bits;
+        memcpy(&bits, &x, 4);
+        const uint32_t nax_bits = bits | 0x80000000u; /* -|x| */
         const uint32_t keep = (uint32_t)((int32_t)(bits & 0x7FFFFFFFu) > 0x42AC0000) - 1u; /* |x| <= 86 */
         const uint32_t neg = (uint32_t)-(int32_t)(bits >> 31);                             /* x < 0 */
         float nax, e, num;
@@ -73,7 +78,7 @@ static inline void ktfp8_silu_mul(float *restrict g, const float *restrict u, in
         const uint32_t num_bits = (e_bits & neg) | (0x3F800000u & ~neg); /* x < 0 ? e : 1 */
         memcpy(&e, &e_bits, 4);
         memcpy(&num, &num_bits, 4);
-        g[i] = g[i] * (num / (1.0f + e)) * u[i];
+        g[i] = x * (num / (1.0f + e)) * up;
     }
 }
 
@@ -109,9 +114,9 @@ static inline void ktfp8_axpy(float *restrict y, float w, const float *restrict 
 }
 
 static inline void ktfp8_epilogue_silu_mul_store(float *g, const float *u, int64_t m, int64_t nb, int64_t cols,
-                                          void *h, int64_t h_stride, int act) {
+                                          void *h, int64_t h_stride, int act, float limit) {
     const size_t esz = act == KTFP8_BF16 ? 2 : 4;
-    ktfp8_silu_mul(g, u, m * nb);
+    ktfp8_silu_mul(g, u, m * nb, limit);
     for (int64_t i = 0; i < m; i++) ktfp8_store_row((char *)h + esz * (size_t)(i * h_stride), act, g + i * nb, cols);
 }
 

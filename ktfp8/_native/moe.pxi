@@ -29,6 +29,7 @@ cdef extern from "ktfp8/abi.h":
         int32_t threads
         int32_t act_dtype
         int64_t layer_experts
+        float swiglu_limit
 
 cdef extern from "ktfp8/moe.h":
     int ktfp8_shape_check(const ktfp8_moe_shape *shape)
@@ -83,20 +84,23 @@ def packed_size(Variant variant, tuple shape):
 cdef class PackedMoE:
     """The experts of one layer packed once for one variant, their shape checked once.
 
-    PackedMoE(variant, shape, gate, up, down, gate_scale, up_scale, down_scale, threads):
+    PackedMoE(variant, shape, gate, up, down, gate_scale, up_scale, down_scale, threads, swiglu_limit):
     shape = (experts, hidden, inter, format, block_n, block_k) with format an enum ktfp8_wformat;
     weights uint8 codes or uint16 bf16 bits, each [E, out, in] with C-contiguous matrices or a list of
     E [out, in] arrays (expert_pointers); scales float32 (None for bf16); packed on `threads` threads.
+    swiglu_limit: the clamp of every call's SwiGLU (ktfp8_moe_call), +inf for none.
     Never changed after packing, so MoE copies share one."""
     cdef const ktfp8_variant *v
     cdef ktfp8_moe_shape s
     cdef readonly object packed   # uint8, 64-byte aligned
     cdef const void *packed_data
+    cdef float swiglu_limit
 
     def __cinit__(self, Variant variant, tuple shape, gate, up, down, gate_scale, up_scale, down_scale,
-                  int threads):
+                  int threads, float swiglu_limit):
         self.v = runnable(variant)
         self.s = moe_shape(shape)
+        self.swiglu_limit = swiglu_limit
         cdef int64_t E = self.s.experts, H = self.s.hidden, I = self.s.inter
         cdef ktfp8_proj_src src[3]
         cdef int i
@@ -208,6 +212,7 @@ cdef class PackedMoE:
         c.threads = threads
         c.act_dtype = act_dtype
         c.layer_experts = layer_experts
+        c.swiglu_limit = self.swiglu_limit
         if T == 0:
             return
         cdef int rc

@@ -609,7 +609,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                 }
                 const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
                 char *h = (char *)b.h + esz * (size_t)(p0 * b.h_stride + n0);
-                kern->epilogue->silu_mul_store(gbuf, ubuf, m, nb, rows, h, b.h_stride, act);
+                kern->epilogue->silu_mul_store(gbuf, ubuf, m, nb, rows, h, b.h_stride, act, c->swiglu_limit);
                 for (int64_t i = 0; act_exp && i < m; i++) {
                     const float row_amax = finite_amax((const float *)h + i * b.h_stride, KTFP8_F32, rows);
                     h_amax = row_amax > h_amax ? row_amax : h_amax;

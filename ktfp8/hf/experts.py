@@ -36,7 +36,13 @@ SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_m
                      "Kolibri1Experts": "kolibri1", "LagunaExperts": "laguna", "LaraMiniExperts": "lara_mini",
                      "LongcatFlashExperts": "longcat_flash", "MellumExperts": "mellum",
                      "MiMoV2FlashExperts": "mimo_v2_flash", "MiniCPM5MoeExperts": "minicpm5_moe",
-                     "PhimoeExperts": "phimoe", "SolarOpenExperts": "solar_open", "ZayaExperts": "zaya"}
+                     "PhimoeExperts": "phimoe", "SolarOpenExperts": "solar_open", "ZayaExperts": "zaya",
+                     # a clamped SwiGLU, silu(min(gate, L)) * clamp(up, -L, L): MoeConfig.swiglu_limit
+                     "DeepseekV4Experts": "deepseek_v4", "Glm5NextTextExperts": "glm5_next_text",
+                     "HYV4Experts": "hy_v4", "HYV4VLExperts": "hy_v4_vl_text"}
+# those experts classes -> the attribute holding their L (None: no clamp)
+SWIGLU_LIMIT_ATTRS = {"DeepseekV4Experts": "limit", "Glm5NextTextExperts": "swiglu_limit",
+                      "HYV4Experts": "swiglu_limit", "HYV4VLExperts": "swiglu_limit"}
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_EXPERTS.values())
 
 # experts_implementation name -> how the weights are held
@@ -154,8 +160,10 @@ def layer_top_k(module, block):
 def layer_config(module, quant_config, top_k, threads=None):
     """ktfp8.MoeConfig of one experts module whose router picks `top_k` experts a token (layer_top_k;
     a per-layer value where the config has a list; routing fields unused: transformers routes)."""
+    limit_attr = SWIGLU_LIMIT_ATTRS.get(type(module).__name__)
     return MoeConfig(expert_num=module.num_experts, num_experts_per_tok=top_k,
                      hidden_size=module.hidden_dim, intermediate_size=module.intermediate_dim,
+                     swiglu_limit=getattr(module, limit_attr) if limit_attr else None,
                      threads=threads, quant_config=quant_config)
 
 
