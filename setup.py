@@ -118,6 +118,7 @@ class BuildNative(build_ext):
         build compiles, decided once and announced in one line."""
         if hasattr(self, "_plan"):
             return self._plan
+        refuse_other_compilers(self.compiler.compiler_type)
         units = {"ktfp8._native._ext": [], "ktfp8._native._testing": []}
         for level, (flags, options, _) in ISA.items():
             modes = [option(o) for o in options]
@@ -199,6 +200,14 @@ extensions = [extension("ktfp8._native._ext", baseline_sources("_ext.pyx", (ROOT
 if option("EMULATED") != "OFF":
     extensions.append(extension("ktfp8._native._testing",
                                 baseline_sources("_testing.pyx", (ROOT / NATIVE / "testing").glob("*.c"))))
+
+
+def refuse_other_compilers(compiler_type):
+    """The sources are GNU C (attributes, GCC's per-ISA flags, OpenMP by -fopenmp): MSVC, which pip uses on
+    Windows, would print hundreds of errors instead of one sentence."""
+    if compiler_type == "msvc":
+        sys.exit("ktfp8 build: ktfp8's kernels are GNU C and build with GCC or clang only, not MSVC; on Windows, "
+                 "install it under WSL2 (Linux)")
 
 
 def refuse_other_cpus():

@@ -132,3 +132,18 @@ def test_a_build_for_another_cpu_says_why_it_stops(machine):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert f"build for x86-64 CPUs only; this is a {machine} machine with a 64-bit Python" in proc.stderr
+
+
+def test_a_build_with_msvc_says_why_it_stops():
+    """pip on Windows compiles with MSVC, which cannot read the GNU C sources: one sentence, not hundreds
+    of compiler errors."""
+    import runpy
+    from types import SimpleNamespace
+
+    from setuptools import Distribution
+    build_native = runpy.run_path(str(ROOT / "setup.py"))["BuildNative"]
+    cmd = build_native(Distribution())
+    cmd.compiler = SimpleNamespace(compiler_type="msvc")
+    with pytest.raises(SystemExit, match="build with GCC or clang only, not MSVC; on Windows, install it under "
+                                         "WSL2"):
+        cmd.plan()
