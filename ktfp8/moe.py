@@ -5,7 +5,6 @@ AMXBF16_MOE): they run the native AVX-512-BF16 path or AMX; on a CPU without eit
 raises RuntimeError saying what the CPU lacks (ktfp8.MoE runs everywhere).  _HAS_FP8_PERCHANNEL_SUPPORT
 is True exactly when they can be constructed."""
 import copy
-import math
 import sys
 
 import ml_dtypes
@@ -126,9 +125,7 @@ class MoE:
         proj = [_packable(p, bits) for p in (experts.gate, experts.up, experts.down)]
         scales = [None if s is None else np.ascontiguousarray(s, dtype=np.float32)
                   for s in (experts.gate_scale, experts.up_scale, experts.down_scale)]
-        limit = config.swiglu_limit
-        self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, self._threads,
-                                      math.inf if limit is None else limit)
+        self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, self._threads, config.swiglu_limit)
 
     @property
     def config(self):

@@ -84,11 +84,11 @@ def packed_size(Variant variant, tuple shape):
 cdef class PackedMoE:
     """The experts of one layer packed once for one variant, their shape checked once.
 
-    PackedMoE(variant, shape, gate, up, down, gate_scale, up_scale, down_scale, threads, swiglu_limit):
+    PackedMoE(variant, shape, gate, up, down, gate_scale, up_scale, down_scale, threads, swiglu_limit=None):
     shape = (experts, hidden, inter, format, block_n, block_k) with format an enum ktfp8_wformat;
     weights uint8 codes or uint16 bf16 bits, each [E, out, in] with C-contiguous matrices or a list of
     E [out, in] arrays (expert_pointers); scales float32 (None for bf16); packed on `threads` threads.
-    swiglu_limit: the clamp of every call's SwiGLU (ktfp8_moe_call), +inf for none.
+    swiglu_limit: the clamp of every call's SwiGLU (ktfp8_moe_call.swiglu_limit), None for none.
     Never changed after packing, so MoE copies share one."""
     cdef const ktfp8_variant *v
     cdef ktfp8_moe_shape s
@@ -97,10 +97,10 @@ cdef class PackedMoE:
     cdef float swiglu_limit
 
     def __cinit__(self, Variant variant, tuple shape, gate, up, down, gate_scale, up_scale, down_scale,
-                  int threads, float swiglu_limit):
+                  int threads, swiglu_limit=None):
         self.v = runnable(variant)
         self.s = moe_shape(shape)
-        self.swiglu_limit = swiglu_limit
+        self.swiglu_limit = float("inf") if swiglu_limit is None else swiglu_limit
         cdef int64_t E = self.s.experts, H = self.s.hidden, I = self.s.inter
         cdef ktfp8_proj_src src[3]
         cdef int i
