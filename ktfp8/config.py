@@ -471,6 +471,7 @@ def _swiglu_limit(config, family):
     if family in _SWIGLU_LIMIT_DEFAULTS:
         limit = config.get("swiglu_limit")
         return _SWIGLU_LIMIT_DEFAULTS[family] if limit is None else limit
+
     def sets_clamp(value):      # None, 0 and lists of them (Bailing's per-layer list) clamp nothing
         if isinstance(value, (list, tuple)):
             return any(sets_clamp(v) for v in value)

@@ -39,9 +39,10 @@ PER_EXPERT_NAMES = "per-expert tensors only (...experts.<e>.gate_proj.weight, up
 # Model types whose fused experts python -m ktfp8.convert splits into per-expert weights -> the layouts
 # they come in (stored transposed or not).  transformers' own layout (Mistral 4's checkpoints, and what
 # transformers 5 saves): gate_up_proj [E, 2I, H], each expert's gate rows then its up rows, and down_proj
-# [E, H, I]; so do LaraMini's, GraniteMoE-SWA's, HY-V4's and ZAYA's, whose checkpoints transformers 5.25 loads
-# with no weight conversion (their parameters' own layout).  Qwen3-VL-MoE's Hub checkpoints hold them transposed, [E, H, 2I]
-# and [E, I, H].  Other model types are refused: a fused layout may interleave gate and up, or carry biases.
+# [E, H, I]; so do LaraMini's, GraniteMoE-SWA's, HY-V4's and ZAYA's, whose checkpoints transformers 5.25
+# loads with no weight conversion (their parameters' own layout).  Qwen3-VL-MoE's Hub checkpoints hold them
+# transposed, [E, H, 2I] and [E, I, H].  Other model types are refused: a fused layout may interleave gate
+# and up, or carry biases.
 FUSED_LAYOUTS = {"mistral4": (False,), "qwen3_vl_moe": (True, False), "qwen3_vl_moe_text": (True, False),
                  "lara_mini": (False,), "granitemoe_swa": (False,), "hy_v4": (False,), "zaya": (False,)}
 FUSED_MODEL_TYPES = ", ".join(t for t in FUSED_LAYOUTS if not t.endswith("_text"))

@@ -4,6 +4,8 @@ the same FP8 weights; and every experts class ktfp8.hf runs, alone, with activat
 DeepSeek-V4's clamped SwiGLU (MoeConfig.swiglu_limit), a clamp after the activation or any other
 activation would show."""
 import copy
+import importlib
+import inspect
 
 import numpy as np
 import pytest
@@ -23,10 +25,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 NMSE_MAX = 1e-8     # float32 on the same weights: the sums' order alone differs
 # model type -> its experts class, for the families whose whole model is built here
 FAMILIES = {"afmoe": "AfmoeExperts", "axk1": "AXK1Experts", "beam": "BeamExperts", "cohere2_moe": "Cohere2MoeExperts",
-            "deepseek_v4": "DeepseekV4Experts", "dots1": "Dots1Experts", "exaone_moe": "ExaoneMoeExperts", "flex_olmo": "FlexOlmoExperts",
-            "flint": "FlintExperts", "granitemoe": "GraniteMoeExperts", "granitemoe_swa": "GraniteMoeSWAExperts",
-            "granitemoeshared": "GraniteMoeSharedExperts", "hy_v3": "HYV3Experts", "hy_v4": "HYV4Experts",
-            "jamba": "JambaExperts",
+            "deepseek_v4": "DeepseekV4Experts", "dots1": "Dots1Experts", "exaone_moe": "ExaoneMoeExperts",
+            "flex_olmo": "FlexOlmoExperts", "flint": "FlintExperts", "granitemoe": "GraniteMoeExperts",
+            "granitemoe_swa": "GraniteMoeSWAExperts", "granitemoeshared": "GraniteMoeSharedExperts",
+            "hy_v3": "HYV3Experts", "hy_v4": "HYV4Experts", "jamba": "JambaExperts",
             "kimi_linear": "KimiLinearExperts", "kolibri1": "Kolibri1Experts", "laguna": "LagunaExperts",
             "lara_mini": "LaraMiniExperts", "longcat_flash": "LongcatFlashExperts", "mellum": "MellumExperts",
             "mimo_v2_flash": "MiMoV2FlashExperts", "minicpm5_moe": "MiniCPM5MoeExperts", "phimoe": "PhimoeExperts",
@@ -88,12 +90,10 @@ def test_whole_model_both_loading_paths(model_type, tmp_path):
 def _experts_alone(cls_name, model_type):
     """(experts module of class `cls_name` built from `model_type`'s tiny config, weights drawn so that
     the gate and up products reach +-50, x, top-k ids and weights)."""
-    import importlib
     config = tiny_config(model_type).get_text_config()
     modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
     cls = getattr(modeling, cls_name)
     torch.manual_seed(1)
-    import inspect
     module = cls(config, 0) if "layer_idx" in inspect.signature(cls.__init__).parameters else cls(config)
     with torch.no_grad():
         for p in module.parameters():
