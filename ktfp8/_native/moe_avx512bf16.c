@@ -460,11 +460,21 @@ static __attribute__((noinline)) void decode_halves2(const ktfp8_tile_job *const
     decode_halves(jobs, 2, lut);
 }
 
-static __attribute__((noinline)) void decode_blocks1(const ktfp8_tile_job *const *jobs, const ktfp8_e4m3_bf16_lut *lut) {
+/* GCC 11 (11.3) miscompiles decode_blocks in the SIMDe-emulated twin: its post-reload GCSE
+ * (-fgcse-after-reload, on at -O3) stores a stale register as res[0]'s low 4 lanes after the block
+ * loop (tests/test_tile_pair.py, test_kernels.py: block48 on avx512_bf16_emulated and amx_emulated).
+ * GCC 12 compiles it right; the native build's decode_blocks is the same code with or without it. */
+#if defined(KTFP8_EMULATE_SIMD) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12
+#define DECODE_BLOCKS_OPTS __attribute__((optimize("no-gcse-after-reload")))
+#else
+#define DECODE_BLOCKS_OPTS
+#endif
+
+static __attribute__((noinline)) DECODE_BLOCKS_OPTS void decode_blocks1(const ktfp8_tile_job *const *jobs, const ktfp8_e4m3_bf16_lut *lut) {
     decode_blocks(jobs, 1, lut);
 }
 
-static __attribute__((noinline)) void decode_blocks2(const ktfp8_tile_job *const *jobs, const ktfp8_e4m3_bf16_lut *lut) {
+static __attribute__((noinline)) DECODE_BLOCKS_OPTS void decode_blocks2(const ktfp8_tile_job *const *jobs, const ktfp8_e4m3_bf16_lut *lut) {
     decode_blocks(jobs, 2, lut);
 }
 
