@@ -73,10 +73,10 @@ def _check_memory(t, name, torch):
     if t.numel() == 0:
         return
     span = 1 + sum((n - 1) * abs(stride) for n, stride in zip(t.shape, t.stride()))
-    if t.untyped_storage().nbytes() < (t.storage_offset() + span) * t.element_size():
-        raise TypeError(f"{name}'s storage holds {t.untyped_storage().nbytes()} bytes, less than the tensor "
-                        f"spans ({(t.storage_offset() + span) * t.element_size()}): it was resized or freed "
-                        f"(as FSDP or offloading do to parameters)")
+    held, needed = t.untyped_storage().nbytes(), (t.storage_offset() + span) * t.element_size()
+    if held < needed:
+        raise TypeError(f"{name}'s storage holds {held} bytes, less than the tensor spans ({needed}): it was "
+                        f"resized or freed (as FSDP or offloading do to parameters)")
 
 
 _bit_views = {}     # torch dtype -> (torch integer dtype, ml_dtypes dtype) or None: str(dtype) costs ~0.5 us

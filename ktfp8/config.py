@@ -281,6 +281,22 @@ class MoeConfig:
 MOEConfig = MoeConfig  # KTransformers' spelling
 
 
+def _positive_float32(name, value, also=""):
+    """MoeConfig.<name> as a float: a number (not a bool) that is finite and > 0 as a float32 too; `also`
+    names what else the field takes ("None or "), in the messages."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"MoeConfig.{name} must be {also}a number, got {type(value).__name__} {value!r}")
+    try:
+        with np.errstate(over="ignore"):
+            as_float32 = np.float32(value)
+        finite = math.isfinite(value)
+    except OverflowError:       # an int past the largest float (10**400)
+        as_float32, finite = np.float32(np.inf), False
+    if not (finite and value > 0 and np.isfinite(as_float32) and as_float32 > 0):
+        raise ValueError(f"MoeConfig.{name} must be {also}finite and > 0 in float32, got {value!r}")
+    return float(value)
+
+
 def _check_moe_field(name, value):
     if name in ("expert_num", "num_experts_per_tok", "hidden_size", "intermediate_size", "n_group", "topk_group"):
         return _as_int("MoeConfig", name, value, 1, MAX_SIZE)
@@ -293,34 +309,12 @@ def _check_moe_field(name, value):
     if name == "norm_topk_prob":
         return _as_bool("MoeConfig", name, value)
     if name == "routed_scaling_factor":
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-            raise TypeError(f"MoeConfig.routed_scaling_factor must be a number, got {type(value).__name__} {value!r}")
         # route() multiplies in float32: a factor that is finite as a Python float but not as a
         # float32 (1e40 -> inf, 1e-50 -> 0) would make every weight inf or 0
-        try:
-            with np.errstate(over="ignore"):
-                as_float32 = np.float32(value)
-            finite = math.isfinite(value)
-        except OverflowError:       # an int past the largest float (10**400)
-            as_float32, finite = np.float32(np.inf), False
-        if not (finite and value > 0 and np.isfinite(as_float32) and as_float32 > 0):
-            raise ValueError(f"MoeConfig.routed_scaling_factor must be finite and > 0 in float32, got {value!r}")
-        return float(value)
+        return _positive_float32(name, value)
     if name == "swiglu_limit":
-        if value is None:
-            return None
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-            raise TypeError(f"MoeConfig.swiglu_limit must be None or a number, got {type(value).__name__} {value!r}")
-        try:
-            finite = math.isfinite(value)
-        except OverflowError:       # an int past the largest float
-            finite = False
-        # the kernels clamp in float32: the limit must be a positive float32 (1e-50 would be 0)
-        with np.errstate(over="ignore"):
-            in_float32 = finite and value > 0 and 0 < np.float32(value) < np.inf
-        if not in_float32:
-            raise ValueError(f"MoeConfig.swiglu_limit must be None or finite and > 0 in float32, got {value!r}")
-        return float(value)
+        # the kernels clamp in float32: 1e-50 would clamp to 0
+        return None if value is None else _positive_float32(name, value, "None or ")
     if name == "threads":
         return None if value is None else check_threads("MoeConfig.threads", _as_int("MoeConfig", name, value, 1))
     if name == "quant_config":
