@@ -3,6 +3,8 @@ defaults with small sizes, two layers, and per-layer lists cut to those layers, 
 hand-written configuration.  Used for the families ktfp8.hf runs beyond hf_models.py's hand-made ones."""
 import torch
 
+from hf_models import spread_expert_rows
+
 LAYERS = 2
 # small sizes, set where a family's config class has the field and it is not None there (or it is one of
 # EXPERT_COUNTS); LongCat-Flash gets zero-computation experts beside its routed ones (zero_expert_num)
@@ -71,9 +73,4 @@ def build_family_model(model_type, seed=0):
     ones (as hf_models.build_model does)."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "experts" in name and p.ndim == 3:
-                p.mul_(torch.exp(torch.randn(p.shape[0], p.shape[1], 1)))
-    return model
+    return spread_expert_rows(AutoModelForCausalLM.from_config(tiny_config(model_type)).eval())

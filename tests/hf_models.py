@@ -150,8 +150,14 @@ def build_model(kind, seed=0, **config_changes):
     config_cls, model_cls, kwargs, _, _ = _ANY_MODEL[kind]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**{**kwargs, **config_changes})
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():       # init std 0.02 everywhere; make expert rows differ in scale like trained ones
+    return spread_expert_rows(getattr(transformers, model_cls)(config).eval())
+
+
+def spread_expert_rows(model):
+    """`model` with each expert weight row scaled by its own e^N(0, 1): init std 0.02 everywhere, where
+    trained expert rows differ in scale."""
+    import torch
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "experts" in name and p.ndim == 3:
                 p.mul_(torch.exp(torch.randn(p.shape[0], p.shape[1], 1)))

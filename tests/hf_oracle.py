@@ -87,10 +87,23 @@ def experts_module(model, layer):
 
 def set_experts(model, layer, weights):
     """Writes {role: [E, out, in]} float arrays into the experts module of `layer`."""
-    ex = experts_module(model, layer)
+    write_experts(experts_module(model, layer), weights)
+
+
+def write_experts(ex, weights):
+    """Writes {role: [E, out, in]} float arrays into experts module `ex`."""
     with torch.no_grad():
         ex.gate_up_proj.copy_(torch.from_numpy(np.concatenate([weights["gate"], weights["up"]], axis=1)))
         ex.down_proj.copy_(torch.from_numpy(np.ascontiguousarray(weights["down"])))
+
+
+def per_channel_experts(ex):
+    """{role: [E, out, in] float32}: the per-channel quantization of experts module `ex`'s weights,
+    dequantized."""
+    inter = ex.intermediate_dim
+    gate_up = ex.gate_up_proj.detach().numpy()
+    return {"gate": per_channel_roundtrip(gate_up[:, :inter]), "up": per_channel_roundtrip(gate_up[:, inter:]),
+            "down": per_channel_roundtrip(ex.down_proj.detach().numpy())}
 
 
 def eager_model(bf16_folder, kind, fp8_folder=None):
@@ -102,12 +115,8 @@ def eager_model(bf16_folder, kind, fp8_folder=None):
         if fp8_folder is not None:
             weights = checkpoint_experts(fp8_folder, kind, layer, ex.num_experts)
         else:
-            inter = ex.intermediate_dim
-            gate_up = ex.gate_up_proj.detach().numpy()
-            weights = {"gate": per_channel_roundtrip(gate_up[:, :inter]),
-                       "up": per_channel_roundtrip(gate_up[:, inter:]),
-                       "down": per_channel_roundtrip(ex.down_proj.detach().numpy())}
-        set_experts(model, layer, weights)
+            weights = per_channel_experts(ex)
+        write_experts(ex, weights)
     return model
 
 

@@ -7,7 +7,6 @@ import copy
 import importlib
 import inspect
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 import ktfp8.hf  # noqa: E402
 from hf_families import build_family_model, tiny_config  # noqa: E402
 from hf_models import save_model  # noqa: E402
-from hf_oracle import PER_CHANNEL, greedy, logits, per_channel_roundtrip, tiny_model_settings  # noqa: E402
+from hf_oracle import PER_CHANNEL, greedy, logits, per_channel_experts, tiny_model_settings, write_experts  # noqa: E402
 from ktfp8.convert import main as convert  # noqa: E402
 from ktfp8.hf import experts as hf_experts  # noqa: E402
 from moe_oracle import nmse  # noqa: E402
@@ -49,13 +48,8 @@ def settings(monkeypatch):
 def _quantized_per_channel(model):
     """`model` (eager experts) with every experts module's weights replaced by their per-channel FP8
     round trip: what the ktfp8 layers compute with."""
-    with torch.no_grad():
-        for _, ex, _ in hf_experts.experts_modules(model):
-            inter = ex.intermediate_dim
-            gate_up = ex.gate_up_proj.detach().numpy()
-            ex.gate_up_proj.copy_(torch.from_numpy(np.concatenate(
-                [per_channel_roundtrip(gate_up[:, :inter]), per_channel_roundtrip(gate_up[:, inter:])], axis=1)))
-            ex.down_proj.copy_(torch.from_numpy(per_channel_roundtrip(ex.down_proj.detach().numpy())))
+    for _, ex, _ in hf_experts.experts_modules(model):
+        write_experts(ex, per_channel_experts(ex))
     return model
 
 
@@ -108,12 +102,8 @@ def _ktfp8_against_eager(module, x, ids, w):
     """NMSE of the module's output under experts_implementation "ktfp8" against its eager output on the
     per-channel FP8 round trip of its weights."""
     theirs = copy.deepcopy(module)
+    write_experts(theirs, per_channel_experts(theirs))
     with torch.no_grad():
-        inter = theirs.intermediate_dim
-        gate_up = theirs.gate_up_proj.numpy()
-        theirs.gate_up_proj.copy_(torch.from_numpy(np.concatenate(
-            [per_channel_roundtrip(gate_up[:, :inter]), per_channel_roundtrip(gate_up[:, inter:])], axis=1)))
-        theirs.down_proj.copy_(torch.from_numpy(per_channel_roundtrip(theirs.down_proj.numpy())))
         theirs.config._experts_implementation = "eager"
         want = theirs(x, ids, w)
         module.config._experts_implementation = "ktfp8"
