@@ -20,7 +20,16 @@ from ktfp8.moe import MoE
 from moe_oracle import make_experts, random_routing
 from threads import run_in_threads
 
-REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+# the tree whose ktfp8 this process imported: the probes below must load the same build (a clang build's
+# copy when test_build_options runs these tests from its own folder), not the checkout's
+PACKAGE_ROOT = Path(ktfp8.__file__).resolve().parents[1]
+
+
+def _probe_env(base):
+    env = {k: v for k, v in base.items() if k not in ("KTFP8_NUM_THREADS", "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), str(TESTS)])
+    return env
 BACKENDS = backends.usable_variants()
 E, H, I, K = 8, 96, 80, 3
 
@@ -139,17 +148,19 @@ if reassigned is not None:
     moe.threads = reassigned
 y = moe(x, ids, w)
 # libgomp keeps its pool alive after a parallel region: n threads = the caller + n - 1 workers
-print(json.dumps({"threads": moe.threads, "pool": os_threads() - before + 1, "y": y.tobytes().hex()}))
+print(json.dumps({"threads": moe.threads, "pool": os_threads() - before + 1, "y": y.tobytes().hex(),
+                  "package": os.path.dirname(ktfp8.__file__)}))
 """
 
 
 def _probe(env, cfg_threads=None, explicit=None, reassigned=None):
-    full = {k: v for k, v in os.environ.items() if k not in ("KTFP8_NUM_THREADS", "OMP_NUM_THREADS")}
+    full = _probe_env(os.environ)
     full.update(env)
-    full["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(cfg_threads), json.dumps(explicit),
                            json.dumps(reassigned)],
-                          env=full, cwd=REPO, capture_output=True, text=True, timeout=120)
+                          env=full, cwd=PACKAGE_ROOT, capture_output=True, text=True, timeout=120)
+    if proc.returncode == 0:
+        assert json.loads(proc.stdout)["package"] == str(PACKAGE_ROOT / "ktfp8")
     return proc
 
 
@@ -243,7 +254,7 @@ if __name__ == "__main__":
     before = in_forked_worker()  # forked before this process ran any team
     here = forward(0)
     after = in_forked_worker()   # forked after: libgomp's pool threads were not copied
-    print(json.dumps({"before": before, "here": here, "after": after}))
+    print(json.dumps({"before": before, "here": here, "after": after, "package": ktfp8.__file__}))
 """
 
 
@@ -252,15 +263,15 @@ def test_forked_worker_runs_on_one_thread_instead_of_hanging(tmp_path):
     """multiprocessing's "fork" workers: before the parent ran a thread team, a worker runs its own
     two threads; after, OpenMP would wait forever for the parent's pool threads, so the worker runs
     on one thread, warns once, and gives the same bytes."""
-    env = {k: v for k, v in os.environ.items() if k not in ("KTFP8_NUM_THREADS", "OMP_NUM_THREADS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    env = _probe_env(os.environ)
     env["KTFP8_NUM_THREADS"] = "2"   # the experts' quantization too: a pool of 2 on any machine
     script = tmp_path / "fork_probe.py"
     script.write_text(_FORK)
-    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=PACKAGE_ROOT, capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout)
+    assert Path(got["package"]).parents[1] == PACKAGE_ROOT
     assert [got[k]["capped"] for k in ("before", "here", "after")] == [False, False, True]
     assert got["before"]["os_threads"] == 2 and got["before"]["warnings"] == []
     assert got["after"]["os_threads"] == 1
