@@ -24,7 +24,13 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 # A group's score in grouped top-k: its best score, or the sum of its two best.  None: the scoring's own
 # rule (softmax: best, DeepSeek-V2; sigmoid: the two best, DeepSeek-V3).  Mistral 4 sums softmax's two best.
 GROUP_SCORES = ("best", "top2_sum")
-HIDDEN_ACTS = ("silu",)          # the kernels compute silu(gate) * up and nothing else
+# The gate's activation in act(gate) * up: SiLU (SwiGLU), or GELU with its tanh approximation (GeGLU:
+# Gemma 4's experts), the two the kernels' epilogue computes (include/ktfp8/moe_epilogue.h)
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+# transformers' activation names (ACT2FN) of those same functions -> MoeConfig.hidden_act
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+                  "gelu_python_tanh": "gelu_pytorch_tanh", "gelu_new": "gelu_pytorch_tanh",
+                  "gelu_fast": "gelu_pytorch_tanh", "gelu_accurate": "gelu_pytorch_tanh"}
 
 
 def max_threads():
@@ -189,8 +195,9 @@ class MoeConfig:
     groups of experts (n_group = 1: no grouping); group_score: a group's score is its "best" score or
     the sum of its two best ("top2_sum"), None = the scoring's rule (softmax: best, sigmoid: top2_sum);
     routed_scaling_factor multiplies the final weights.
-    hidden_act: only "silu".  swiglu_limit: None, or L > 0 for the clamped SwiGLU of DeepSeek-V4 and
-    GLM-5-Next, silu(min(gate, L)) * clamp(up, -L, L).
+    hidden_act: the gate's activation, "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU with tanh GELU, Gemma
+    4).  swiglu_limit: None, or L > 0 for the clamped SwiGLU of DeepSeek-V4 and GLM-5-Next,
+    silu(min(gate, L)) * clamp(up, -L, L) (with either activation).
     threads: None = $KTFP8_NUM_THREADS, else $OMP_NUM_THREADS, else all cores (an explicit
     MoE(..., threads=) overrides it).
     quant_config: a QuantConfig (or a mapping of its fields); default FP8 per-channel.
@@ -268,12 +275,14 @@ class MoeConfig:
         routing (scoring_func or topk_method, in the file or as an override), else ValueError; a dict
         without model_type takes MoeConfig's defaults for what it leaves out.
         swiglu_limit: read for DeepSeek-V4, GLM-5-Next and HY-V4 (default 10); another family's config.json
-        naming a SwiGLU clamp is refused unless swiglu_limit is given.
+        naming a SwiGLU clamp is refused unless swiglu_limit is given.  hidden_act (Gemma's
+        hidden_activation): transformers' names of SiLU and of the tanh GELU (HF_ACTIVATIONS); another is
+        refused unless hidden_act is given.
         Note: transformers' DeepseekV2 ignores norm_topk_prob while DeepSeek's own code honours it; every
         released V2 checkpoint sets it to false, where both agree.
         """
         fields = _fields_from_hf(_read_hf_config(path_or_dict), routing_given="scoring_func" in overrides,
-                                 limit_given="swiglu_limit" in overrides)
+                                 limit_given="swiglu_limit" in overrides, act_given="hidden_act" in overrides)
         fields.update(overrides)
         return cls(**fields)
 
@@ -412,9 +421,10 @@ for _family in ("flint", "minimax_m2"):
     _NOT_READ[_family] += ("routed_scaling_factor", "n_group", "topk_group")
 for _family in ("lfm2_moe", "muse_spark_text"):
     _NOT_READ[_family] += ("n_group", "topk_group")
-# Other names config.json gives a routing field under: Cohere2-MoE's expert_selection_fn ("softmax", the
-# default, or "sigmoid"), Inkling-2's and AFMoE's route_scale
-_KEY_ALIASES = {"scoring_func": ("expert_selection_fn",), "routed_scaling_factor": ("route_scale",)}
+# Other names config.json gives a field under: Cohere2-MoE's expert_selection_fn ("softmax", the default, or
+# "sigmoid"), Inkling-2's and AFMoE's route_scale, Gemma's hidden_activation
+_KEY_ALIASES = {"scoring_func": ("expert_selection_fn",), "routed_scaling_factor": ("route_scale",),
+                "hidden_act": ("hidden_activation",)}
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 # Families whose experts clamp their SwiGLU as MoeConfig.swiglu_limit does (gate at most L before silu, up
 # within +-L; transformers 5.25's experts modules) -> L where config.json leaves swiglu_limit out.  Other
@@ -460,6 +470,14 @@ def _one_value(value):
     return value
 
 
+def _hidden_act(name):
+    """MoeConfig.hidden_act of a config.json activation name (transformers' ACT2FN key)."""
+    if isinstance(name, str) and name in HF_ACTIVATIONS:
+        return HF_ACTIVATIONS[name]
+    raise ValueError(f"Hugging Face config: hidden_act {name!r} is not an activation ktfp8 computes; "
+                     f"known: {', '.join(map(repr, HF_ACTIVATIONS))}")
+
+
 def _swiglu_limit(config, family):
     """MoeConfig.swiglu_limit of a config.json dict (see _SWIGLU_LIMIT_DEFAULTS)."""
     if family in _SWIGLU_LIMIT_DEFAULTS:
@@ -479,9 +497,9 @@ def _swiglu_limit(config, family):
     return None
 
 
-def _fields_from_hf(config, routing_given=False, limit_given=False):
-    """MoeConfig fields of a config.json dict.  routing_given / limit_given: the caller passes scoring_func /
-    swiglu_limit itself."""
+def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=False):
+    """MoeConfig fields of a config.json dict.  routing_given / limit_given / act_given: the caller passes
+    scoring_func / swiglu_limit / hidden_act itself."""
     family = config.get("model_type")
     if family is not None and not isinstance(family, str):
         raise ValueError(f"Hugging Face config: model_type must be a string, got {type(family).__name__} {family!r}")
@@ -536,4 +554,5 @@ def _fields_from_hf(config, routing_given=False, limit_given=False):
         intermediate_size=need("intermediate_size", _EXPERT_INTERMEDIATE_KEYS),
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
         group_score=defaults.get("group_score"), routed_scaling_factor=get("routed_scaling_factor", 1.0),
-        hidden_act=get("hidden_act", "silu"), swiglu_limit=None if limit_given else _swiglu_limit(config, family))
+        hidden_act=None if act_given else _hidden_act(get("hidden_act", "silu")),
+        swiglu_limit=None if limit_given else _swiglu_limit(config, family))

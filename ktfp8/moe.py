@@ -125,7 +125,8 @@ class MoE:
         proj = [_packable(p, bits) for p in (experts.gate, experts.up, experts.down)]
         scales = [None if s is None else np.ascontiguousarray(s, dtype=np.float32)
                   for s in (experts.gate_scale, experts.up_scale, experts.down_scale)]
-        self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, self._threads, config.swiglu_limit)
+        self._kernel = _ext.PackedMoE(variant, self._shape, *proj, *scales, self._threads, config.swiglu_limit,
+                                       config.hidden_act)
 
     @property
     def config(self):

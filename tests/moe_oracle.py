@@ -126,10 +126,20 @@ def round_to(a, dtype):
     return np.asarray(a).astype(np.float32).astype(dtype).astype(np.float64)
 
 
-def moe_fp64(x, topk_ids, topk_weights, gate, up, down, act=None, swiglu_limit=None):
+def gate_activation(g, hidden_act):
+    """MoeConfig.hidden_act of float64 g, from its definition: silu, or the tanh GELU
+    0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))."""
+    with np.errstate(over="ignore", invalid="ignore"):  # exp(-g) of a very negative g; NaN codes
+        if hidden_act == "silu":
+            return g / (1 + np.exp(-g))
+        assert hidden_act == "gelu_pytorch_tanh", hidden_act
+        return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+
+
+def moe_fp64(x, topk_ids, topk_weights, gate, up, down, act=None, swiglu_limit=None, hidden_act="silu"):
     """y[t] = sum_s w[t,s] * down_e @ (silu(gate_e @ x_t) * (up_e @ x_t)), float64, ids < 0 skipped;
     with swiglu_limit L, silu(min(g, L)) * clip(u, -L, L) (DeepSeek-V4's experts, as transformers writes
-    them: gate.clamp(max=L), up.clamp(-L, L)).
+    them: gate.clamp(max=L), up.clamp(-L, L)); hidden_act "gelu_pytorch_tanh": the tanh GELU for silu.
 
     act (None, np.float32 or ml_dtypes.bfloat16): the activation dtype of a kernel -- x and h are
     rounded to it where the kernel rounds them (moe_driver.c), so that only summation order
@@ -144,8 +154,8 @@ def moe_fp64(x, topk_ids, topk_weights, gate, up, down, act=None, swiglu_limit=N
         u = np.einsum("th,ih->ti", xe, up[e])
         if swiglu_limit is not None:
             g, u = np.minimum(g, swiglu_limit), np.clip(u, -swiglu_limit, swiglu_limit)
-        with np.errstate(over="ignore", invalid="ignore"):  # exp(-g) of a very negative g; NaN codes
-            h = round_to(g / (1 + np.exp(-g)) * u, act)
+        with np.errstate(invalid="ignore"):  # NaN codes
+            h = round_to(gate_activation(g, hidden_act) * u, act)
         z = np.einsum("ti,hi->th", h, down[e])
         np.add.at(y, tokens, np.asarray(topk_weights, np.float64)[tokens, slots][:, None] * z)
     return y

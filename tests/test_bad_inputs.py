@@ -339,11 +339,11 @@ def _bench_model(c, *args):
     return main(list(args))
 
 
-def _tiny_qwen3_moe():
+def _tiny_qwen3_moe(**config_fields):
     import transformers
     config = transformers.Qwen3MoeConfig(vocab_size=16, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                         num_experts=4, num_experts_per_tok=2)
+                                         num_experts=4, num_experts_per_tok=2, **config_fields)
     return transformers.Qwen3MoeForCausalLM(config)
 
 
@@ -525,7 +525,7 @@ CASES = [
          "scoring_func must be one of 'softmax', 'sigmoid'"),
     Case("MoeConfig", "unknown group_score", lambda c: cfg(group_score="mean"), ValueError,
          "group_score must be one of 'best', 'top2_sum'"),
-    Case("MoeConfig", "hidden_act other than silu", lambda c: cfg(hidden_act="gelu"), ValueError,
+    Case("MoeConfig", "hidden_act neither silu nor the tanh GELU", lambda c: cfg(hidden_act="gelu"), ValueError,
          "hidden_act must be one of 'silu'"),
     Case("MoeConfig", "n_group not dividing expert_num", lambda c: cfg(n_group=3), ValueError,
          "n_group (3) must divide expert_num (4)"),
@@ -543,6 +543,10 @@ CASES = [
          "MoeConfig.swiglu_limit must be None or finite and > 0 in float32, got 0"),
     Case("MoeConfig", "swiglu_limit='10'", lambda c: cfg(swiglu_limit="10"), TypeError,
          "MoeConfig.swiglu_limit must be None or a number, got str '10'"),
+    Case("MoeConfig.from_hf_config", "hidden_act 'relu'",
+         lambda c: ktfp8.MoeConfig.from_hf_config(dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                                       hidden_size=8, moe_intermediate_size=8, hidden_act="relu")),
+         ValueError, "hidden_act 'relu' is not an activation ktfp8 computes; known: 'silu', 'swish'"),
     Case("MoeConfig.from_hf_config", "a GPT-OSS-style SwiGLU clamp (swiglu_alpha) ktfp8 does not compute",
          lambda c: ktfp8.MoeConfig.from_hf_config(dict(model_type="gpt_oss", num_local_experts=4,
                                                        num_experts_per_tok=2, hidden_size=8, intermediate_size=8,

@@ -138,6 +138,26 @@ def test_swiglu_limit_clamps_gate_and_up(backend, fmt):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gelu_tanh_activation(backend, fmt):
+    """MoeConfig.hidden_act "gelu_pytorch_tanh": gelu_tanh(gate) * up, Gemma 4's GeGLU experts, on every
+    backend (the driver's epilogue) against float64, alone and under swiglu_limit; the gate products are
+    about 2 on average, where the GELU is far from SiLU (checked against the SiLU MoE)."""
+    experts, dense = make_experts(fmt, E, H, I, seed=6)
+    x, ids, w = _inputs(23, seed=6)
+    x *= 2
+    cfg = config(fmt)
+    cfg.hidden_act = "gelu_pytorch_tanh"
+    got = MoE(cfg, experts, backend=backend, threads=2)(x, ids, w)
+    assert nmse(got, moe_fp64(x, ids, w, *dense, hidden_act="gelu_pytorch_tanh")) <= 2e-5
+    assert nmse(got, moe_fp64(x, ids, w, *dense)) > 1e-3
+    cfg.swiglu_limit = 1.5
+    clamped = MoE(cfg, experts, backend=backend, threads=2)(x, ids, w)
+    assert nmse(clamped, moe_fp64(x, ids, w, *dense, swiglu_limit=1.5, hidden_act="gelu_pytorch_tanh")) <= 2e-5
+    assert nmse(clamped, got) > 1e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", ["fp8_per_channel", "fp8_block"])
 def test_scales_up_to_the_limit_compute_and_larger_ones_are_refused(backend, fmt):
     """An expert scale may be as large as experts.MAX_SCALE (FLT_MAX / 256: the avx512 and avx2 kernels

@@ -18,6 +18,10 @@ extern "C" {
 /* Element types crossing the ABI. BF16 and F16 travel as uint16 bit patterns. */
 enum ktfp8_dtype { KTFP8_F32 = 0, KTFP8_BF16 = 1, KTFP8_F16 = 2 };
 
+/* The activation of the gate, act(gate) * up: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma's
+ * "gelu_pytorch_tanh"). */
+enum ktfp8_activation { KTFP8_ACT_SILU = 0, KTFP8_ACT_GELU_TANH = 1 };
+
 /* ---------------------------------------------------------------- FP8 E4M3 codec
  * Each function handles one contiguous run of n values; the driver (fp8_codec.c) walks rows and
  * blocks and spreads them over OpenMP threads.  Every variant must be bit-identical to
@@ -116,11 +120,11 @@ typedef struct ktfp8_tile_job {
  * unit so they run at that unit's SIMD width rather than the driver's baseline SSE2: with AMX doing the
  * products, they would otherwise be a large part of a prefill call. */
 typedef struct ktfp8_epilogue_ops {
-    /* Phase 1: h row i, columns [0, cols) = silu(g[i]) * u[i] in the activation dtype act, for the m
-     * rows of g and u ([m][nb] FP32; g is overwritten); h rows h_stride elements apart.  g clamped to at
-     * most limit and u to [-limit, limit] first (+inf: no clamp). */
-    void (*silu_mul_store)(float *g, const float *u, int64_t m, int64_t nb, int64_t cols, void *h,
-                           int64_t h_stride, int act, float limit);
+    /* Phase 1: h row i, columns [0, cols) = activation(g[i]) * u[i] (enum ktfp8_activation) in the
+     * activation dtype act, for the m rows of g and u ([m][nb] FP32; g is overwritten); h rows h_stride
+     * elements apart.  g clamped to at most limit and u to [-limit, limit] first (+inf: no clamp). */
+    void (*glu_store)(float *g, const float *u, int64_t m, int64_t nb, int64_t cols, void *h, int64_t h_stride,
+                      int act, int activation, float limit);
     /* Phase 2: acc[token[i] - token0][0, cols) += weight[i] * z[i][0, cols) for i < m; rows
      * acc_stride (acc) and z_stride (z) floats apart.  Pairs of one token accumulate in i order. */
     void (*scatter_add)(float *acc, int64_t acc_stride, const int64_t *token, int64_t token0, const float *weight,
@@ -169,7 +173,8 @@ typedef struct ktfp8_moe_call {
     int64_t layer_experts;         /* the whole layer's expert count, of which shape->experts may be a
                                     * shard (0: shape->experts); sets phase 2's token blocks alike for
                                     * every shard (moe_driver.c, phase2_block_tokens) */
-    float swiglu_limit;            /* > 0: gate at most this and up within +-it before silu(gate) * up
+    int32_t activation;            /* enum ktfp8_activation: h = activation(gate) * up */
+    float swiglu_limit;            /* > 0: gate at most this and up within +-it before activation(gate) * up
                                     * (DeepSeek-V4's clamped SwiGLU); +inf: none */
 } ktfp8_moe_call;
 

@@ -3,9 +3,11 @@
  * element.  On the AMX Xeon the scalar versions (expf per element, a dtype switch per store) took
  * 11 % of a T = 512 call.
  *
- *   ktfp8_silu_mul(g, u, n, limit)  g[i] = silu(min(g[i], limit)) * clamp(u[i], -limit, limit)
- *                                   (FP32, in place; limit +inf: silu(g) * u.  The clamped SwiGLU of
- *                                   DeepSeek-V4 and GLM-5-Next; NaN stays NaN, as torch.clamp keeps it)
+ *   ktfp8_glu(g, u, n, activation, limit)
+ *                                   g[i] = act(min(g[i], limit)) * clamp(u[i], -limit, limit), act
+ *                                   SiLU or tanh-GELU (enum ktfp8_activation; FP32, in place; limit
+ *                                   +inf: act(g) * u.  The clamped SwiGLU of DeepSeek-V4 and
+ *                                   GLM-5-Next; NaN stays NaN, as torch.clamp keeps it)
  *   ktfp8_store_row(dst, act, src, n)   src FP32 -> dst in the activation dtype (BF16: nearest even)
  *   ktfp8_load_row(dst, src, dtype, n)  F32 / BF16 / F16 -> FP32
  *   ktfp8_axpy(y, w, z, n)          y[i] += w * z[i]
@@ -16,13 +18,17 @@
  *                                   AVX-512 16).  The driver itself uses them for its cold steps.
  *                                   FMA contraction may differ by unit: the bounds below hold for all.
  *
- * silu(g) = g / (1 + exp(-g)), evaluated as g * s with s = 1 / (1 + e) for g >= 0 and
- * s = e / (1 + e) for g < 0, e = exp(-|g|) <= 1 (no overflow).  exp on [-86, 0]: Cody-Waite
- * reduction x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-7 polynomial for e^r, 2^n added to the
- * exponent bits.  Max relative error of silu against float64, measured over every float in
- * [-86, 86] with test_moe_epilogue.py: see SILU_MAX_ULP there (2 ulp).  For g < -86, where
- * |silu(g)| < 4e-36, the result is -0 (the scalar g / (1 + expf(-g)) gives a value below 4e-36 or
- * -0 there too).  NaN stays NaN; silu(+inf) = +inf; silu(-inf) = NaN, as g / (1 + expf(-g)). */
+ * Both activations are x * sigmoid(z): silu(x) = x * sigmoid(x), and Gemma's tanh GELU
+ * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) = x * sigmoid(z) with z = x (A + B x^2),
+ * A = 2 sqrt(2/pi), B = 0.044715 A, since (1 + tanh(t)) / 2 = sigmoid(2t).
+ * x * sigmoid(z) is evaluated as x * s with s = 1 / (1 + e) for z >= 0 and s = e / (1 + e) for
+ * z < 0, e = exp(-|z|) <= 1 (no overflow).  exp on [-86, 0]: Cody-Waite reduction
+ * x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-7 polynomial for e^r, 2^n added to the exponent
+ * bits.  Max relative error of silu against float64, measured over every float in [-86, 86] with
+ * test_moe_epilogue.py: see SILU_MAX_ULP there (2 ulp); the GELU's adds z's own rounding, times
+ * |z| (GELU_ULP_PER_Z there).  For z < -86, where |x sigmoid(z)| < 5e-38 |x| (silu: < 4e-36), the
+ * result is -0 (the scalar x / (1 + expf(-z)) gives a value below that or -0 there too).  NaN stays
+ * NaN; act(+inf) = +inf; act(-inf) = NaN, as x / (1 + expf(-z)) and torch's tanh GELU. */
 #ifndef KTFP8_MOE_EPILOGUE_H
 #define KTFP8_MOE_EPILOGUE_H
 
@@ -56,29 +62,45 @@ static inline float ktfp8_exp_nonpos(float x) {
     return p;
 }
 
-/* Straight-line body so that GCC vectorises it: every choice is an integer mask on the bits, and
- * the exp runs on every lane, its value for |x| > 86 (meaningless: 2^n leaves the float range)
- * masked to 0.  (With selects, GCC sinks the exp into a branch, and it does not if-convert a branch
- * holding floating-point arithmetic under the default -ftrapping-math.) */
-static inline void ktfp8_silu_mul(float *restrict g, const float *restrict u, int64_t n, float limit) {
+/* x * sigmoid(z) after the choices above.  Straight-line so that GCC vectorises the loops that call
+ * it: every choice is an integer mask on the bits, and the exp runs on every lane, its value for
+ * |z| > 86 (meaningless: 2^n leaves the float range) masked to 0.  (With selects, GCC sinks the exp
+ * into a branch, and it does not if-convert a branch holding floating-point arithmetic under the
+ * default -ftrapping-math.) */
+static inline float ktfp8_x_sigmoid(float x, float z) {
+    uint32_t bits;
+    memcpy(&bits, &z, 4);
+    const uint32_t naz_bits = bits | 0x80000000u; /* -|z| */
+    const uint32_t keep = (uint32_t)((int32_t)(bits & 0x7FFFFFFFu) > 0x42AC0000) - 1u; /* |z| <= 86 */
+    const uint32_t neg = (uint32_t)-(int32_t)(bits >> 31);                             /* z < 0 */
+    float naz, e, num;
+    memcpy(&naz, &naz_bits, 4);
+    const float e0 = ktfp8_exp_nonpos(naz);
+    uint32_t e_bits;
+    memcpy(&e_bits, &e0, 4);
+    e_bits &= keep;                                          /* e = exp(-|z|), 0 for |z| > 86 */
+    const uint32_t num_bits = (e_bits & neg) | (0x3F800000u & ~neg); /* z < 0 ? e : 1 */
+    memcpy(&e, &e_bits, 4);
+    memcpy(&num, &num_bits, 4);
+    return x * (num / (1.0f + e));
+}
+
+/* The clamps are selects: NaN fails both compares and stays.  One loop per activation, each
+ * vectorised on its own (a per-element choice would cost both). */
+static inline void ktfp8_glu(float *restrict g, const float *restrict u, int64_t n, int activation, float limit) {
+    if (activation == KTFP8_ACT_GELU_TANH) {
+        const float a = 1.59576912f, b = 0.0713548162f; /* 2 sqrt(2/pi), 0.044715 x that */
+        for (int64_t i = 0; i < n; i++) {
+            const float x = g[i] > limit ? limit : g[i];
+            const float up = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
+            g[i] = ktfp8_x_sigmoid(x, x * (a + b * (x * x))) * up;
+        }
+        return;
+    }
     for (int64_t i = 0; i < n; i++) {
-        const float x = g[i] > limit ? limit : g[i];           /* selects: NaN fails both compares */
+        const float x = g[i] > limit ? limit : g[i];
         const float up = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
-        uint32_t bits;
-        memcpy(&bits, &x, 4);
-        const uint32_t nax_bits = bits | 0x80000000u; /* -|x| */
-        const uint32_t keep = (uint32_t)((int32_t)(bits & 0x7FFFFFFFu) > 0x42AC0000) - 1u; /* |x| <= 86 */
-        const uint32_t neg = (uint32_t)-(int32_t)(bits >> 31);                             /* x < 0 */
-        float nax, e, num;
-        memcpy(&nax, &nax_bits, 4);
-        const float e0 = ktfp8_exp_nonpos(nax);
-        uint32_t e_bits;
-        memcpy(&e_bits, &e0, 4);
-        e_bits &= keep;                                          /* e = exp(-|x|), 0 for |x| > 86 */
-        const uint32_t num_bits = (e_bits & neg) | (0x3F800000u & ~neg); /* x < 0 ? e : 1 */
-        memcpy(&e, &e_bits, 4);
-        memcpy(&num, &num_bits, 4);
-        g[i] = x * (num / (1.0f + e)) * up;
+        g[i] = ktfp8_x_sigmoid(x, x) * up;
     }
 }
 
@@ -113,10 +135,10 @@ static inline void ktfp8_axpy(float *restrict y, float w, const float *restrict 
     for (int64_t i = 0; i < n; i++) y[i] += w * z[i];
 }
 
-static inline void ktfp8_epilogue_silu_mul_store(float *g, const float *u, int64_t m, int64_t nb, int64_t cols,
-                                          void *h, int64_t h_stride, int act, float limit) {
+static inline void ktfp8_epilogue_glu_store(float *g, const float *u, int64_t m, int64_t nb, int64_t cols, void *h,
+                                            int64_t h_stride, int act, int activation, float limit) {
     const size_t esz = act == KTFP8_BF16 ? 2 : 4;
-    ktfp8_silu_mul(g, u, m * nb, limit);
+    ktfp8_glu(g, u, m * nb, activation, limit);
     for (int64_t i = 0; i < m; i++) ktfp8_store_row((char *)h + esz * (size_t)(i * h_stride), act, g + i * nb, cols);
 }
 
@@ -128,7 +150,7 @@ static inline void ktfp8_epilogue_scatter_add(float *acc, int64_t acc_stride, co
 
 #define KTFP8_EPILOGUE_OPS(name)                                 \
     static const ktfp8_epilogue_ops name = {                     \
-        .silu_mul_store = ktfp8_epilogue_silu_mul_store,         \
+        .glu_store = ktfp8_epilogue_glu_store,                   \
         .scatter_add = ktfp8_epilogue_scatter_add,               \
     }
 

@@ -29,7 +29,9 @@ cdef extern from "ktfp8/abi.h":
         int32_t threads
         int32_t act_dtype
         int64_t layer_experts
+        int32_t activation
         float swiglu_limit
+    enum: KTFP8_ACT_SILU, KTFP8_ACT_GELU_TANH
 
 cdef extern from "ktfp8/moe.h":
     int ktfp8_shape_check(const ktfp8_moe_shape *shape)
@@ -38,6 +40,9 @@ cdef extern from "ktfp8/moe.h":
                     void *dst, int threads) nogil
     int ktfp8_moe_forward(const ktfp8_variant *variant, const ktfp8_moe_call *call) nogil
     enum: KTFP8_ENOMEM, KTFP8_EINVAL
+
+
+ACTIVATIONS = {"silu": KTFP8_ACT_SILU, "gelu_pytorch_tanh": KTFP8_ACT_GELU_TANH}
 
 
 cdef object expert_pointers(weights, int64_t E, int64_t out, int64_t inp, size_t wsize, str name):
@@ -84,23 +89,29 @@ def packed_size(Variant variant, tuple shape):
 cdef class PackedMoE:
     """The experts of one layer packed once for one variant, their shape checked once.
 
-    PackedMoE(variant, shape, gate, up, down, gate_scale, up_scale, down_scale, threads, swiglu_limit=None):
+    PackedMoE(variant, shape, gate, up, down, gate_scale, up_scale, down_scale, threads, swiglu_limit=None,
+              activation="silu"):
     shape = (experts, hidden, inter, format, block_n, block_k) with format an enum ktfp8_wformat;
     weights uint8 codes or uint16 bf16 bits, each [E, out, in] with C-contiguous matrices or a list of
     E [out, in] arrays (expert_pointers); scales float32 (None for bf16); packed on `threads` threads.
     swiglu_limit: the clamp of every call's SwiGLU (ktfp8_moe_call.swiglu_limit), None for none.
+    activation: the gate's, "silu" or "gelu_pytorch_tanh" (MoeConfig.hidden_act).
     Never changed after packing, so MoE copies share one."""
     cdef const ktfp8_variant *v
     cdef ktfp8_moe_shape s
     cdef readonly object packed   # uint8, 64-byte aligned
     cdef const void *packed_data
     cdef float swiglu_limit
+    cdef int32_t activation
 
     def __cinit__(self, Variant variant, tuple shape, gate, up, down, gate_scale, up_scale, down_scale,
-                  int threads, swiglu_limit=None):
+                  int threads, swiglu_limit=None, activation="silu"):
         self.v = runnable(variant)
         self.s = moe_shape(shape)
         self.swiglu_limit = float("inf") if swiglu_limit is None else swiglu_limit
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+        self.activation = ACTIVATIONS[activation]
         cdef int64_t E = self.s.experts, H = self.s.hidden, I = self.s.inter
         cdef ktfp8_proj_src src[3]
         cdef int i
@@ -212,6 +223,7 @@ cdef class PackedMoE:
         c.threads = threads
         c.act_dtype = act_dtype
         c.layer_experts = layer_experts
+        c.activation = self.activation
         c.swiglu_limit = self.swiglu_limit
         if T == 0:
             return

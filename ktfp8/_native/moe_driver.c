@@ -4,7 +4,7 @@
  * weights stream from memory once per call whatever T is.  One parallel region, two phases:
  *   1. items (expert, intermediate tile): the expert's token rows gathered into the thread's buffer
  *      in the activation dtype, zero padded to K, where its items start on that thread
- *      (gather_expert); gate and up tiles over all of the expert's tokens, then h = silu(g) * u in
+ *      (gather_expert); gate and up tiles over all of the expert's tokens, then h = act(g) * u in
  *      FP32, rounded once to the activation dtype for the down projection;
  *   2. items (hidden tile, or two adjacent ones when the kernel has tile_matmul2), handed out in
  *      groups of adjacent items (of one token block's tokens: a long call's phase 2 runs in token
@@ -113,7 +113,7 @@ typedef struct call_buffers {
     int64_t *fill;         /* [E] counting-sort cursor */
     int64_t *pair_token;   /* [n_pairs] */
     float *pair_weight;    /* [n_pairs] */
-    void *h;               /* [n_pairs][h_stride] silu(gate) * up, activation dtype, K padded to Ip */
+    void *h;               /* [n_pairs][h_stride] act(gate) * up, activation dtype, K padded to Ip */
     int64_t *block_start;  /* [n_blocks + 1][n_active]: first pair of active expert a whose token is in
                             * phase-2 token block tb or later (block_starts) */
     int64_t x_stride, h_stride; /* elements: of a gathered token row (gather_expert) and of h */
@@ -571,7 +571,7 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                 memset((char *)b.h + esz * (size_t)(p * b.h_stride + I), 0, esz * (size_t)(Ip - I));
         }
 
-        /* phase 1: h = silu(x @ gate^T) * (x @ up^T), per (expert, intermediate tile), in runs
+        /* phase 1: h = act(x @ gate^T) * (x @ up^T), per (expert, intermediate tile), in runs
          * (phase1_runs: the dynamic schedule's chunks, spelled out so that an item knows its successor) */
         const int64_t tiles1 = proj[KTFP8_GATE].n_tiles, items1 = b.n_active * tiles1;
         const phase1_runs runs1 = phase1_runs_of(items1, threads);
@@ -609,7 +609,8 @@ int ktfp8_moe_forward(const ktfp8_variant *v, const ktfp8_moe_call *c) {
                 }
                 const int64_t n0 = tile * nb, rows = I - n0 < nb ? I - n0 : nb;
                 char *h = (char *)b.h + esz * (size_t)(p0 * b.h_stride + n0);
-                kern->epilogue->silu_mul_store(gbuf, ubuf, m, nb, rows, h, b.h_stride, act, c->swiglu_limit);
+                kern->epilogue->glu_store(gbuf, ubuf, m, nb, rows, h, b.h_stride, act, c->activation,
+                                          c->swiglu_limit);
                 for (int64_t i = 0; act_exp && i < m; i++) {
                     const float row_amax = finite_amax((const float *)h + i * b.h_stride, KTFP8_F32, rows);
                     h_amax = row_amax > h_amax ? row_amax : h_amax;
