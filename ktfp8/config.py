@@ -27,7 +27,8 @@ GROUP_SCORES = ("best", "top2_sum")
 # The gate's activation in act(gate) * up: SiLU (SwiGLU), or GELU with its tanh approximation (GeGLU:
 # Gemma 4's experts), the two the kernels' epilogue computes (include/ktfp8/moe_epilogue.h)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
-# transformers' activation names (ACT2FN) of those same functions -> MoeConfig.hidden_act
+# transformers' activation names (ACT2FN) of those same functions -> MoeConfig.hidden_act (each checked
+# against transformers' module: tests/test_hf_activations.py)
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_pytorch_tanh",
                   "gelu_python_tanh": "gelu_pytorch_tanh", "gelu_new": "gelu_pytorch_tanh",
                   "gelu_fast": "gelu_pytorch_tanh", "gelu_accurate": "gelu_pytorch_tanh"}
@@ -357,7 +358,7 @@ def _check_moe_combination(v):
 # --- Hugging Face config.json -> MoeConfig fields -------------------------------------------------
 
 _EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")   # last: Ernie 4.5
-_TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")      # Ernie 4.5, Hunyuan-A13B
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts")      # Ernie 4.5, Hunyuan-A13B, Gemma 4
 # The width the routed experts compute at, first key set wins: NemotronH (moe_latent_size) and Muse Spark
 # (moe_hidden_size) project x to the experts' own width.  Read by from_hf_config and by convert's checks.
 _EXPERT_HIDDEN_KEYS = ("moe_latent_size", "moe_hidden_size", "hidden_size")
@@ -401,6 +402,9 @@ _SOFTMAX_FAMILIES = ("cohere2_moe", "ernie4_5_moe", "flex_olmo", "hunyuan_v1_moe
 for _family in _NOAUX_TC_FAMILIES:
     _FAMILY_DEFAULTS[_family] = {**_FAMILY_DEFAULTS.get(_family, {}), "topk_method": "noaux_tc"}
 _KNOWN_FAMILIES = frozenset(_FAMILY_DEFAULTS) | frozenset(_SOFTMAX_FAMILIES)
+# Families whose router has a step MoeConfig has no field for -> what it does (transformers 5.25)
+_UNDESCRIBED_ROUTERS = {f: "by softmax top-k, renormalised, then times a learned per-expert scale "
+                           "(router.per_expert_scale, a checkpoint weight)" for f in ("gemma4", "gemma4_text")}
 # Routers that renormalise whatever config.json says (their config classes have no norm_topk_prob, or
 # their routers do not read it); Cohere2-MoE's softmax one too (`expert_selection_fn`, below)
 _ALWAYS_RENORMALISED = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax", "minimax_m2", "mistral_large4_text", "mixtral",
@@ -504,6 +508,11 @@ def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=Fa
     if family is not None and not isinstance(family, str):
         raise ValueError(f"Hugging Face config: model_type must be a string, got {type(family).__name__} {family!r}")
     defaults = _FAMILY_DEFAULTS.get(family, {})
+    if family in _UNDESCRIBED_ROUTERS and not routing_given:
+        raise ValueError(f"Hugging Face config: model_type {family!r} routes {_UNDESCRIBED_ROUTERS[family]}, which "
+                         f"no MoeConfig routing describes: route with that model's router and call the MoE with its "
+                         f"topk_ids / topk_weights (ktfp8.hf does so inside transformers); for a MoeConfig to call "
+                         f"it that way, pass scoring_func=... (its routing fields then go unused)")
     names_routing = any(config.get(key) is not None for key in ("scoring_func", "topk_method"))
     if family is not None and family not in _KNOWN_FAMILIES and not (names_routing or routing_given):
         raise ValueError(f"Hugging Face config: model_type {family!r} names no scoring_func or topk_method, "

@@ -14,7 +14,7 @@ from .safetensors_io import SafetensorsError, tensor_nbytes
 # a name inside a numbered layer, and what comes before 'layers.<n>.' (its root: a VLM's text decoder and
 # vision encoder differ there, e.g. model.language_model. and model.vision_model.encoder.)
 _DECODER_LAYER = re.compile(r"^(?P<root>(?:.*\.)?)layers\.\d+\.")
-_EXPERTS_LAYER = re.compile(rf"^(?P<root>(?:.*\.)?)layers\.\d+\.{EXPERTS_PARENT}\.experts\.")
+_EXPERTS_LAYER = re.compile(rf"^(?P<root>(?:.*\.)?)layers\.\d+\.{EXPERTS_PARENT}experts\.")
 _ROUTERS = ("gate", "router", "shared_expert_gate")
 _HEADS = ("lm_head", "head")
 _EMBEDDINGS = ("wte", "wpe", "word_embeddings")

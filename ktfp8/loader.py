@@ -22,10 +22,11 @@ from .safetensors_io import SafetensorsError, SafetensorsFile
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
-# the module a decoder layer holds its routed experts in: mlp (most families), block_sparse_moe (Mixtral's
-# checkpoints and those copying them), feed_forward (Jamba), ffn (DeepSeek-V4)
-EXPERTS_PARENT = r"(?:mlp|block_sparse_moe|feed_forward|ffn)"
-_EXPERT_STACK = rf"(?P<stack>(?:.*\.)?layers\.(?P<layer>\d+)\.{EXPERTS_PARENT}\.experts)"
+# the module a decoder layer holds its routed experts in, with its dot: mlp (most families), block_sparse_moe
+# (Mixtral's checkpoints and those copying them), feed_forward (Jamba), ffn (DeepSeek-V4), or none: the
+# layer itself (Gemma 4, whose layer holds a dense mlp beside its experts)
+EXPERTS_PARENT = r"(?:(?:mlp|block_sparse_moe|feed_forward|ffn)\.)?"
+_EXPERT_STACK = rf"(?P<stack>(?:.*\.)?layers\.(?P<layer>\d+)\.{EXPERTS_PARENT}experts)"
 EXPERT_RE = re.compile(
     rf"^{_EXPERT_STACK}\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
     r"\.(?P<kind>weight|weight_scale|weight_scale_inv)$")
@@ -39,12 +40,13 @@ PER_EXPERT_NAMES = "per-expert tensors only (...experts.<e>.gate_proj.weight, up
 # Model types whose fused experts python -m ktfp8.convert splits into per-expert weights -> the layouts
 # they come in (stored transposed or not).  transformers' own layout (Mistral 4's checkpoints, and what
 # transformers 5 saves): gate_up_proj [E, 2I, H], each expert's gate rows then its up rows, and down_proj
-# [E, H, I]; so do LaraMini's, GraniteMoE-SWA's, HY-V4's and ZAYA's, whose checkpoints transformers 5.25
+# [E, H, I]; so do LaraMini's, GraniteMoE-SWA's, HY-V4's, ZAYA's and Gemma 4's, whose checkpoints transformers 5.25
 # loads with no weight conversion (their parameters' own layout).  Qwen3-VL-MoE's Hub checkpoints hold them
 # transposed, [E, H, 2I] and [E, I, H].  Other model types are refused: a fused layout may interleave gate
 # and up, or carry biases.
 FUSED_LAYOUTS = {"mistral4": (False,), "qwen3_vl_moe": (True, False), "qwen3_vl_moe_text": (True, False),
-                 "lara_mini": (False,), "granitemoe_swa": (False,), "hy_v4": (False,), "zaya": (False,)}
+                 "lara_mini": (False,), "granitemoe_swa": (False,), "hy_v4": (False,), "zaya": (False,),
+                 "gemma4": (False,), "gemma4_text": (False,)}
 FUSED_MODEL_TYPES = ", ".join(t for t in FUSED_LAYOUTS if not t.endswith("_text"))
 CONVERT_SPLITS_FUSED = f"python -m ktfp8.convert writes them, also from the fused experts of {FUSED_MODEL_TYPES} " \
     "checkpoints"

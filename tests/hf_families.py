@@ -39,27 +39,45 @@ def _shrink(cfg):
     if getattr(cfg, "pad_token_id", None) is not None:
         cfg.pad_token_id = 0
     for key, value in TINY.items():
-        # a None elsewhere may mean "off" (no q LoRA, no indexer); an expert count of None means "set me"
-        if key in vars(cfg) and not isinstance(getattr(cfg, key), (list, dict)) and (
-                getattr(cfg, key) is not None or key in EXPERT_COUNTS):
+        # a None elsewhere may mean "off" (no q LoRA, no indexer); an expert count of None means "set me".
+        # Read from vars: Gemma 4's config refuses getattr of a field that may differ by layer (head_dim)
+        if key in vars(cfg) and not isinstance(vars(cfg)[key], (list, dict)) and (
+                vars(cfg)[key] is not None or key in EXPERT_COUNTS):
             setattr(cfg, key, value)
     if getattr(cfg, "qk_rope_head_dim", None) is not None and "head_dim" in vars(cfg):
         cfg.head_dim = cfg.qk_rope_head_dim          # multi-head latent attention: head_dim is the rope part
 
 
-# what a family's config class refuses otherwise; a SwiGLU clamp that bites at these sizes (gate and up
+# what a family's config class refuses otherwise (LFM2-MoE's layer kinds have no default; Gemma 4's and
+# DiffusionGemma's experts are off by default, their sizes None); a SwiGLU clamp that bites at these sizes (gate and up
 # products of a few tenths)
 # (and attention layers that do not share the indexer of a layer cut away)
 OVERRIDES = {"zaya": dict(num_experts_per_tok=1),
+             "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+             "gemma4_text": dict(enable_moe_block=True, top_k_experts=2, moe_intermediate_size=32,
+                                 vocab_size_per_layer_input=128, hidden_size_per_layer_input=16),
+             "diffusion_gemma_text": dict(top_k_experts=2, moe_intermediate_size=32),
+             "axk2": dict(num_key_value_heads=4), "glm_moe_dsa": dict(num_key_value_heads=4),
+             "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16,
+                                      layer_types=["linear_attention", "full_attention"]),
+             "kolibri1_1": dict(layer_types=["sliding_attention", "indexed_attention"], index_layers=[1],
+                                kv_source_layers=[0, 1], index_num_heads=2, index_topk=4),
+             # (its text and vision experts' widths, of which its blocks pass one to the experts)
+             "ernie4_5_vl_moe_text": dict(moe_intermediate_size=[32, 16]),
              "hy_v4": dict(swiglu_limit=0.05, indexer_types=["full"] * 2),
              "deepseek_v4": dict(swiglu_limit=0.05, layer_types=["heavily_compressed_attention"] * 2,
                                  mlp_layer_types=["moe"] * 2)}
 
 
+# what must be given to a family's config class when it is made: Gemma 4's derives per-layer fields from
+# its layer kinds then (set afterwards, they would disagree)
+CONSTRUCTED = {"gemma4_text": dict(num_hidden_layers=LAYERS, layer_types=["sliding_attention", "full_attention"])}
+
+
 def tiny_config(model_type):
     """The transformers config of `model_type` at its class defaults, made tiny (its text config too)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    config = CONFIG_MAPPING[model_type]()
+    config = CONFIG_MAPPING[model_type](**CONSTRUCTED.get(model_type, {}))
     text = config.get_text_config()
     for cfg in [config] + ([text] if text is not config else []):
         _shrink(cfg)

@@ -834,7 +834,7 @@ def test_fused_experts_of_an_unknown_layout_are_refused(tiny, tmp_path, capsys, 
     src = _edited(tiny[kind], tmp_path / "fused", lambda t: fuse_experts(t, kind, layers))
     fused = f"tensor '{stack}.down_proj' [{count}, {HIDDEN}, {MOE_INTER}] holds a layer's routed experts fused in " \
         f"one 3-D tensor, whose layout python -m ktfp8.convert does not know for model type {kind}: it splits the " \
-        f"fused experts of mistral4, qwen3_vl_moe, lara_mini, granitemoe_swa, hy_v4, zaya checkpoints, and " \
+        f"fused experts of mistral4, qwen3_vl_moe, lara_mini, granitemoe_swa, hy_v4, zaya, gemma4 checkpoints, and " \
         f"otherwise reads per-expert tensors only (...experts.<e>.gate_proj.weight, up_proj, down_proj)"
     _expect_error(src, tmp_path, capsys, f"{fused}. A BF16 checkpoint like this one is {works}")
     assert run(src, tmp_path / "o", "--all-linear") == 1

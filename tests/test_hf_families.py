@@ -23,18 +23,20 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 NMSE_MAX = 1e-8     # float32 on the same weights: the sums' order alone differs
 # model type -> its experts class, for the families whose whole model is built here
-FAMILIES = {"afmoe": "AfmoeExperts", "axk1": "AXK1Experts", "beam": "BeamExperts", "cohere2_moe": "Cohere2MoeExperts",
-            "deepseek_v4": "DeepseekV4Experts", "dots1": "Dots1Experts", "exaone_moe": "ExaoneMoeExperts",
-            "flex_olmo": "FlexOlmoExperts", "flint": "FlintExperts", "granitemoe": "GraniteMoeExperts",
-            "granitemoe_swa": "GraniteMoeSWAExperts", "granitemoeshared": "GraniteMoeSharedExperts",
-            "hy_v3": "HYV3Experts", "hy_v4": "HYV4Experts", "jamba": "JambaExperts",
-            "kimi_linear": "KimiLinearExperts", "kolibri1": "Kolibri1Experts", "laguna": "LagunaExperts",
-            "lara_mini": "LaraMiniExperts", "longcat_flash": "LongcatFlashExperts", "mellum": "MellumExperts",
+FAMILIES = {"afmoe": "AfmoeExperts", "axk1": "AXK1Experts", "axk2": "AXK2Experts", "beam": "BeamExperts",
+            "cohere2_moe": "Cohere2MoeExperts", "deepseek_v4": "DeepseekV4Experts", "dots1": "Dots1Experts",
+            "exaone_moe": "ExaoneMoeExperts", "flex_olmo": "FlexOlmoExperts", "flint": "FlintExperts",
+            "gemma4_text": "Gemma4TextExperts", "glm_moe_dsa": "GlmMoeDsaExperts", "granitemoe": "GraniteMoeExperts",
+            "granitemoehybrid": "GraniteMoeHybridExperts", "granitemoe_swa": "GraniteMoeSWAExperts",
+            "granitemoeshared": "GraniteMoeSharedExperts", "hy_v3": "HYV3Experts", "hy_v4": "HYV4Experts",
+            "jamba": "JambaExperts", "kimi_linear": "KimiLinearExperts", "kolibri1": "Kolibri1Experts",
+            "kolibri1_1": "Kolibri1_1Experts", "laguna": "LagunaExperts", "lara_mini": "LaraMiniExperts",
+            "lfm2_moe": "Lfm2MoeExperts", "longcat_flash": "LongcatFlashExperts", "mellum": "MellumExperts",
             "mimo_v2_flash": "MiMoV2FlashExperts", "minicpm5_moe": "MiniCPM5MoeExperts", "phimoe": "PhimoeExperts",
             "solar_open": "SolarOpenExperts", "zaya": "ZayaExperts"}
 # families whose checkpoints python -m ktfp8.convert cannot read (GraniteMoE's experts are stored fused
 # under other names, block_sparse_moe.input_linear / output_linear): quantized on load only
-ON_LOAD_ONLY = {"granitemoe", "granitemoeshared"}
+ON_LOAD_ONLY = {"granitemoe", "granitemoehybrid", "granitemoeshared"}
 # experts classes that clamp their SwiGLU after the activation (Bailing-Hybrid, Step-3.5/3.7), which the kernels
 # do not compute: refused, and the oracle below tells them apart (a check that the comparison can fail)
 CLAMPED_AFTER = {"bailing_hybrid": "BailingHybridExperts", "step3p7": "Step3p7Experts"}
@@ -88,7 +90,10 @@ def _experts_alone(cls_name, model_type):
     modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
     cls = getattr(modeling, cls_name)
     torch.manual_seed(1)
-    module = cls(config, 0) if "layer_idx" in inspect.signature(cls.__init__).parameters else cls(config)
+    params = inspect.signature(cls.__init__).parameters
+    # Ernie-4.5-VL's blocks give their experts one of the config's widths (text, vision): the text one
+    width = {"intermediate_size": config.moe_intermediate_size[0]} if "intermediate_size" in params else {}
+    module = cls(config, 0, **width) if "layer_idx" in params else cls(config, **width)
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn_like(p) * torch.exp(torch.randn(p.shape[0], p.shape[1], 1)) / p.shape[-1] ** 0.5)

@@ -6,18 +6,20 @@ transformers 5 keeps a MoE block's routed experts in one module (fused `gate_up_
 after its own router: exactly what ktfp8.MoE computes, so routing stays in transformers."""
 import copy
 import functools
+import math
 import threading
 import warnings
 
 import torch
 
 from ..backends import requested_threads
-from ..config import MoeConfig, QuantConfig
+from ..config import HIDDEN_ACTS, MoeConfig, QuantConfig
 from ..experts import quantize_experts
 from . import op
 from .layer import build_layer, check_activation_dtype, local_experts
 
-# transformers experts classes whose layout and activation the kernels compute (silu(gate) * up, no bias)
+# transformers experts classes whose layout the kernels compute (act(gate) * up, no bias), act one of
+# MoeConfig's HIDDEN_ACTS (activation_of tells which)
 SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_moe",
                      "DeepseekV2Experts": "deepseek_v2", "DeepseekV3Experts": "deepseek_v3",
                      "MixtralExperts": "mixtral", "OlmoeExperts": "olmoe", "Glm4MoeExperts": "glm4_moe",
@@ -36,13 +38,27 @@ SUPPORTED_EXPERTS = {"Qwen2MoeExperts": "qwen2_moe", "Qwen3MoeExperts": "qwen3_m
                      "Kolibri1Experts": "kolibri1", "LagunaExperts": "laguna", "LaraMiniExperts": "lara_mini",
                      "LongcatFlashExperts": "longcat_flash", "MellumExperts": "mellum",
                      "MiMoV2FlashExperts": "mimo_v2_flash", "MiniCPM5MoeExperts": "minicpm5_moe",
-                     "PhimoeExperts": "phimoe", "SolarOpenExperts": "solar_open", "ZayaExperts": "zaya",
+                     "PhimoeExperts": "phimoe", "Lfm2MoeExperts": "lfm2_moe", "SolarOpenExperts": "solar_open",
+                     "ZayaExperts": "zaya", "AXK2Experts": "axk2", "Dots3NoteExperts": "dots3_note",
+                     "GlmMoeDsaExperts": "glm_moe_dsa", "GraniteMoeHybridExperts": "granitemoehybrid",
+                     "Kolibri1_1Experts": "kolibri1_1",
+                     # (the text models of vision-language or speech models: each checked alone)
+                     "DeepseekOcr2TextExperts": "deepseek_ocr2_text",
+                     "Ernie4_5_VLMoeMoeExperts": "ernie4_5_vl_moe_text", "Glm4vMoeTextExperts": "glm4v_moe_text",
+                     "MistralLarge4TextExperts": "mistral_large4_text",
+                     "Qwen3OmniMoeThinkerTextExperts": "qwen3_omni_moe_text",
+                     "Qwen3OmniMoeTalkerTextExperts": "qwen3_omni_moe_talker_text",
+                     "Qwen4ExpTextExperts": "qwen4_exp_text", "UnlimitedOcrTextExperts": "unlimited_ocr_text",
                      # a clamped SwiGLU, silu(min(gate, L)) * clamp(up, -L, L): MoeConfig.swiglu_limit
                      "DeepseekV4Experts": "deepseek_v4", "Glm5NextTextExperts": "glm5_next_text",
-                     "HYV4Experts": "hy_v4", "HYV4VLExperts": "hy_v4_vl_text"}
+                     "HYV4Experts": "hy_v4", "HYV4VLExperts": "hy_v4_vl_text",
+                     # GeGLU, gelu_tanh(gate) * up: MoeConfig.hidden_act "gelu_pytorch_tanh"
+                     "Gemma4TextExperts": "gemma4_text", "DiffusionGemmaTextExperts": "diffusion_gemma_text"}
 # those experts classes -> the attribute holding their L (None: no clamp)
 SWIGLU_LIMIT_ATTRS = {"DeepseekV4Experts": "limit", "Glm5NextTextExperts": "swiglu_limit",
                       "HYV4Experts": "swiglu_limit", "HYV4VLExperts": "swiglu_limit"}
+# those experts classes that call F.silu in their forward rather than an act_fn attribute
+SILU_INLINE = ("Glm5NextTextExperts", "HYV4Experts", "HYV4VLExperts")
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_EXPERTS.values())
 
 # experts_implementation name -> how the weights are held
@@ -80,11 +96,40 @@ def check_supported(module):
     layout = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True,
                   has_post_expert_norm=False, _is_expert_parallel=False)
     problems = [f"{k}={getattr(module, k)}" for k, v in layout.items() if getattr(module, k, v) != v]
-    act = getattr(module.config, "hidden_act", "silu")
-    if act not in ("silu", "swish"):             # the kernels compute silu(gate) * up
-        problems.append(f"hidden_act={act!r}")
+    if activation_of(module) is None:
+        config = module.config
+        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+        problems.append(f"hidden_act={act!r} (the kernels compute {' or '.join(HIDDEN_ACTS)})")
     if problems:
         raise _unsupported(f"{name} with {', '.join(problems)}")
+
+
+def _reference_activations(x):
+    """HIDDEN_ACTS name -> that activation of float64 `x`, written from its definition."""
+    inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)
+    return {"silu": x * torch.sigmoid(x), "gelu_pytorch_tanh": 0.5 * x * (1 + torch.tanh(inner))}
+
+
+def activation_of(module):
+    """The HIDDEN_ACTS name of the function `module` applies to its gate, or None where it is none of
+    them: read off its act_fn's values (a config's activation name says what ACT2FN built, not what the
+    forward calls: LFM2-MoE's act_fn is F.silu whatever the config says), SiLU where the class calls
+    F.silu itself (SILU_INLINE)."""
+    name = type(module).__name__
+    act_fn = getattr(module, "act_fn", None)
+    if act_fn is None:
+        return "silu" if name in SILU_INLINE else None
+    x = torch.linspace(-12, 12, 481, dtype=torch.float64)
+    with torch.no_grad():
+        try:
+            got = act_fn(x)
+        except Exception:  # an activation that refuses float64 is none of these
+            return None
+    for act, want in _reference_activations(x).items():
+        if isinstance(got, torch.Tensor) and got.shape == x.shape and torch.allclose(got, want, rtol=1e-6,
+                                                                                    atol=1e-12):
+            return act
+    return None
 
 
 def _refuse_other_implementations(module, args):
@@ -146,14 +191,18 @@ def _is_int(value):
 def layer_top_k(module, block):
     """How many experts the router of `module`'s MoE block (`block`, which holds it) picks per token: its
     gate's top_k, as every supported family's router has one (Hunyuan's takes moe_topk[layer_idx] where
-    config.json gives a per-layer list), else config.num_experts_per_tok when that is one int."""
+    config.json gives a per-layer list), else config.num_experts_per_tok (Gemma 4: top_k_experts) when
+    that is one int."""
     top_k = getattr(getattr(block, "gate", None), "top_k", None)
     if top_k is None:
-        top_k = getattr(module.config, "num_experts_per_tok", None)
+        config = module.config
+        top_k = next((getattr(config, k) for k in ("num_experts_per_tok", "top_k_experts")
+                      if getattr(config, k, None) is not None), None)
     if not _is_int(top_k):
         raise ValueError(f"ktfp8 experts implementation: cannot tell how many experts the router of "
                          f"{type(module).__name__} picks per token: its block {type(block).__name__} has no "
-                         f"gate.top_k and the config's num_experts_per_tok is {top_k!r}, not one int")
+                         f"gate.top_k and the config's num_experts_per_tok / top_k_experts is {top_k!r}, "
+                         f"not one int")
     return top_k
 
 
@@ -163,7 +212,7 @@ def layer_config(module, quant_config, top_k, threads=None):
     limit_attr = SWIGLU_LIMIT_ATTRS.get(type(module).__name__)
     return MoeConfig(expert_num=module.num_experts, num_experts_per_tok=top_k,
                      hidden_size=module.hidden_dim, intermediate_size=module.intermediate_dim,
-                     swiglu_limit=getattr(module, limit_attr) if limit_attr else None,
+                     hidden_act=activation_of(module), swiglu_limit=getattr(module, limit_attr) if limit_attr else None,
                      threads=threads, quant_config=quant_config)
 
 
