@@ -50,8 +50,9 @@ def fused_items(checkpoint, input_type, spec, all_linear, hf_config):
         m = FUSED_STACK_RE.match(name)
         if m is None:
             raise SafetensorsError(f"tensor {name!r} holds routed experts fused outside a decoder layer's "
-                                   f"mlp.experts (...layers.<n>.mlp.experts.gate_up_proj); python -m "
-                                   f"ktfp8.convert has no per-expert names for them")
+                                   f"mlp.experts or experts (...layers.<n>.mlp.experts.gate_up_proj, "
+                                   f"...layers.<n>.experts.gate_up_proj); python -m ktfp8.convert has no "
+                                   f"per-expert names for them")
         stacks.setdefault(m["stack"], {})[m["part"]] = name
     per_expert = stacks_by_prefix(checkpoint.names())
     items = []

@@ -16,6 +16,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 
+from .config import HIDDEN_ACTS
 from .experts import FORMATS, split_experts
 from ._torch import to_device, to_numpy
 from .moe import MoE, check_layer_types
@@ -175,9 +176,13 @@ class ExpertParallelMoE:
         shard = experts if experts.expert_range == self.expert_range else experts.shard(self.expert_range)
         self.moe = MoE(config, shard, backend=backend, threads=threads)
         self.config = self.moe.config   # a copy, as MoE keeps
+        # the epilogue's fields too: ranks computing another activation or clamp would sum a mix silently
+        limit_bits = -1 if config.swiglu_limit is None else int(np.float32(config.swiglu_limit).view(np.int32))
         check_same_on_all_ranks((config.expert_num, config.hidden_size, config.intermediate_size,
-                                 config.num_experts_per_tok, FORMATS.index(experts.format)),
-                                "(expert_num, hidden_size, intermediate_size, num_experts_per_tok, format)",
+                                 config.num_experts_per_tok, FORMATS.index(experts.format),
+                                 HIDDEN_ACTS.index(config.hidden_act), limit_bits),
+                                f"(expert_num, hidden_size, intermediate_size, num_experts_per_tok, format, "
+                                f"hidden_act: index in {HIDDEN_ACTS}, swiglu_limit: float32 bits, -1 for none)",
                                 group, self.timeout_s)
         self.timings = {"calls": 0, "compute_s": 0.0, "allreduce_s": 0.0}
 

@@ -76,6 +76,13 @@ def equal(rank, size, out_dir):
                           _bf16_layer(H + 8 * (rank == size - 1)), threads=1, timeout_s=TIMEOUT_S)
     except ValueError as err:
         errors["mismatch"] = str(err)
+    # the same layer, the last rank computing GeGLU: refused, not a sum of SwiGLU and GeGLU shares
+    gelu = config("bf16")
+    gelu.hidden_act = "gelu_pytorch_tanh" if rank == size - 1 else "silu"
+    try:
+        ExpertParallelMoE(gelu, _bf16_layer(H), threads=1, timeout_s=TIMEOUT_S)
+    except ValueError as err:
+        errors["activation_mismatch"] = str(err)
     try:    # fewer experts than ranks: refused before any collective
         ExpertParallelMoE(config("bf16", expert_num=size - 1, k=1), _bf16_layer(H, size - 1),
                           timeout_s=TIMEOUT_S)

@@ -939,7 +939,7 @@ FUSED_REFUSALS = {
                  f"nothing to quantize"),
     "outside mlp.experts": (lambda t: _rename_stack(t, STACK, "model.layers.1.moe.experts"), lambda c: None,
                             "tensor 'model.layers.1.moe.experts.gate_up_proj' holds routed experts fused "
-                            "outside a decoder layer's mlp.experts"),
+                            "outside a decoder layer's mlp.experts or experts"),
 }
 
 

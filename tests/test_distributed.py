@@ -70,6 +70,7 @@ def test_expert_parallel_equals_one_process(world, tmp_path):
         errors = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert "ranks disagree on (expert_num, hidden_size" in errors["mismatch"]
         assert str(W.H + 8) in errors["mismatch"]
+        assert "ranks disagree on" in errors["activation_mismatch"] and "hidden_act" in errors["activation_mismatch"]
         assert f"world size={world} would leave 1 of them without experts" in errors["too_few_experts"]
 
 

@@ -43,6 +43,18 @@ def test_other_activations_are_told_apart(name):
                                             hidden_size=8, moe_intermediate_size=8, hidden_act=name))
 
 
+@pytest.mark.parametrize("act_fn, want", [
+    (torch.nn.SiLU(inplace=True), "silu"),                                  # changes its input
+    (lambda x: torch.nn.functional.silu(x).float(), "silu"),               # float32: within 1e-7
+    (lambda x: torch.nn.functional.silu(x).half(), None),                  # float16: 1e-3 off
+    (lambda x: x.sum(), None),                                              # not elementwise
+])
+def test_activation_read_off_odd_act_fns(act_fn, want):
+    """An in-place act_fn was refused as SiLU (x changed before the reference was taken), one returning
+    another dtype raised torch's RuntimeError instead of being told apart."""
+    assert activation_of(_Experts(act_fn)) == want
+
+
 def test_the_two_activations_differ_where_the_check_reads_them():
     """The values activation_of compares tell SiLU and the tanh GELU apart (a check that could fail)."""
     silu, gelu = (gate_activation(X, act) for act in HIDDEN_ACTS)

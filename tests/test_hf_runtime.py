@@ -165,6 +165,19 @@ def test_prepare_quantizes_now_and_releases_the_bf16_weights(qwen3):
     np.testing.assert_array_equal(got, want)
 
 
+def test_prepare_reaches_experts_built_from_a_copy_of_the_config(qwen3):
+    """Dots3-Note's vision experts take config.per_layer_config[i], a copy made with the model, which
+    set_experts_implementation does not reach: after prepare they still ran as "grouped_mm" over their
+    released weights (ValueError at the first image).  prepare sets each module's own config too."""
+    model = AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)
+    want = logits(ktfp8.hf.prepare(AutoModelForCausalLM.from_pretrained(qwen3["bf16"], dtype=torch.float32)))
+    ex = experts_module(model, 1)
+    ex.config = copy.copy(ex.config)
+    ktfp8.hf.prepare(model)
+    assert ex.config is not model.config and ex.config._experts_implementation == "ktfp8"
+    np.testing.assert_array_equal(logits(model), want)
+
+
 def test_threads_calling_a_model_before_its_first_forward_quantize_each_layer_once(qwen3, monkeypatch):
     """Six Python threads calling a model set to "ktfp8" before its first forward: each layer was quantized
     once per thread that found it unprepared, and each attach freed the layer another thread was about to

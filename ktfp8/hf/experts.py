@@ -122,14 +122,14 @@ def activation_of(module):
     x = torch.linspace(-12, 12, 481, dtype=torch.float64)
     with torch.no_grad():
         try:
-            got = act_fn(x)
-        except Exception:  # an activation that refuses float64 is none of these
+            got = act_fn(x.clone())      # (an in-place activation would change x)
+            if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+                return None
+            got = got.to(torch.float64)
+        except Exception:  # an activation that refuses float64 (or another odd one) is none of these
             return None
-    for act, want in _reference_activations(x).items():
-        if isinstance(got, torch.Tensor) and got.shape == x.shape and torch.allclose(got, want, rtol=1e-6,
-                                                                                    atol=1e-12):
-            return act
-    return None
+    return next((act for act, want in _reference_activations(x).items()
+                 if torch.allclose(got, want, rtol=1e-6, atol=1e-12)), None)
 
 
 def _refuse_other_implementations(module, args):
@@ -338,7 +338,14 @@ def prepare(model, quant_config=None, *, threads=None):
         # the layers quantized before an error released their weights: they run on ktfp8 (and the model's
         # next forward meets the same error at the layer that raised it, not an unusable model)
         if any(getattr(m, "_ktfp8_handle", None) is not None for _, m, _ in modules):
-            model.set_experts_implementation(implementation_name(quant_config))
+            name = implementation_name(quant_config)
+            model.set_experts_implementation(name)
+            # a module built from its own copy of a config (Dots3-Note's vision experts take
+            # config.per_layer_config[i], copied when the model was made) keeps its old implementation,
+            # which would index its released weights
+            for _, m, _ in modules:
+                if m.config._experts_implementation != name:
+                    m.config._experts_implementation = name
     return model
 
 
