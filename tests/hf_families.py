@@ -92,3 +92,18 @@ def build_family_model(model_type, seed=0):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     return spread_expert_rows(AutoModelForCausalLM.from_config(tiny_config(model_type)).eval())
+
+
+def build_gemma4_vision_language_model(seed=0):
+    """A random float32 Gemma 4 vision-language model (Gemma4ForConditionalGeneration, the class of its
+    released checkpoints: their experts under model.language_model.): the tiny gemma4_text model as its
+    text model, a one-layer vision tower (whose weights the converter copies), no audio tower."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    config = CONFIG_MAPPING["gemma4"]()
+    config.text_config = tiny_config("gemma4_text")
+    config.vision_config = config.sub_configs["vision_config"](
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=16, position_embedding_size=64)
+    torch.manual_seed(seed)
+    return spread_expert_rows(AutoModelForImageTextToText.from_config(config).eval())

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import ktfp8.hf  # noqa: E402
-from hf_families import build_family_model, tiny_config  # noqa: E402
+from hf_families import build_family_model, build_gemma4_vision_language_model, tiny_config  # noqa: E402
 from hf_models import save_model  # noqa: E402
 from hf_oracle import PER_CHANNEL, greedy, logits, per_channel_experts, tiny_model_settings, write_experts  # noqa: E402
 from ktfp8.convert import main as convert  # noqa: E402
@@ -81,6 +81,26 @@ def test_whole_model_both_loading_paths(model_type, tmp_path):
     mapped = ktfp8.hf.from_pretrained(fp8, dtype=torch.float32)
     _check_against(mapped, oracle)
     assert all(ex.gate_up_proj.numel() == 0 for _, ex, _ in hf_experts.experts_modules(mapped))
+
+
+def test_gemma4_vision_language_model_both_loading_paths(tmp_path):
+    """Gemma 4's released checkpoints are its vision-language model, experts fused under
+    model.language_model.layers.<n>.experts: quantized on load, and converted then mapped by
+    ktfp8.hf.from_pretrained, both against the eager experts on the same FP8 weights."""
+    from transformers import AutoModelForImageTextToText
+    bf16 = save_model(build_gemma4_vision_language_model(), tmp_path / "bf16")
+    oracle = _quantized_per_channel(AutoModelForImageTextToText.from_pretrained(bf16, dtype=torch.float32,
+                                                                                experts_implementation="eager"))
+    assert [name for name, _, _ in hf_experts.experts_modules(oracle)] == \
+        [f"model.language_model.layers.{n}.experts" for n in range(2)]
+    on_load = AutoModelForImageTextToText.from_pretrained(bf16, dtype=torch.float32, experts_implementation="ktfp8")
+    assert nmse(logits(on_load), logits(oracle)) < NMSE_MAX
+    fp8 = tmp_path / "fp8"
+    assert convert(["--input-type", "bf16", "--input-path", str(bf16), "--output-path", str(fp8),
+                    "--quant-config", PER_CHANNEL]) == 0
+    mapped = ktfp8.hf.from_pretrained(fp8, dtype=torch.float32)
+    assert type(mapped).__name__ == "Gemma4ForConditionalGeneration"
+    assert nmse(logits(mapped), logits(oracle)) < NMSE_MAX
 
 
 def _experts_alone(cls_name, model_type):
