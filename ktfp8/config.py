@@ -392,7 +392,7 @@ _FAMILY_DEFAULTS = {
 # topk_method, in config.json or as overrides): a guess would route silently wrong (GLM-4.5 read as
 # softmax, for one).
 _NOAUX_TC_FAMILIES = ("axk1", "axk2", "deepseek_v32", "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite",
-                      "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "lfm2_moe",
+                      "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "laguna", "lfm2_moe",
                       "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "muse_spark_text", "nemotron_h",
                       "solar_open")
 _SOFTMAX_FAMILIES = ("cohere2_moe", "ernie4_5_moe", "flex_olmo", "hunyuan_v1_moe", "lara_mini", "mellum", "minimax",
