@@ -377,6 +377,8 @@ _FAMILY_DEFAULTS = {
     "glm5_next_text": {"routed_scaling_factor": 2.5}, "glm_moe_dsa": {"routed_scaling_factor": 2.5},
     "glm4_moe_lite": {"routed_scaling_factor": 1.8}, "minicpm5_moe": {"routed_scaling_factor": 3.66},
     "hy_v4": {"routed_scaling_factor": 2.827}, "hy_v4_vl_text": {"routed_scaling_factor": 2.827},
+    "hy_v3": {"routed_scaling_factor": 2.826},          # its config.json's router_scaling_factor
+    "beam": {"routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4},
     "flex_olmo": {"norm_topk_prob": False}, "olmoe": {"norm_topk_prob": False},
     "qwen3_omni_moe_talker_text": {"norm_topk_prob": False},
     # DeepSeek-V2's router under a vision-language model: topk_method given, no norm_topk_prob, never renormalised
@@ -391,8 +393,8 @@ _FAMILY_DEFAULTS = {
 # transformers router (tests/test_routing.py).  Any other model_type must name its routing (scoring_func /
 # topk_method, in config.json or as overrides): a guess would route silently wrong (GLM-4.5 read as
 # softmax, for one).
-_NOAUX_TC_FAMILIES = ("axk1", "axk2", "deepseek_v32", "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite",
-                      "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "laguna", "lfm2_moe",
+_NOAUX_TC_FAMILIES = ("axk1", "axk2", "beam", "deepseek_v32", "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite",
+                      "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "hy_v3", "hy_v4", "hy_v4_vl_text", "lfm2_moe",
                       "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "muse_spark_text", "nemotron_h",
                       "solar_open")
 _SOFTMAX_FAMILIES = ("cohere2_moe", "ernie4_5_moe", "flex_olmo", "hunyuan_v1_moe", "lara_mini", "mellum", "minimax",
@@ -403,12 +405,15 @@ for _family in _NOAUX_TC_FAMILIES:
     _FAMILY_DEFAULTS[_family] = {**_FAMILY_DEFAULTS.get(_family, {}), "topk_method": "noaux_tc"}
 _KNOWN_FAMILIES = frozenset(_FAMILY_DEFAULTS) | frozenset(_SOFTMAX_FAMILIES)
 # Families whose router has a step MoeConfig has no field for -> what it does (transformers 5.25)
-_UNDESCRIBED_ROUTERS = {f: "by softmax top-k, renormalised, then times a learned per-expert scale "
-                           "(router.per_expert_scale, a checkpoint weight)" for f in ("gemma4", "gemma4_text")}
+_UNDESCRIBED_ROUTERS = {**{f: "by softmax top-k, renormalised, then times a learned per-expert scale "
+                              "(router.per_expert_scale, a checkpoint weight)" for f in ("gemma4", "gemma4_text")},
+                        "laguna": "as DeepSeek-V3 without groups, but its logits soft-capped when "
+                                  "moe_router_logit_softcapping > 0 and the experts' sum times "
+                                  "moe_routed_scaling_factor"}
 # Routers that renormalise whatever config.json says (their config classes have no norm_topk_prob, or
 # their routers do not read it); Cohere2-MoE's softmax one too (`expert_selection_fn`, below)
-_ALWAYS_RENORMALISED = ("ernie4_5_moe", "hunyuan_v1_moe", "minimax", "minimax_m2", "mistral_large4_text", "mixtral",
-                        "muse_spark_text", "qwen3_5_moe_text", "qwen3_vl_moe_text")
+_ALWAYS_RENORMALISED = ("ernie4_5_moe", "hunyuan_v1_moe", "hy_v3", "minimax", "minimax_m2", "mistral_large4_text",
+                        "mixtral", "muse_spark_text", "qwen3_5_moe_text", "qwen3_vl_moe_text")
 _DEEPSEEK_V2_ROUTERS = ("deepseek_v2", "deepseek_ocr2_text", "unlimited_ocr_text")   # softmax, topk_method given
 # config.json keys a family's router does not read (its config class has no such field), which a
 # config.json may carry all the same (fine-tunes copy DeepSeek's fields): the family's own value stands,
@@ -425,9 +430,11 @@ for _family in ("flint", "minimax_m2"):
     _NOT_READ[_family] += ("routed_scaling_factor", "n_group", "topk_group")
 for _family in ("lfm2_moe", "muse_spark_text"):
     _NOT_READ[_family] += ("n_group", "topk_group")
+_NOT_READ["hy_v3"] += ("routed_scaling_factor", "n_group", "topk_group")    # its router_scaling_factor is read
 # Other names config.json gives a field under: Cohere2-MoE's expert_selection_fn ("softmax", the default, or
-# "sigmoid"), Inkling-2's and AFMoE's route_scale, Gemma's hidden_activation
-_KEY_ALIASES = {"scoring_func": ("expert_selection_fn",), "routed_scaling_factor": ("route_scale",),
+# "sigmoid"), Inkling-2's and AFMoE's route_scale, HY-V3's router_scaling_factor, Gemma's hidden_activation
+_KEY_ALIASES = {"scoring_func": ("expert_selection_fn",),
+                "routed_scaling_factor": ("route_scale", "router_scaling_factor"),
                 "hidden_act": ("hidden_activation",)}
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 # Families whose experts clamp their SwiGLU as MoeConfig.swiglu_limit does (gate at most L before silu, up

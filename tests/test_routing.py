@@ -212,6 +212,17 @@ def test_routing_fields_read_as_the_family_reads_them(family, fields):
     _check_family(family, **fields)
 
 
+@pytest.mark.parametrize("family", sorted(config_module._UNDESCRIBED_ROUTERS))
+def test_routers_no_moeconfig_describes_are_refused(family):
+    """Gemma 4 (a learned per-expert scale) and Laguna (soft-capped logits, a scale after the experts): routed
+    as a known family's router they would be silently wrong; with scoring_func given (for calls with the
+    model's own ids and weights) the sizes are read."""
+    fields = dict(model_type=family, num_experts=8, num_experts_per_tok=2, hidden_size=8, moe_intermediate_size=8)
+    with pytest.raises(ValueError, match="which no MoeConfig routing describes"):
+        MoeConfig.from_hf_config(fields)
+    assert MoeConfig.from_hf_config(fields, scoring_func="sigmoid").expert_num == 8
+
+
 def _stray_fields(family, key):
     """A config.json value of routing field `key` that would change the routing of a router reading it."""
     noaux_tc = family in config_module._NOAUX_TC_FAMILIES or family == "deepseek_v3"
@@ -232,6 +243,11 @@ def test_routing_fields_a_family_does_not_read_are_ignored(family, key):
     _check_family(family, **_stray_fields(family, key))
 
 
+# families whose MoE block multiplies the experts' weighted sum by routed_scaling_factor, where the others'
+# routers multiply the weights (Beam)
+SCALED_AFTER_EXPERTS = ("beam",)
+
+
 def _check_family(family, **fields):
     """Routes the family's block's logits with MoeConfig.from_hf_config of its config and compares with
     what the block's router chose; returns (config, block, MoeConfig)."""
@@ -246,6 +262,8 @@ def _check_family(family, **fields):
             if getattr(block, "use_expert_bias", True) is False:
                 block.use_expert_bias = True
     logits, hf_w, hf_ids = _run_block(block, 32)
+    if family in SCALED_AFTER_EXPERTS:      # the same product as scaling each weight, up to rounding
+        hf_w = hf_w * hf.routed_scaling_factor
     if bias is not None:          # a bias that is a parameter (Ernie 4.5's) was drawn again by _run_block
         bias = next(t for n, t in [*block.named_parameters(), *block.named_buffers()]
                     if n.endswith(("e_score_correction_bias", "expert_bias"))).detach().numpy().reshape(-1)
