@@ -279,6 +279,9 @@ class MoeConfig:
         naming a SwiGLU clamp is refused unless swiglu_limit is given.  hidden_act (Gemma's
         hidden_activation): transformers' names of SiLU and of the tanh GELU (HF_ACTIVATIONS); another is
         refused unless hidden_act is given.
+        Routers no MoeConfig describes are refused unless scoring_func is given: Gemma 4's, Laguna's and Muse
+        Spark's (_UNDESCRIBED_ROUTERS), A.X-K2's with groups.  Cohere2-MoE with shared experts averages them
+        with the routed sum: its routed weights come halved (halve the shared experts' output too).
         Note: transformers' DeepseekV2 ignores norm_topk_prob while DeepSeek's own code honours it; every
         released V2 checkpoint sets it to false, where both agree.
         """
@@ -395,7 +398,7 @@ _FAMILY_DEFAULTS = {
 # softmax, for one).
 _NOAUX_TC_FAMILIES = ("axk1", "axk2", "beam", "deepseek_v32", "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite",
                       "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "hy_v3", "hy_v4", "hy_v4_vl_text", "lfm2_moe",
-                      "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "muse_spark_text", "nemotron_h",
+                      "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "nemotron_h",
                       "solar_open")
 _SOFTMAX_FAMILIES = ("cohere2_moe", "ernie4_5_moe", "flex_olmo", "hunyuan_v1_moe", "lara_mini", "mellum", "minimax",
                      "mistral4", "mistral_large4_text", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe_text",
@@ -409,11 +412,18 @@ _UNDESCRIBED_ROUTERS = {**{f: "by softmax top-k, renormalised, then times a lear
                               "(router.per_expert_scale, a checkpoint weight)" for f in ("gemma4", "gemma4_text")},
                         "laguna": "as DeepSeek-V3 without groups, but its logits soft-capped when "
                                   "moe_router_logit_softcapping > 0 and the experts' sum times "
-                                  "moe_routed_scaling_factor"}
+                                  "moe_routed_scaling_factor",
+                        "muse_spark_text": "by the sigmoid of its logits times output_multiplier, which the "
+                                           "router applies to the logits it returns"}
+# Families whose router does something MoeConfig has no field for at some settings only -> (the
+# config.json field, the test of its value that marks those settings, what the router then does)
+_UNDESCRIBED_SETTINGS = {"axk2": ("n_group", lambda n: n is not None and n > 1,
+                                  "keeps its best groups by masking the others' experts with 0, not -inf, so an "
+                                  "expert outside them can win where a kept one's biased score is below 0")}
 # Routers that renormalise whatever config.json says (their config classes have no norm_topk_prob, or
 # their routers do not read it); Cohere2-MoE's softmax one too (`expert_selection_fn`, below)
 _ALWAYS_RENORMALISED = ("ernie4_5_moe", "hunyuan_v1_moe", "hy_v3", "minimax", "minimax_m2", "mistral_large4_text",
-                        "mixtral", "muse_spark_text", "qwen3_5_moe_text", "qwen3_vl_moe_text")
+                        "mixtral", "qwen3_5_moe_text", "qwen3_vl_moe_text")
 _DEEPSEEK_V2_ROUTERS = ("deepseek_v2", "deepseek_ocr2_text", "unlimited_ocr_text")   # softmax, topk_method given
 # config.json keys a family's router does not read (its config class has no such field), which a
 # config.json may carry all the same (fine-tunes copy DeepSeek's fields): the family's own value stands,
@@ -428,14 +438,20 @@ _NOT_READ = {
 }
 for _family in ("flint", "minimax_m2"):
     _NOT_READ[_family] += ("routed_scaling_factor", "n_group", "topk_group")
-for _family in ("lfm2_moe", "muse_spark_text"):
-    _NOT_READ[_family] += ("n_group", "topk_group")
+_NOT_READ["lfm2_moe"] += ("n_group", "topk_group")
+for _family in ("deepseek_ocr2_text", "unlimited_ocr_text"):      # their routers never renormalise
+    _NOT_READ[_family] += ("norm_topk_prob",)
 _NOT_READ["hy_v3"] += ("routed_scaling_factor", "n_group", "topk_group")    # its router_scaling_factor is read
-# Other names config.json gives a field under: Cohere2-MoE's expert_selection_fn ("softmax", the default, or
-# "sigmoid"), Inkling-2's and AFMoE's route_scale, HY-V3's router_scaling_factor, Gemma's hidden_activation
-_KEY_ALIASES = {"scoring_func": ("expert_selection_fn",),
-                "routed_scaling_factor": ("route_scale", "router_scaling_factor"),
-                "hidden_act": ("hidden_activation",)}
+# Other names a family's config.json gives a field under, read for that family only (another family's router
+# does not read them: a stray route_scale scaled a Qwen3-MoE's weights, a stray expert_selection_fn made a
+# Mixtral's softmax sigmoid, a helper's audit): Cohere2-MoE's expert_selection_fn ("softmax", the default, or
+# "sigmoid"), Inkling-2's and AFMoE's route_scale, HY-V3's router_scaling_factor; and for any family, Gemma's
+# name of the activation
+_FAMILY_KEY_ALIASES = {"cohere2_moe": {"scoring_func": ("expert_selection_fn",)},
+                       "inkling2_text": {"routed_scaling_factor": ("route_scale",)},
+                       "afmoe": {"routed_scaling_factor": ("route_scale",)},
+                       "hy_v3": {"routed_scaling_factor": ("router_scaling_factor",)}}
+_KEY_ALIASES = {"hidden_act": ("hidden_activation",)}
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 # Families whose experts clamp their SwiGLU as MoeConfig.swiglu_limit does (gate at most L before silu, up
 # within +-L; transformers 5.25's experts modules) -> L where config.json leaves swiglu_limit out.  Other
@@ -481,6 +497,16 @@ def _one_value(value):
     return value
 
 
+def _routed_sum_scale(config, family):
+    """What a family's block multiplies the routed experts' sum by after them, beyond routed_scaling_factor:
+    Cohere2-MoE with shared experts averages the two sums by default (shared_expert_combination_strategy
+    "average"), so its routed weights are halved here, and its shared experts' output must be halved too."""
+    if family == "cohere2_moe" and (config.get("num_shared_experts") or 0) > 0 and \
+            config.get("shared_expert_combination_strategy", "average") == "average":
+        return 0.5
+    return 1.0
+
+
 def _hidden_act(name):
     """MoeConfig.hidden_act of a config.json activation name (transformers' ACT2FN key)."""
     if isinstance(name, str) and name in HF_ACTIVATIONS:
@@ -520,6 +546,12 @@ def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=Fa
                          f"no MoeConfig routing describes: route with that model's router and call the MoE with its "
                          f"topk_ids / topk_weights (ktfp8.hf does so inside transformers); for a MoeConfig to call "
                          f"it that way, pass scoring_func=... (its routing fields then go unused)")
+    if family in _UNDESCRIBED_SETTINGS and not routing_given:
+        key, applies, what = _UNDESCRIBED_SETTINGS[family]
+        if applies(config.get(key)):
+            raise ValueError(f"Hugging Face config: model_type {family!r} with {key} = {config[key]!r} {what}, "
+                             f"which no MoeConfig routing describes; pass scoring_func=... to read its sizes for "
+                             f"calls with that model's own topk_ids / topk_weights")
     names_routing = any(config.get(key) is not None for key in ("scoring_func", "topk_method"))
     if family is not None and family not in _KNOWN_FAMILIES and not (names_routing or routing_given):
         raise ValueError(f"Hugging Face config: model_type {family!r} names no scoring_func or topk_method, "
@@ -528,7 +560,8 @@ def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=Fa
                          f"n_group=..., topk_group=..., routed_scaling_factor=...)")
 
     def get(key, default=None):
-        keys = [k for k in (key, *_KEY_ALIASES.get(key, ())) if k not in _NOT_READ.get(family, ())]
+        aliases = (*_FAMILY_KEY_ALIASES.get(family, {}).get(key, ()), *_KEY_ALIASES.get(key, ()))
+        keys = [k for k in (key,) if k not in _NOT_READ.get(family, ())] + list(aliases)
         value = next((config[k] for k in keys if config.get(k) is not None), None)
         return defaults.get(key, default) if value is None else value
 
@@ -569,6 +602,7 @@ def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=Fa
         hidden_size=need("hidden_size", _EXPERT_HIDDEN_KEYS),
         intermediate_size=need("intermediate_size", _EXPERT_INTERMEDIATE_KEYS),
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
-        group_score=defaults.get("group_score"), routed_scaling_factor=get("routed_scaling_factor", 1.0),
+        group_score=defaults.get("group_score"),
+        routed_scaling_factor=get("routed_scaling_factor", 1.0) * _routed_sum_scale(config, family),
         hidden_act=None if act_given else _hidden_act(get("hidden_act", "silu")),
         swiglu_limit=None if limit_given else _swiglu_limit(config, family))

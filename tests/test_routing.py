@@ -202,8 +202,18 @@ def test_every_known_family_routes_as_its_transformers_block(family):
     ("cohere2_moe", {"expert_selection_fn": "sigmoid"}),
     ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": False}),
     # routers that renormalise whatever a config.json field their class lacks says
-    *[(family, {"norm_topk_prob": False}) for family in ("minimax", "minimax_m2", "muse_spark_text",
+    *[(family, {"norm_topk_prob": False}) for family in ("minimax", "minimax_m2",
                                                           "qwen3_5_moe_text", "qwen3_vl_moe_text")],
+    # a stray alias another family's router reads (a helper's audit: every weight x3, or softmax made sigmoid)
+    ("qwen3_moe", {"route_scale": 3.0}), ("qwen3_moe", {"router_scaling_factor": 3.0}),
+    ("minimax_m2", {"route_scale": 3.0}), ("flint", {"router_scaling_factor": 3.0}), ("hy_v3", {"route_scale": 3.0}),
+    ("mixtral", {"expert_selection_fn": "sigmoid"}), ("mistral4", {"expert_selection_fn": "sigmoid"}),
+    ("hy_v3", {"router_scaling_factor": 1.7}),
+    # the OCR models' DeepSeek-V2 routers never renormalise, whatever a config.json says
+    ("unlimited_ocr_text", {"norm_topk_prob": True}), ("deepseek_ocr2_text", {"norm_topk_prob": True}),
+    # Cohere2-MoE's block averages the routed sum with its shared experts' by default
+    ("cohere2_moe", {"num_shared_experts": 1}),
+    ("cohere2_moe", {"num_shared_experts": 1, "shared_expert_combination_strategy": "sum"}),
 ])
 def test_routing_fields_read_as_the_family_reads_them(family, fields):
     """Found by a helper's audit: every weight of Inkling-2 8x too small, UnlimitedOCR / DeepSeek-OCR2
@@ -212,11 +222,22 @@ def test_routing_fields_read_as_the_family_reads_them(family, fields):
     _check_family(family, **fields)
 
 
+def test_axk2_with_groups_is_refused():
+    """A.X-K2's router masks the experts of the groups it drops with 0, not -inf: with groups, an expert
+    outside the kept ones can win (a helper's audit: 58 of 512 tokens routed otherwise with biases below
+    0); without groups it routes as DeepSeek-V3 (test_every_known_family_routes_as_its_transformers_block)."""
+    fields = dict(model_type="axk2", n_routed_experts=8, num_experts_per_tok=2, hidden_size=8, moe_intermediate_size=8)
+    with pytest.raises(ValueError, match="with n_group = 4 keeps its best groups by masking the others' experts"):
+        MoeConfig.from_hf_config(dict(fields, n_group=4, topk_group=2))
+    assert MoeConfig.from_hf_config(dict(fields, n_group=4, topk_group=2), scoring_func="sigmoid").n_group == 4
+    assert MoeConfig.from_hf_config(fields).scoring_func == "sigmoid"
+
+
 @pytest.mark.parametrize("family", sorted(config_module._UNDESCRIBED_ROUTERS))
 def test_routers_no_moeconfig_describes_are_refused(family):
-    """Gemma 4 (a learned per-expert scale) and Laguna (soft-capped logits, a scale after the experts): routed
-    as a known family's router they would be silently wrong; with scoring_func given (for calls with the
-    model's own ids and weights) the sizes are read."""
+    """Gemma 4 (a learned per-expert scale), Laguna (soft-capped logits, a scale after the experts) and Muse
+    Spark (its logits times output_multiplier): routed as a known family's router they would be silently
+    wrong; with scoring_func given (for calls with the model's own ids and weights) the sizes are read."""
     fields = dict(model_type=family, num_experts=8, num_experts_per_tok=2, hidden_size=8, moe_intermediate_size=8)
     with pytest.raises(ValueError, match="which no MoeConfig routing describes"):
         MoeConfig.from_hf_config(fields)
@@ -226,7 +247,7 @@ def test_routers_no_moeconfig_describes_are_refused(family):
 def _stray_fields(family, key):
     """A config.json value of routing field `key` that would change the routing of a router reading it."""
     noaux_tc = family in config_module._NOAUX_TC_FAMILIES or family == "deepseek_v3"
-    return {"scoring_func": {"scoring_func": "sigmoid"},
+    return {"scoring_func": {"scoring_func": "sigmoid"}, "norm_topk_prob": {"norm_topk_prob": True},
             "routed_scaling_factor": {"routed_scaling_factor": 3.0},
             "n_group": {"n_group": 4, "topk_group": 2}, "topk_group": {"n_group": 4, "topk_group": 2},
             "topk_method": {"topk_method": "greedy"} if noaux_tc else
@@ -264,6 +285,8 @@ def _check_family(family, **fields):
     logits, hf_w, hf_ids = _run_block(block, 32)
     if family in SCALED_AFTER_EXPERTS:      # the same product as scaling each weight, up to rounding
         hf_w = hf_w * hf.routed_scaling_factor
+    if family == "cohere2_moe" and hf.num_shared_experts > 0 and hf.shared_expert_combination_strategy == "average":
+        hf_w = hf_w * 0.5                   # its block: (routed + shared) / 2
     if bias is not None:          # a bias that is a parameter (Ernie 4.5's) was drawn again by _run_block
         bias = next(t for n, t in [*block.named_parameters(), *block.named_buffers()]
                     if n.endswith(("e_score_correction_bias", "expert_bias"))).detach().numpy().reshape(-1)
