@@ -417,7 +417,7 @@ _UNDESCRIBED_ROUTERS = {**{f: "by softmax top-k, renormalised, then times a lear
                                            "router applies to the logits it returns"}
 # Families whose router does something MoeConfig has no field for at some settings only -> (the
 # config.json field, the test of its value that marks those settings, what the router then does)
-_UNDESCRIBED_SETTINGS = {"axk2": ("n_group", lambda n: n is not None and n > 1,
+_UNDESCRIBED_SETTINGS = {"axk2": ("n_group", lambda n: _is_number(n) and n > 1,
                                   "keeps its best groups by masking the others' experts with 0, not -inf, so an "
                                   "expert outside them can win where a kept one's biased score is below 0")}
 # Routers that renormalise whatever config.json says (their config classes have no norm_topk_prob, or
@@ -497,11 +497,17 @@ def _one_value(value):
     return value
 
 
+def _is_number(value):
+    """A config.json number (JSON true is a Python bool: not one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _routed_sum_scale(config, family):
     """What a family's block multiplies the routed experts' sum by after them, beyond routed_scaling_factor:
     Cohere2-MoE with shared experts averages the two sums by default (shared_expert_combination_strategy
     "average"), so its routed weights are halved here, and its shared experts' output must be halved too."""
-    if family == "cohere2_moe" and (config.get("num_shared_experts") or 0) > 0 and \
+    shared = config.get("num_shared_experts")
+    if family == "cohere2_moe" and _is_number(shared) and shared > 0 and \
             config.get("shared_expert_combination_strategy", "average") == "average":
         return 0.5
     return 1.0
