@@ -407,19 +407,21 @@ _SOFTMAX_FAMILIES = ("cohere2_moe", "ernie4_5_moe", "flex_olmo", "hunyuan_v1_moe
 for _family in _NOAUX_TC_FAMILIES:
     _FAMILY_DEFAULTS[_family] = {**_FAMILY_DEFAULTS.get(_family, {}), "topk_method": "noaux_tc"}
 _KNOWN_FAMILIES = frozenset(_FAMILY_DEFAULTS) | frozenset(_SOFTMAX_FAMILIES)
-# Families whose router has a step MoeConfig has no field for -> what it does (transformers 5.25)
-_UNDESCRIBED_ROUTERS = {**{f: "by softmax top-k, renormalised, then times a learned per-expert scale "
-                              "(router.per_expert_scale, a checkpoint weight)" for f in ("gemma4", "gemma4_text")},
-                        "laguna": "as DeepSeek-V3 without groups, but its logits soft-capped when "
-                                  "moe_router_logit_softcapping > 0 and the experts' sum times "
-                                  "moe_routed_scaling_factor",
-                        "muse_spark_text": "by the sigmoid of its logits times output_multiplier, which the "
-                                           "router applies to the logits it returns"}
-# Families whose router does something MoeConfig has no field for at some settings only -> (the
-# config.json field, the test of its value that marks those settings, what the router then does)
-_UNDESCRIBED_SETTINGS = {"axk2": ("n_group", lambda n: _is_number(n) and n > 1,
-                                  "keeps its best groups by masking the others' experts with 0, not -inf, so an "
-                                  "expert outside them can win where a kept one's biased score is below 0")}
+# Families whose router has a step MoeConfig has no field for (transformers 5.25) -> (the config.json
+# field whose value brings that step in, or None where it is always there; the test of that value; what
+# the router then does)
+_ALWAYS = (None, lambda value: True)
+_UNDESCRIBED_ROUTERS = {**{f: (*_ALWAYS, "routes by softmax top-k, renormalised, then times a learned per-expert "
+                                         "scale (router.per_expert_scale, a checkpoint weight)")
+                           for f in ("gemma4", "gemma4_text")},
+                        "laguna": (*_ALWAYS, "routes as DeepSeek-V3 without groups, but its logits soft-capped "
+                                             "when moe_router_logit_softcapping > 0 and the experts' sum times "
+                                             "moe_routed_scaling_factor"),
+                        "muse_spark_text": (*_ALWAYS, "routes by the sigmoid of its logits times output_multiplier, "
+                                                      "which the router applies to the logits it returns"),
+                        "axk2": ("n_group", lambda n: _is_number(n) and n > 1,
+                                 "keeps its best groups by masking the others' experts with 0, not -inf, so an "
+                                 "expert outside them can win where a kept one's biased score is below 0")}
 # Routers that renormalise whatever config.json says (their config classes have no norm_topk_prob, or
 # their routers do not read it); Cohere2-MoE's softmax one too (`expert_selection_fn`, below)
 _ALWAYS_RENORMALISED = ("ernie4_5_moe", "hunyuan_v1_moe", "hy_v3", "minimax", "minimax_m2", "mistral_large4_text",
@@ -547,17 +549,13 @@ def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=Fa
     if family is not None and not isinstance(family, str):
         raise ValueError(f"Hugging Face config: model_type must be a string, got {type(family).__name__} {family!r}")
     defaults = _FAMILY_DEFAULTS.get(family, {})
-    if family in _UNDESCRIBED_ROUTERS and not routing_given:
-        raise ValueError(f"Hugging Face config: model_type {family!r} routes {_UNDESCRIBED_ROUTERS[family]}, which "
-                         f"no MoeConfig routing describes: route with that model's router and call the MoE with its "
-                         f"topk_ids / topk_weights (ktfp8.hf does so inside transformers); for a MoeConfig to call "
-                         f"it that way, pass scoring_func=... (its routing fields then go unused)")
-    if family in _UNDESCRIBED_SETTINGS and not routing_given:
-        key, applies, what = _UNDESCRIBED_SETTINGS[family]
-        if applies(config.get(key)):
-            raise ValueError(f"Hugging Face config: model_type {family!r} with {key} = {config[key]!r} {what}, "
-                             f"which no MoeConfig routing describes; pass scoring_func=... to read its sizes for "
-                             f"calls with that model's own topk_ids / topk_weights")
+    key, applies, what = _UNDESCRIBED_ROUTERS.get(family, (None, lambda value: False, ""))
+    if not routing_given and applies(config.get(key)):
+        setting = f" with {key} = {config[key]!r}" if key else ""
+        raise ValueError(f"Hugging Face config: model_type {family!r}{setting} {what}, which no MoeConfig routing "
+                         f"describes: route with that model's router and call the MoE with its topk_ids / "
+                         f"topk_weights (ktfp8.hf does so inside transformers); for a MoeConfig to call it that way, "
+                         f"pass scoring_func=... (its routing fields then go unused)")
     names_routing = any(config.get(key) is not None for key in ("scoring_func", "topk_method"))
     if family is not None and family not in _KNOWN_FAMILIES and not (names_routing or routing_given):
         raise ValueError(f"Hugging Face config: model_type {family!r} names no scoring_func or topk_method, "
@@ -567,7 +565,7 @@ def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=Fa
 
     def get(key, default=None):
         aliases = (*_FAMILY_KEY_ALIASES.get(family, {}).get(key, ()), *_KEY_ALIASES.get(key, ()))
-        keys = [k for k in (key,) if k not in _NOT_READ.get(family, ())] + list(aliases)
+        keys = ([] if key in _NOT_READ.get(family, ()) else [key]) + list(aliases)
         value = next((config[k] for k in keys if config.get(k) is not None), None)
         return defaults.get(key, default) if value is None else value
 
