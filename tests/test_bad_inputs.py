@@ -131,14 +131,63 @@ def _deep_header(c):
     return FP8SafeTensorLoader(folder)
 
 
-def _nan_scale(c):
-    folder = c.copy("nan_scale")
+def _edited_checkpoint(c, name, edit):
+    """load_experts(0) of a copy of the checkpoint whose shard's tensors {name: (dtype, array)} went
+    through edit(tensors) (which changes the dict in place)."""
+    folder = c.copy(name)
     shard = folder / "model.safetensors"
     tensors = _read_all(shard)
-    name = "model.layers.0.mlp.experts.1.up_proj.weight_scale"
-    tensors[name][1][2] = np.nan
+    edit(tensors)
     write_file(shard, tensors)
     return FP8SafeTensorLoader(folder).load_experts(0)
+
+
+def _nan_scale(tensors):
+    tensors[_expert(1, "up") + "_scale"][1][2] = np.nan
+
+
+def _one_in_bf16(tensors):
+    tensors[_expert(1, "up")] = ("BF16", np.zeros((I, H), BF16))
+
+
+def _weights_as_int8(tensors):
+    for name, (_, codes) in list(tensors.items()):
+        if name.endswith(".weight"):
+            tensors[name] = ("I8", codes.view(np.int8))
+
+
+def _without(suffix):
+    """An edit deleting every tensor whose name ends with `suffix`."""
+    def edit(tensors):
+        for name in [n for n in tensors if n.endswith(suffix)]:
+            del tensors[name]
+    return edit
+
+
+def _row_short(tensors):
+    dtype, codes = tensors[_expert(2, "gate")]
+    tensors[_expert(2, "gate")] = (dtype, codes[:-1])
+
+
+def _two_scales_a_row(tensors):
+    for e in range(E):
+        tensors[_expert(e, "gate") + "_scale"] = ("F32", np.ones((I, 2), F32))
+
+
+def _block_scales_of_2x2(tensors):
+    """weight_scale_inv of 2 x 2 blocks where the default 128 x 128 blocks make one per matrix."""
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        del tensors[name]
+        tensors[name + "_inv"] = ("F32", np.ones((2, 2), F32))
+
+
+def _in_two_shards(c):
+    """A folder without an index whose two shards both hold expert 0's gate weight."""
+    folder = c.copy("in_two_shards")
+    tensors = _read_all(folder / "model.safetensors")
+    write_file(folder / "a.safetensors", {_expert(0, "gate"): tensors[_expert(0, "gate")]})
+    (folder / "model.safetensors").rename(folder / "b.safetensors")
+    return FP8SafeTensorLoader(folder)
 
 
 def _without_config(c):
@@ -447,14 +496,10 @@ def _tiny_llama():
 
 def _stray_expert(c, index=7):
     """Layer 0's experts 0-3 complete, and one stray up_proj (weight and scale) of expert `index`."""
-    folder = c.copy(f"stray_expert{index}")
-    shard = folder / "model.safetensors"
-    tensors = _read_all(shard)
-    up = "model.layers.0.mlp.experts.{}.up_proj.{}"
-    for kind in ("weight", "weight_scale"):
-        tensors[up.format(index, kind)] = tensors[up.format(2, kind)]
-    write_file(shard, tensors)
-    return FP8SafeTensorLoader(folder).load_experts(0)
+    def edit(tensors):
+        for suffix in ("", "_scale"):
+            tensors[_expert(index, "up") + suffix] = tensors[_expert(2, "up") + suffix]
+    return _edited_checkpoint(c, f"stray_expert{index}", edit)
 
 
 def _fifo_shard(c):
@@ -887,7 +932,8 @@ CASES = [
          lambda c: FP8SafeTensorLoader(c.ckpt).load_experts(7), ValueError, "layer 7 has no experts"),
     Case("FP8SafeTensorLoader.load_experts", "layer 0.0 (a float)",
          lambda c: FP8SafeTensorLoader(c.ckpt).load_experts(0.0), TypeError, "layer must be an int, got float 0.0"),
-    Case("FP8SafeTensorLoader.load_experts", "a NaN in a weight_scale", _nan_scale, SafetensorsError,
+    Case("FP8SafeTensorLoader.load_experts", "a NaN in a weight_scale",
+         lambda c: _edited_checkpoint(c, "nan_scale", _nan_scale), SafetensorsError,
          "experts.1.up_proj.weight_scale holds nan at [2, 0]; scales must be finite, >= 0 and at most 1.329e+36 (FLT_MAX / 256)"),
     Case("FP8SafeTensorLoader.load_experts", "a stray tensor of expert 7 beside experts 0-3", _stray_expert,
          SafetensorsError, f"experts [4, 5, 6] have no gate, up or down weight, yet '{_expert(7, 'up')}' names "
@@ -896,6 +942,37 @@ CASES = [
          lambda c: _stray_expert(c, 10**9), SafetensorsError,
          f"experts [4, 5, 6, 7, 8, 9, 10, 11, ... (999999996 in all)] have no gate, up or down weight, yet "
          f"'{_expert(10**9, 'up')}' names expert 1000000000"),
+    Case("FP8SafeTensorLoader.load_experts", "one expert's up weight BF16, the others F8_E4M3",
+         lambda c: _edited_checkpoint(c, "one_in_bf16", _one_in_bf16), SafetensorsError,
+         "layer 0 expert weights have dtypes ['BF16', 'F8_E4M3']; expected one"),
+    Case("FP8SafeTensorLoader.load_experts", "expert weights stored as I8",
+         lambda c: _edited_checkpoint(c, "int8", _weights_as_int8), SafetensorsError,
+         "layer 0 expert weights are I8; supported: F8_E4M3, BF16, F16, F32"),
+    Case("FP8SafeTensorLoader.load_experts", "F8_E4M3 weights without any scale",
+         lambda c: _edited_checkpoint(c, "no_scales", _without(".weight_scale")), SafetensorsError,
+         "layer 0 experts are F8_E4M3 without weight_scale or weight_scale_inv tensors"),
+    Case("FP8SafeTensorLoader.load_experts", "the down projections' weight_scale missing",
+         lambda c: _edited_checkpoint(c, "no_down_scales", _without("down_proj.weight_scale")), SafetensorsError,
+         "layer 0 has no down expert weight_scale tensors under model.layers.0.mlp.experts"),
+    Case("FP8SafeTensorLoader.load_experts", "one expert's gate weight a row short",
+         lambda c: _edited_checkpoint(c, "row_short", _row_short), SafetensorsError,
+         f"layer 0 gate weight: experts differ in shape or dtype ({_expert(2, 'gate')}: F8_E4M3 [{I - 1}, {H}], "
+         f"but {_expert(0, 'gate')}: F8_E4M3 [{I}, {H}])"),
+    Case("FP8SafeTensorLoader.load_experts", "a weight_scale of two values a row",
+         lambda c: _edited_checkpoint(c, "two_scales_a_row", _two_scales_a_row), SafetensorsError,
+         f"layer 0 gate weight_scale has per-expert shape [{I}, 2]; per-channel needs [{I}] or [{I}, 1]"),
+    Case("FP8SafeTensorLoader.load_experts",
+         "weight_scale_inv of 2 x 2 scales a matrix, where 128 x 128 blocks make 1 x 1",
+         lambda c: _edited_checkpoint(c, "block_scales", _block_scales_of_2x2), SafetensorsError,
+         f"layer 0 gate weight_scale_inv has shape [{E}, 2, 2]; block [128, 128] needs [{E}, 1, 1]"),
+    Case("FP8SafeTensorLoader", "one tensor in two shards, no index", _in_two_shards, SafetensorsError,
+         f"tensor '{_expert(0, 'gate')}' is in both a.safetensors and b.safetensors"),
+    Case("FP8SafeTensorLoader", "an index without weight_map",
+         lambda c: _bad_index(c, json.dumps({"metadata": {}})), SafetensorsError,
+         "model.safetensors.index.json: needs a 'weight_map' object mapping tensor names to file names"),
+    Case("FP8SafeTensorLoader.tensor", "a name the checkpoint lacks",
+         lambda c: FP8SafeTensorLoader(c.ckpt).tensor("lm_head.weight"), SafetensorsError,
+         "no tensor named 'lm_head.weight' in this checkpoint"),
     Case("FP8SafeTensorLoader", "a named pipe called extra.safetensors (no index, no model.safetensors)", _fifo_shard,
          SafetensorsError,
          "extra.safetensors: is not a regular file, expected a .safetensors file"),
