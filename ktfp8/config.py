@@ -279,9 +279,11 @@ class MoeConfig:
         naming a SwiGLU clamp is refused unless swiglu_limit is given.  hidden_act (Gemma's
         hidden_activation): transformers' names of SiLU and of the tanh GELU (HF_ACTIVATIONS); another is
         refused unless hidden_act is given.
-        Routers no MoeConfig describes are refused unless scoring_func is given: Gemma 4's, Laguna's and Muse
-        Spark's (_UNDESCRIBED_ROUTERS), A.X-K2's with groups.  Cohere2-MoE with shared experts averages them
-        with the routed sum: its routed weights come halved (halve the shared experts' output too).
+        Routers no MoeConfig describes are refused unless scoring_func is given (_UNDESCRIBED_ROUTERS): Gemma 4's,
+        Diffusion Gemma's, Laguna's, Muse Spark's, Kolibri's, Phi-MoE's, LongCat-Flash's, Zaya's and DeepSeek-V4's;
+        A.X-K2's with groups, Ernie 4.5's with a moe_norm_min above the released 1e-12.  Cohere2-MoE with shared
+        experts averages them with the routed sum: its routed weights come halved (halve the shared experts' output
+        too).
         Note: transformers' DeepseekV2 ignores norm_topk_prob while DeepSeek's own code honours it; every
         released V2 checkpoint sets it to false, where both agree.
         """
@@ -361,7 +363,8 @@ def _check_moe_combination(v):
 # --- Hugging Face config.json -> MoeConfig fields -------------------------------------------------
 
 _EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")   # last: Ernie 4.5
-_TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts")      # Ernie 4.5, Hunyuan-A13B, Gemma 4
+# after the first: Ernie 4.5, Hunyuan-A13B, Gemma 4, Kimi Linear
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts", "num_experts_per_token")
 # The width the routed experts compute at, first key set wins: NemotronH (moe_latent_size) and Muse Spark
 # (moe_hidden_size) project x to the experts' own width.  Read by from_hf_config and by convert's checks.
 _EXPERT_HIDDEN_KEYS = ("moe_latent_size", "moe_hidden_size", "hidden_size")
@@ -382,7 +385,9 @@ _FAMILY_DEFAULTS = {
     "hy_v4": {"routed_scaling_factor": 2.827}, "hy_v4_vl_text": {"routed_scaling_factor": 2.827},
     "hy_v3": {"routed_scaling_factor": 2.826},          # its config.json's router_scaling_factor
     "beam": {"routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4},
-    "flex_olmo": {"norm_topk_prob": False}, "olmoe": {"norm_topk_prob": False},
+    "flex_olmo": {"norm_topk_prob": False}, "olmoe": {"norm_topk_prob": False}, "dots1": {"norm_topk_prob": False},
+    "kimi_linear": {"routed_scaling_factor": 2.446},
+    "jamba": {"norm_topk_prob": False},                 # softmax top-k, never renormalised
     "qwen3_omni_moe_talker_text": {"norm_topk_prob": False},
     # DeepSeek-V2's router under a vision-language model: topk_method given, no norm_topk_prob, never renormalised
     "deepseek_ocr2_text": {"norm_topk_prob": False, "topk_method": "greedy"},
@@ -396,14 +401,16 @@ _FAMILY_DEFAULTS = {
 # transformers router (tests/test_routing.py).  Any other model_type must name its routing (scoring_func /
 # topk_method, in config.json or as overrides): a guess would route silently wrong (GLM-4.5 read as
 # softmax, for one).
-_NOAUX_TC_FAMILIES = ("axk1", "axk2", "beam", "deepseek_v32", "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite",
-                      "glm4v_moe_text", "glm5_next_text", "glm_moe_dsa", "hy_v3", "hy_v4", "hy_v4_vl_text", "lfm2_moe",
-                      "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "nemotron_h",
-                      "solar_open")
-_SOFTMAX_FAMILIES = ("cohere2_moe", "ernie4_5_moe", "flex_olmo", "hunyuan_v1_moe", "lara_mini", "mellum", "minimax",
-                     "mistral4", "mistral_large4_text", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe_text",
-                     "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text",
-                     "qwen3_vl_moe_text", "qwen4_exp_text")
+# Dots 3 Note's published config.json holds its text model's fields at the top level, under model_type dots3_note.
+_NOAUX_TC_FAMILIES = ("afmoe", "axk1", "axk2", "beam", "deepseek_v32", "dots1", "dots3_note", "dots3_note_text",
+                      "exaone_moe", "flint", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm5_next_text",
+                      "glm_moe_dsa", "hy_v3", "hy_v4", "hy_v4_vl_text", "kimi_linear", "lfm2_moe", "mimo_v2_flash",
+                      "minicpm5_moe", "minimax_m2", "nemotron_h", "solar_open")
+_SOFTMAX_FAMILIES = ("cohere2_moe", "ernie4_5_moe", "ernie4_5_vl_moe_text", "flex_olmo", "granitemoe",
+                     "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "jamba", "lara_mini",
+                     "mellum", "minimax", "mistral4", "mistral_large4_text", "mixtral", "olmoe", "qwen2_moe",
+                     "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text",
+                     "qwen3_omni_moe_text", "qwen3_vl_moe_text", "qwen4_exp_text")
 for _family in _NOAUX_TC_FAMILIES:
     _FAMILY_DEFAULTS[_family] = {**_FAMILY_DEFAULTS.get(_family, {}), "topk_method": "noaux_tc"}
 _KNOWN_FAMILIES = frozenset(_FAMILY_DEFAULTS) | frozenset(_SOFTMAX_FAMILIES)
@@ -411,9 +418,32 @@ _KNOWN_FAMILIES = frozenset(_FAMILY_DEFAULTS) | frozenset(_SOFTMAX_FAMILIES)
 # field whose value brings that step in, or None where it is always there; the test of that value; what
 # the router then does)
 _ALWAYS = (None, lambda value: True)
+# Ernie 4.5's routers divide the top-k weights by max(their sum, moe_norm_min).  They choose by softmax
+# probability plus a bias, so the chosen probabilities can sum to anything above 0: any moe_norm_min can act.
+# The released 1e-12 acts only where the chosen k sum below 1e-12 (logits some 28 apart, the bias choosing
+# the unlikely ones), and is read as route()'s division by the sum; a larger value is refused.
+_NORM_MIN = ("moe_norm_min", lambda n: _is_number(n) and not n <= 1e-12,
+             "divides its top-k weights by their sum clamped below at moe_norm_min, where route() divides by the sum")
 _UNDESCRIBED_ROUTERS = {**{f: (*_ALWAYS, "routes by softmax top-k, renormalised, then times a learned per-expert "
                                          "scale (router.per_expert_scale, a checkpoint weight)")
-                           for f in ("gemma4", "gemma4_text")},
+                           for f in ("gemma4", "gemma4_text", "diffusion_gemma", "diffusion_gemma_text")},
+                        "ernie4_5_moe": _NORM_MIN, "ernie4_5_vl_moe_text": _NORM_MIN,
+                        **{f: (*_ALWAYS, "chooses its experts by logits + e_score_correction_bias (the bias added to "
+                                         "the logits, not to the sigmoid scores as DeepSeek-V3 adds it), then weights "
+                                         "them by the sigmoid of their logits")
+                           for f in ("kolibri1", "kolibri1_1")},
+                        "phimoe": (*_ALWAYS, "routes by sparsemixer: two experts whatever num_experts_per_tok, the "
+                                             "best logit and the best of the rest, each weighted by a softmax over "
+                                             "only the logits within 2 * router_jitter_noise (relative) of its pick"),
+                        "longcat_flash": (*_ALWAYS, "routes by softmax over its n_routed_experts and zero_expert_num "
+                                                    "(default 256) zero-computation experts, which add the token "
+                                                    "itself times their weight instead of an expert's output"),
+                        "zaya": (*_ALWAYS, "routes by softmax over its num_experts and a skip expert (chosen, it "
+                                           "computes nothing), its logits from a router MLP carrying state from layer "
+                                           "to layer"),
+                        "deepseek_v4": (*_ALWAYS, "routes its first MoE layers ('hash_moe' in mlp_layer_types, "
+                                                  "3 by default) by a fixed token id -> experts table, and scores "
+                                                  "the logits by scoring_func, sqrt(softplus(x)) by default"),
                         "laguna": (*_ALWAYS, "routes as DeepSeek-V3 without groups, but its logits soft-capped "
                                              "when moe_router_logit_softcapping > 0 and the experts' sum times "
                                              "moe_routed_scaling_factor"),
@@ -424,8 +454,10 @@ _UNDESCRIBED_ROUTERS = {**{f: (*_ALWAYS, "routes by softmax top-k, renormalised,
                                  "expert outside them can win where a kept one's biased score is below 0")}
 # Routers that renormalise whatever config.json says (their config classes have no norm_topk_prob, or
 # their routers do not read it); Cohere2-MoE's softmax one too (`expert_selection_fn`, below)
-_ALWAYS_RENORMALISED = ("ernie4_5_moe", "hunyuan_v1_moe", "hy_v3", "minimax", "minimax_m2", "mistral_large4_text",
-                        "mixtral", "qwen3_5_moe_text", "qwen3_vl_moe_text")
+# (Granite's softmax over the top-k logits is the top-k of the softmax, renormalised)
+_ALWAYS_RENORMALISED = ("afmoe", "ernie4_5_moe", "ernie4_5_vl_moe_text", "granitemoe", "granitemoe_swa",
+                        "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "minimax", "minimax_m2",
+                        "mistral_large4_text", "mixtral", "qwen3_5_moe_text", "qwen3_vl_moe_text")
 _DEEPSEEK_V2_ROUTERS = ("deepseek_v2", "deepseek_ocr2_text", "unlimited_ocr_text")   # softmax, topk_method given
 # config.json keys a family's router does not read (its config class has no such field), which a
 # config.json may carry all the same (fine-tunes copy DeepSeek's fields): the family's own value stands,
@@ -438,21 +470,23 @@ _NOT_READ = {
     **{f: ("scoring_func",) for f in _DEEPSEEK_V2_ROUTERS},
     **{f: ("topk_method",) for f in (*_NOAUX_TC_FAMILIES, "deepseek_v3")},
 }
-for _family in ("flint", "minimax_m2"):
+for _family in ("afmoe", "flint", "minimax_m2"):     # AFMoE's scale is its route_scale, below
     _NOT_READ[_family] += ("routed_scaling_factor", "n_group", "topk_group")
 _NOT_READ["lfm2_moe"] += ("n_group", "topk_group")
-for _family in ("deepseek_ocr2_text", "unlimited_ocr_text"):      # their routers never renormalise
+for _family in ("deepseek_ocr2_text", "unlimited_ocr_text", "jamba"):     # their routers never renormalise
     _NOT_READ[_family] += ("norm_topk_prob",)
 _NOT_READ["hy_v3"] += ("routed_scaling_factor", "n_group", "topk_group")    # its router_scaling_factor is read
 # Other names a family's config.json gives a field under, read for that family only (another family's router
 # does not read them: a stray route_scale scaled a Qwen3-MoE's weights, a stray expert_selection_fn made a
 # Mixtral's softmax sigmoid, a helper's audit): Cohere2-MoE's expert_selection_fn ("softmax", the default, or
-# "sigmoid"), Inkling-2's and AFMoE's route_scale, HY-V3's router_scaling_factor; and for any family, Gemma's
-# name of the activation
+# "sigmoid"), Inkling-2's and AFMoE's route_scale, HY-V3's router_scaling_factor, Kimi Linear's moe_renormalize
+# and num_expert_group; and for any family, Gemma's name of the activation.  A family's own name wins over the
+# common one where a config.json holds both, as transformers' attribute_map makes it (Inkling-2, Kimi Linear).
 _FAMILY_KEY_ALIASES = {"cohere2_moe": {"scoring_func": ("expert_selection_fn",)},
                        "inkling2_text": {"routed_scaling_factor": ("route_scale",)},
                        "afmoe": {"routed_scaling_factor": ("route_scale",)},
-                       "hy_v3": {"routed_scaling_factor": ("router_scaling_factor",)}}
+                       "hy_v3": {"routed_scaling_factor": ("router_scaling_factor",)},
+                       "kimi_linear": {"norm_topk_prob": ("moe_renormalize",), "n_group": ("num_expert_group",)}}
 _KEY_ALIASES = {"hidden_act": ("hidden_activation",)}
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 # Families whose experts clamp their SwiGLU as MoeConfig.swiglu_limit does (gate at most L before silu, up
@@ -551,7 +585,7 @@ def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=Fa
     defaults = _FAMILY_DEFAULTS.get(family, {})
     key, applies, what = _UNDESCRIBED_ROUTERS.get(family, (None, lambda value: False, ""))
     if not routing_given and applies(config.get(key)):
-        setting = f" with {key} = {config[key]!r}" if key else ""
+        setting = f" with {key} = {config[key]!r}" if config.get(key) is not None else ""
         raise ValueError(f"Hugging Face config: model_type {family!r}{setting} {what}, which no MoeConfig routing "
                          f"describes: route with that model's router and call the MoE with its topk_ids / "
                          f"topk_weights (ktfp8.hf does so inside transformers); for a MoeConfig to call it that way, "
@@ -564,8 +598,8 @@ def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=Fa
                          f"n_group=..., topk_group=..., routed_scaling_factor=...)")
 
     def get(key, default=None):
-        aliases = (*_FAMILY_KEY_ALIASES.get(family, {}).get(key, ()), *_KEY_ALIASES.get(key, ()))
-        keys = ([] if key in _NOT_READ.get(family, ()) else [key]) + list(aliases)
+        keys = [*_FAMILY_KEY_ALIASES.get(family, {}).get(key, ()), *([] if key in _NOT_READ.get(family, ()) else [key]),
+                *_KEY_ALIASES.get(key, ())]
         value = next((config[k] for k in keys if config.get(k) is not None), None)
         return defaults.get(key, default) if value is None else value
 

@@ -301,8 +301,10 @@ def test_from_hf_config_missing_routing_fields_take_family_defaults(family):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     if family not in CONFIG_MAPPING:
         pytest.skip(f"no {family} in this transformers")
-    reference = CONFIG_MAPPING[family]().to_dict()
-    count_key = next(k for k in config_module._EXPERT_COUNT_KEYS if reference.get(k))
+    # Dots 3 Note's published config.json holds its text config's fields at the top level
+    reference = dict(CONFIG_MAPPING["dots3_note_text" if family == "dots3_note" else family]().to_dict(),
+                     model_type=family)
+    count_key = next(k for k in config_module._EXPERT_COUNT_KEYS if k in reference)   # Dots1's class: None
     top_k_key = next(k for k in config_module._TOP_K_KEYS if k in reference)
     sizes = {count_key: 64, top_k_key: 4, "hidden_size": 48, "moe_hidden_size": 40,
              "moe_intermediate_size": 32, "intermediate_size": 32}
@@ -359,10 +361,11 @@ def test_from_hf_config_swiglu_limit_of_the_clamping_families(family):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     default = CONFIG_MAPPING[family]().swiglu_limit
     hf = dict(model_type=family, n_routed_experts=8, num_experts_per_tok=2, hidden_size=64,
-              moe_intermediate_size=32, scoring_func="sigmoid")
-    assert MoeConfig.from_hf_config(hf).swiglu_limit == default == 10.0
-    assert MoeConfig.from_hf_config(dict(hf, swiglu_limit=7)).swiglu_limit == 7.0
-    assert MoeConfig.from_hf_config(hf, swiglu_limit=3.0).swiglu_limit == 3.0
+              moe_intermediate_size=32)
+    routing = dict(scoring_func="sigmoid")     # (DeepSeek-V4's router is refused unless given)
+    assert MoeConfig.from_hf_config(hf, **routing).swiglu_limit == default == 10.0
+    assert MoeConfig.from_hf_config(dict(hf, swiglu_limit=7), **routing).swiglu_limit == 7.0
+    assert MoeConfig.from_hf_config(hf, swiglu_limit=3.0, **routing).swiglu_limit == 3.0
 
 
 @pytest.mark.parametrize("fields", [dict(swiglu_limit=7.0, swiglu_alpha=1.702),         # GPT-OSS's form

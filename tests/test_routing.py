@@ -27,13 +27,14 @@ def _run_block(block, hidden_size, dtype=None, seed=0):
     with torch.no_grad():
         for name, p in block.named_parameters():
             # gate weights give logits of std ~2: a spread like trained routers, no saturation
-            std = 0.3 if name.startswith("gate.") else 0.05
+            std = 0.3 if name.startswith(("gate.", "router.")) else 0.05
             p.copy_(torch.randn(p.shape, generator=gen) * std)
         if dtype is not None:
             block.to(dtype)
         hidden = torch.randn(1, T, hidden_size, generator=gen).to(dtype or torch.float32)
         seen = []
-        hook = block.gate.register_forward_hook(lambda module, args, out: seen.append(out))
+        router = block.gate if hasattr(block, "gate") else block.router      # AFMoE's, Granite's, Jamba's: router
+        hook = router.register_forward_hook(lambda module, args, out: seen.append(out))
         block(hidden)
         hook.remove()
     if not (isinstance(seen[0], tuple) and len(seen[0]) == 3):
@@ -157,6 +158,11 @@ def test_qwen3_vl_moe_text_config():
     _assert_same_routing(*route(logits, MoeConfig.from_hf_config(hf)), hf_ids, hf_w)
 
 
+# families whose published config.json holds their text model's fields at the top level, under the outer
+# model_type -> that text model's type (whose block the check builds)
+FLAT_TEXT_CONFIGS = {"dots3_note": "dots3_note_text"}
+
+
 def _family_block(family, **fields):
     """(transformers config of `family` at its class defaults but tiny sizes and `fields`, that family's
     MoE block)."""
@@ -164,25 +170,31 @@ def _family_block(family, **fields):
     import importlib
     import inspect
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    family = FLAT_TEXT_CONFIGS.get(family, family)
     if family not in CONFIG_MAPPING:
         pytest.skip(f"no {family} in this transformers")
     hf = CONFIG_MAPPING[family]()
     tiny = dict(hidden_size=32, num_experts=16, n_routed_experts=16, num_local_experts=16, num_experts_per_tok=4,
                 moe_intermediate_size=8, intermediate_size=8, head_dim=8, num_attention_heads=4,
-                num_key_value_heads=4)
+                num_key_value_heads=4, n_shared_experts=1)    # (Dots1's class leaves n_shared_experts None)
     if getattr(hf, "n_group", None):
         tiny.update(n_group=4, topk_group=2)         # where the family has groups, make them count
+    per_layer = getattr(hf, "per_layer_attributes", None) or ()    # Dots 3 Note's attention shapes: not the MoE's
     for key, value in tiny.items():
-        if hasattr(hf, key):
-            setattr(hf, key, value)
+        # a list (Ernie 4.5 VL's widths of its text and its vision experts) holds the tiny size in each
+        if key not in per_layer and hasattr(hf, key):
+            current = getattr(hf, key)
+            setattr(hf, key, [value] * len(current) if isinstance(current, list) else value)
     for key, value in fields.items():               # a config.json may hold fields its class has not
         setattr(hf, key, value)
     modeling = importlib.import_module(type(hf).__module__.replace(".configuration_", ".modeling_"))
     for cls in vars(modeling).values():              # the module holding both a router and the experts
         if inspect.isclass(cls) and issubclass(cls, torch.nn.Module) and cls.__module__ == modeling.__name__:
             init = inspect.getsource(cls.__init__)
-            if "self.gate" in init and "self.experts" in init:
-                return hf, cls(hf)
+            if ("self.gate" in init or "self.router" in init) and "self.experts" in init:
+                # Ernie 4.5 VL's block is built with its experts' width (its text experts' is the first)
+                width = "intermediate_size" in inspect.signature(cls).parameters
+                return hf, cls(hf, hf.moe_intermediate_size[0]) if width else cls(hf)
     pytest.fail(f"no MoE block found in {modeling.__name__}")
 
 
@@ -214,6 +226,17 @@ def test_every_known_family_routes_as_its_transformers_block(family):
     # Cohere2-MoE's block averages the routed sum with its shared experts' by default
     ("cohere2_moe", {"num_shared_experts": 1}),
     ("cohere2_moe", {"num_shared_experts": 1, "shared_expert_combination_strategy": "sum"}),
+    # each field the routers of the families added from ktfp8.hf's SUPPORTED_EXPERTS read, off its default
+    ("afmoe", {"route_scale": 2.5}), ("afmoe", {"norm_topk_prob": False}),
+    ("dots1", {"norm_topk_prob": True, "routed_scaling_factor": 2.5}), ("dots1", {"n_group": 1, "topk_group": 1}),
+    *[(family, {"norm_topk_prob": False, "routed_scaling_factor": 2.5})
+      for family in ("dots3_note", "dots3_note_text")],
+    ("kimi_linear", {"norm_topk_prob": False, "routed_scaling_factor": 1.0}),   # held as moe_renormalize
+    ("kimi_linear", {"n_group": 1, "topk_group": 1}),                          # held as num_expert_group
+    *[(family, {"norm_topk_prob": False}) for family in ("ernie4_5_vl_moe_text", "granitemoe", "granitemoe_swa",
+                                                          "granitemoehybrid", "granitemoeshared")],
+    # the released moe_norm_min routes as route() does (a larger one is refused, below)
+    ("ernie4_5_moe", {"moe_norm_min": 1e-12}), ("ernie4_5_vl_moe_text", {"moe_norm_min": 1e-12}),
 ])
 def test_routing_fields_read_as_the_family_reads_them(family, fields):
     """Found by a helper's audit: every weight of Inkling-2 8x too small, UnlimitedOCR / DeepSeek-OCR2
@@ -233,12 +256,68 @@ def test_axk2_with_groups_is_refused():
     assert MoeConfig.from_hf_config(fields).scoring_func == "sigmoid"
 
 
+@pytest.mark.parametrize("family", ["ernie4_5_moe", "ernie4_5_vl_moe_text"])
+def test_ernie_moe_norm_min_that_can_act_is_refused(family):
+    """Ernie 4.5's routers divide the top-k weights by max(their sum, moe_norm_min), route() by their sum: a
+    moe_norm_min above the released 1e-12 is refused (the chosen probabilities, picked with a bias, have no floor)."""
+    fields = dict(model_type=family, moe_num_experts=8, moe_k=2, hidden_size=8, moe_intermediate_size=8)
+    with pytest.raises(ValueError, match="with moe_norm_min = 0.9 divides its top-k weights by their sum clamped"):
+        MoeConfig.from_hf_config(dict(fields, moe_norm_min=0.9))
+    with pytest.raises(ValueError, match="with moe_norm_min = 1e-11 divides"):
+        MoeConfig.from_hf_config(dict(fields, moe_norm_min=1e-11))
+    assert MoeConfig.from_hf_config(dict(fields, moe_norm_min=1e-12)).norm_topk_prob
+    # not vacuous: at 0.9 the block's weights of some tokens do not sum to 1, as route()'s would
+    _, block = _family_block(family, moe_norm_min=0.9)
+    _, hf_w, _ = _run_block(block, 32)
+    assert (hf_w.reshape(T, -1).sum(axis=1) < 0.89).any()
+
+
+def test_deepseek_v4_is_refused():
+    """DeepSeek-V4 routes its first layers by a token id table and scores by sqrt(softplus(x)) by default: refused
+    whatever its config.json names (a scoring_func of sigmoid leaves the hash-routed layers), unless given."""
+    fields = dict(model_type="deepseek_v4", n_routed_experts=8, num_experts_per_tok=2, hidden_size=8,
+                  moe_intermediate_size=8)
+    for given in ({}, {"scoring_func": "sqrtsoftplus"}, {"scoring_func": "sigmoid"}):
+        with pytest.raises(ValueError, match=r"'deepseek_v4' routes its first MoE layers .* by a fixed token id"):
+            MoeConfig.from_hf_config(dict(fields, **given))
+    assert MoeConfig.from_hf_config(fields, scoring_func="sigmoid").expert_num == 8
+
+
+def test_afmoe_scales_by_route_scale_only():
+    """AFMoE's router multiplies by route_scale (default 1.0), never by a routed_scaling_factor its config.json
+    may carry (the block check cannot show it: transformers' config always holds a route_scale)."""
+    _, t = _torch_transformers()
+    if not hasattr(t, "AfmoeConfig"):
+        pytest.skip("no AFMoE in this transformers")
+    fields = dict(num_experts=8, num_experts_per_tok=2, hidden_size=8, moe_intermediate_size=8,
+                  routed_scaling_factor=3.0)
+    for scale in ({}, {"route_scale": 2.5}):
+        cfg = MoeConfig.from_hf_config(dict(fields, model_type="afmoe", **scale))
+        assert cfg.routed_scaling_factor == t.AfmoeConfig(**fields, **scale).route_scale == scale.get("route_scale", 1)
+
+
+def test_kimi_linear_reads_its_own_names_first():
+    """Kimi Linear's config class keeps norm_topk_prob and n_group as moe_renormalize and num_expert_group
+    (attribute_map): a config.json holding both names routes by those, as transformers reads it."""
+    _, t = _torch_transformers()
+    if not hasattr(t, "KimiLinearConfig"):
+        pytest.skip("no Kimi Linear in this transformers")
+    fields = dict(num_experts=16, num_experts_per_token=4, hidden_size=32, moe_intermediate_size=8,
+                  norm_topk_prob=True, moe_renormalize=False, n_group=2, num_expert_group=4, topk_group=2)
+    hf = t.KimiLinearConfig(**fields)
+    cfg = MoeConfig.from_hf_config(dict(fields, model_type="kimi_linear"))
+    assert (cfg.norm_topk_prob, cfg.n_group, cfg.num_experts_per_tok) == \
+        (hf.norm_topk_prob, hf.n_group, hf.num_experts_per_tok) == (False, 4, 4)
+
+
 @pytest.mark.parametrize("family", sorted(f for f, (key, _, _) in config_module._UNDESCRIBED_ROUTERS.items()
                                           if key is None))
 def test_routers_no_moeconfig_describes_are_refused(family):
-    """Gemma 4 (a learned per-expert scale), Laguna (soft-capped logits, a scale after the experts) and Muse
-    Spark (its logits times output_multiplier): routed as a known family's router they would be silently
-    wrong; with scoring_func given (for calls with the model's own ids and weights) the sizes are read."""
+    """Gemma 4 and Diffusion Gemma (a learned per-expert scale), Laguna (soft-capped logits, a scale after the
+    experts), Muse Spark (its logits times output_multiplier), Kolibri (a bias on the logits), Phi-MoE
+    (sparsemixer), LongCat-Flash and Zaya (experts that compute nothing): routed as a known family's router they
+    would be silently wrong; with scoring_func given (for calls with the model's own ids and weights) the sizes
+    are read."""
     fields = dict(model_type=family, num_experts=8, num_experts_per_tok=2, hidden_size=8, moe_intermediate_size=8)
     with pytest.raises(ValueError, match="which no MoeConfig routing describes"):
         MoeConfig.from_hf_config(fields)
@@ -291,9 +370,9 @@ def _check_family(family, **fields):
     if bias is not None:          # a bias that is a parameter (Ernie 4.5's) was drawn again by _run_block
         bias = next(t for n, t in [*block.named_parameters(), *block.named_buffers()]
                     if n.endswith(("e_score_correction_bias", "expert_bias"))).detach().numpy().reshape(-1)
-    cfg = MoeConfig.from_hf_config(hf)
+    cfg = MoeConfig.from_hf_config(dict(hf.to_dict(), model_type=family))     # FLAT_TEXT_CONFIGS: the outer type
     assert (cfg.expert_num, cfg.hidden_size, cfg.intermediate_size) == tuple(block.experts.down_proj.shape)
-    assert bias is None or cfg.scoring_func == "sigmoid" or family == "ernie4_5_moe"   # Ernie 4.5: softmax, a bias
+    assert bias is None or cfg.scoring_func == "sigmoid" or family.startswith("ernie4_5")   # Ernie: softmax, a bias
     _assert_same_routing(*route(logits.reshape(T, 16), cfg, correction_bias=bias),
                          hf_ids.reshape(T, -1), hf_w.reshape(T, -1))
     return hf, block, cfg
