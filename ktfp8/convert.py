@@ -47,6 +47,9 @@ _SKIP_DIRS = (".git", ".cache")
 VERIFY_WORST = 10
 
 
+DEFAULT_MIN_SQNR_DB = 20.0     # --verify's threshold: FP8 E4M3 of well-scaled weights reads about 31 dB
+
+
 class ConvertError(Exception):
     """A refusal or failure explained to the user (exit status 1)."""
 
@@ -113,13 +116,18 @@ def build_parser():
     p.add_argument("--verify", action="store_true",
                    help="re-read the output, print each quantized tensor's SQNR (dB) and the worst ones, "
                         "check copied tensors byte for byte")
-    p.add_argument("--verify-min-sqnr", type=_decibels_arg, default=20.0, metavar="DB",
-                   help="with --verify: fail (and write nothing) if a tensor's SQNR is below DB (default 20)")
+    p.add_argument("--verify-min-sqnr", type=_decibels_arg, default=None, metavar="DB",
+                   help=f"verify (implies --verify) and fail, writing nothing, if a tensor's SQNR is below DB "
+                        f"(default {DEFAULT_MIN_SQNR_DB:g})")
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    # a threshold asks for the check: alone it was ignored, and the output written unchecked
+    args.verify = args.verify or args.verify_min_sqnr is not None
+    if args.verify_min_sqnr is None:
+        args.verify_min_sqnr = DEFAULT_MIN_SQNR_DB
     _setup_logging()
     previous = None
     if threading.current_thread() is threading.main_thread():

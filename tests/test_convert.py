@@ -199,6 +199,10 @@ def test_verify_reports_sqnr(qwen, tmp_path, capsys):
     assert run(qwen, tmp_path / "v2", "--verify", "--verify-min-sqnr", "60") == 1
     assert not (tmp_path / "v2").exists()
     assert "verification failed: 24 tensor(s) below 60.0 dB" in capsys.readouterr().err
+    # a threshold alone asks for the check too (it was ignored, and the output written unchecked)
+    assert run(qwen, tmp_path / "v3", "--verify-min-sqnr", "60") == 1
+    assert not (tmp_path / "v3").exists()
+    assert "verification failed: 24 tensor(s) below 60.0 dB" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("stdout", ["closed", "/dev/full"])
