@@ -13,13 +13,13 @@ Exit status: 0 done, 1 the folder cannot be loaded, 2 bad arguments, 130 interru
 import argparse
 import json
 import os
-import pickle
 import sys
 import time
 from pathlib import Path
 
 from .cpu import StdoutFailed, checked_stdout, stdout_failed
 
+PROG = "python -m ktfp8.generate"       # how it is run: usage errors and the others start with it alike
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 PROGRESS_EVERY_S = 0.5
 
@@ -70,7 +70,7 @@ def _threads(text):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m ktfp8.generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model folder (BF16, or FP8 from ktfp8.convert)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs a tokenizer in the folder)")
@@ -138,8 +138,24 @@ def load_tokenizer(folder, needed):
         message = f"{folder}: cannot load the tokenizer: {type(e).__name__}: {e}"
         if needed:
             raise _Failure(message, 1) from None
-        print(f"ktfp8.generate: warning: {message}; printing token ids", file=sys.stderr)
+        print(f"{PROG}: warning: {message}; printing token ids", file=sys.stderr)
         return None
+
+
+def _unreadable_bin(error):
+    """The name of the file torch.load was reading when it raised `error` (its frame's argument: transformers
+    does not say which shard), or None for an error from elsewhere, or one that is not the file's content.
+    Its own message would advise weights_only=False ("arbitrary code execution"), wrong for a damaged file."""
+    import torch
+    if isinstance(error, (PermissionError, MemoryError)):
+        return None
+    tb = error.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_locals.get("f") if tb.tb_frame.f_code is torch.load.__code__ else None
+        if isinstance(path, (str, os.PathLike)):
+            return Path(path).name
+        tb = tb.tb_next
+    return None
 
 
 def load(folder, threads):
@@ -157,9 +173,17 @@ def load(folder, threads):
         try:
             model, info = auto_class.from_pretrained(folder, dtype=torch.bfloat16, experts_implementation="ktfp8",
                                                      output_loading_info=True, ignore_mismatched_sizes=True)
-        # its weight conversion failed (e.g. an expert tensor is missing), or torch.load refused a .bin
-        except (RuntimeError, pickle.UnpicklingError) as e:
-            raise _cannot_load(folder, e) from None
+        # torch.load fails on a damaged .bin with whatever its readers meet (UnpicklingError, EOFError,
+        # KeyError, OSError, RuntimeError): any of them is the file's
+        except Exception as e:  # noqa: BLE001
+            bad_bin = _unreadable_bin(e)
+            if bad_bin is not None:
+                raise _Failure(f"{folder}: cannot load the model: {bad_bin} is not a valid PyTorch checkpoint "
+                               f"(torch.load, which transformers reads .bin weights with, raised "
+                               f"{type(e).__name__})", 1) from None
+            if isinstance(e, RuntimeError):     # its weight conversion failed (e.g. an expert tensor is missing)
+                raise _cannot_load(folder, e) from None
+            raise
         check_loading_info(folder, model, info)
         ktfp8.hf.prepare(model, threads=threads)
     return model
@@ -249,9 +273,21 @@ def run(args):
             destroy_process_group()
 
 
+def _config_vocab_size(folder):
+    """The vocabulary size of the folder's config (a multimodal model's: its text model's), read before the
+    model loads; None where transformers cannot read the config, which load() then fails on with its own
+    message (the same AutoConfig call, after the FP8 folder checks)."""
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, TypeError, *_config_errors()):
+        return None
+    return config.get_text_config().vocab_size
+
+
 def _prompt_ids(args, folder, tokenizer, vocab_size):
     """The prompt's token ids (--prompt-ids, or --prompt through the folder's tokenizer), all of them
-    inside the model's vocabulary."""
+    inside the vocabulary (where vocab_size is known)."""
     if args.prompt is None:
         ids, origin = args.prompt_ids, "--prompt-ids: token id"
     elif tokenizer is None:
@@ -260,7 +296,7 @@ def _prompt_ids(args, folder, tokenizer, vocab_size):
         ids, origin = tokenizer(args.prompt)["input_ids"], "--prompt: the tokenizer's token id"
         if not ids:
             raise _Failure("--prompt: the prompt has no tokens", 2)
-    if max(ids) >= vocab_size:
+    if vocab_size is not None and max(ids) >= vocab_size:
         raise _Failure(f"{origin} {max(ids)} is outside the vocabulary (size {vocab_size})", 2)
     return ids
 
@@ -274,14 +310,15 @@ def _generate(args, folder, prints):
         import torch
         torch.set_num_threads(args.threads)
     from .distributed import ExpertParallelError
+    # the prompt is refused before the model loads, which takes minutes for a large one
     tokenizer = load_tokenizer(folder, needed=args.prompt is not None)
+    prompt_ids = _prompt_ids(args, folder, tokenizer, _config_vocab_size(folder))
     try:
         model = load(folder, args.threads)
     except ExpertParallelError as e:               # another rank died or stalled: its message says which
         raise _Failure(str(e), 1) from None
     except (OSError, ValueError, TypeError, *_config_errors()) as e:
         raise _cannot_load(folder, e) from None
-    prompt_ids = _prompt_ids(args, folder, tokenizer, model.config.get_text_config().vocab_size)
     if prints:
         _warn_past_positions(model, len(prompt_ids) + args.max_new_tokens)
     progress = Progress(args.max_new_tokens) if prints and not args.json else None
@@ -304,7 +341,7 @@ def _generate(args, folder, prints):
 def _warn_past_positions(model, positions):
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if isinstance(limit, int) and positions > limit:
-        print(f"ktfp8.generate: warning: the prompt and --max-new-tokens take up to {positions} positions, past "
+        print(f"{PROG}: warning: the prompt and --max-new-tokens take up to {positions} positions, past "
               f"the model's max_position_embeddings ({limit}); tokens beyond it are outside what it was trained "
               f"for", file=sys.stderr)
 
@@ -336,13 +373,13 @@ def main(argv=None):
     try:
         run(args)
     except _Failure as e:
-        print(f"ktfp8.generate: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return e.status
     except StdoutFailed as e:
-        return stdout_failed("ktfp8.generate", e.args[0])
+        return stdout_failed(PROG, e.args[0])
     except KeyboardInterrupt as e:
         done = f" after {len(e.ids)} new tokens" if isinstance(e, Interrupted) else ""
-        print(f"ktfp8.generate: interrupted{done}", file=sys.stderr)
+        print(f"{PROG}: interrupted{done}", file=sys.stderr)
         return 130
     return 0
 

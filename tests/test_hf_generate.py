@@ -2,6 +2,7 @@
 ktfp8 model), for a BF16 folder and an FP8 folder, with and without a tokenizer; its exit statuses."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def test_ctrl_c_prints_the_tokens_so_far_and_exits_130(mixtral, monkeypatch, cap
     captured = capsys.readouterr()
     want = _expected(ktfp8.hf.from_pretrained(mixtral["fp8"]))[:4]
     assert captured.out.split() == list(map(str, want))           # the ids so far, no speed line
-    assert captured.err.strip().endswith("ktfp8.generate: interrupted after 4 new tokens")
+    assert captured.err.strip().endswith("python -m ktfp8.generate: interrupted after 4 new tokens")
 
 
 def test_a_run_past_max_position_embeddings_is_warned_about(mixtral, tmp_path, capsys):
@@ -182,6 +183,76 @@ def test_exit_statuses(mixtral, tmp_path, capsys):
         assert e.value.code == 2
 
 
+def test_usage_errors_and_run_errors_start_alike(tmp_path, capsys):
+    """argparse's errors began `python -m ktfp8.generate: error:`, the others `ktfp8.generate: error:`."""
+    with pytest.raises(SystemExit):
+        main(["--model", "x", "--prompt-ids", "1,a"])
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        "python -m ktfp8.generate: error: argument --prompt-ids: expected comma-separated token ids")
+    assert main(["--model", str(tmp_path / "missing"), "--prompt-ids", "1"]) == 1
+    assert capsys.readouterr().err == f"python -m ktfp8.generate: error: {tmp_path / 'missing'}: no such model folder\n"
+
+
+def test_the_prompt_is_refused_before_the_model_loads(mixtral, tmp_path, monkeypatch, capsys):
+    """A text prompt without a tokenizer, a token id past the config's vocab_size (a multimodal model's:
+    its text config's): refused after the model had loaded, minutes for a large one."""
+    from ktfp8 import generate
+
+    def load(folder, threads):
+        raise AssertionError(f"{folder} was loaded")
+    monkeypatch.setattr(generate, "load", load)
+    assert main(["--model", str(mixtral["fp8"]), "--prompt", "hello"]) == 2
+    assert f"{mixtral['fp8']} has no tokenizer: give the prompt as --prompt-ids" in capsys.readouterr().err
+    assert main(["--model", str(mixtral["bf16"]), "--prompt-ids", "1,500"]) == 2
+    assert "--prompt-ids: token id 500 is outside the vocabulary (size 128)" in capsys.readouterr().err
+    big = tmp_path / "big_tokenizer"                                  # no weights: nothing is loaded
+    big.mkdir()
+    shutil.copy(mixtral["fp8"] / "config.json", big)
+    _word_tokenizer(300).save_pretrained(big)
+    assert main(["--model", str(big), "--prompt", "w5 w250"]) == 2
+    assert "--prompt: the tokenizer's token id 250 is outside the vocabulary (size 128)" in capsys.readouterr().err
+    multimodal = tmp_path / "multimodal"
+    multimodal.mkdir()
+    config = {"model_type": "qwen3_vl_moe", "text_config": {"vocab_size": 64}}
+    (multimodal / "config.json").write_text(json.dumps(config))
+    assert main(["--model", str(multimodal), "--prompt-ids", "64"]) == 2
+    assert "--prompt-ids: token id 64 is outside the vocabulary (size 64)" in capsys.readouterr().err
+
+
+def _sharded_bin(folder):
+    """The folder's weights as two torch .bin shards with their index (no safetensors); the shards' names."""
+    from safetensors.torch import load_file
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {f"pytorch_model-0000{i + 1}-of-00002.bin": names[i::2] for i in range(2)}
+    for shard, keys in shards.items():
+        torch.save({k: tensors[k] for k in keys}, folder / shard)
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return sorted(shards)
+
+
+@pytest.mark.parametrize("content", [
+    b"\x80\x02not a pickle" * 64,      # torch's message advised loading with weights_only=False
+    b"",                               # these were tracebacks (EOFError, IndexError) ...
+    b"a text file\n",
+    "half",                            # ... or a message that named no file (a zip cut short)
+])
+def test_a_damaged_bin_shard_is_named_in_one_line(mixtral, tmp_path, capsys, content):
+    folder = shutil.copytree(mixtral["bf16"], tmp_path / "bin")
+    bad = _sharded_bin(folder)[1]
+    if content == "half":
+        content = (folder / bad).read_bytes()[:(folder / bad).stat().st_size // 2]
+    (folder / bad).write_bytes(content)
+    assert main(["--model", str(folder), "--prompt-ids", "1"]) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(re.escape(f"python -m ktfp8.generate: error: {folder}: cannot load the model: {bad} is not a "
+                                  f"valid PyTorch checkpoint (torch.load, which transformers reads .bin weights "
+                                  f"with, raised ") + r"\w+\)", err.splitlines()[-1])
+    assert "weights_only" not in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("folder", ["fp8", "bf16"])
 def test_a_config_field_of_the_wrong_type_exits_1(mixtral, folder, tmp_path, capsys):
     """transformers' strict config classes raise huggingface_hub's StrictDataclassError (no ValueError)
@@ -206,7 +277,7 @@ def test_ranks_that_cannot_start_or_fail_exit_1_with_a_message(mixtral, monkeypa
         monkeypatch.delenv(var, raising=False)
     assert main(args) == 1
     err = capsys.readouterr().err
-    assert err.startswith("ktfp8.generate: error: cannot start the ranks: ") and "is not set" in err
+    assert err.startswith("python -m ktfp8.generate: error: cannot start the ranks: ") and "is not set" in err
     monkeypatch.setenv("WORLD_SIZE", "1")
 
     def lost(*a, **k):
@@ -214,7 +285,8 @@ def test_ranks_that_cannot_start_or_fail_exit_1_with_a_message(mixtral, monkeypa
     monkeypatch.setattr(generate, "greedy", lost)
     assert main(args) == 1
     err = capsys.readouterr().err                                # after transformers' loading bar
-    assert err.endswith("\nktfp8.generate: error: rank 1 did not answer within 5 s\n") and "Traceback" not in err
+    assert err.endswith("\npython -m ktfp8.generate: error: rank 1 did not answer within 5 s\n")
+    assert "Traceback" not in err
 
 
 def test_a_result_it_cannot_write_exits_1_without_a_traceback(mixtral):
@@ -224,7 +296,7 @@ def test_a_result_it_cannot_write_exits_1_without_a_traceback(mixtral):
     with open("/dev/full", "w") as full:
         r = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "ktfp8.generate: error: cannot write to standard output: No space left on device" in r.stderr
+    assert "python -m ktfp8.generate: error: cannot write to standard output: No space left on device" in r.stderr
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     p.stdout.close()                                            # the reader is gone before any output
     err = p.stderr.read()
@@ -233,7 +305,7 @@ def test_a_result_it_cannot_write_exits_1_without_a_traceback(mixtral):
     r = subprocess.run(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300,
                        preexec_fn=lambda: os.close(1))
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "ktfp8.generate: error: cannot write to standard output: it is closed" in r.stderr
+    assert "python -m ktfp8.generate: error: cannot write to standard output: it is closed" in r.stderr
 
 
 def test_without_torch_exits_1_naming_what_to_install(mixtral):
@@ -244,6 +316,8 @@ def test_without_torch_exits_1_naming_what_to_install(mixtral):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr
     assert "needs torch and transformers" in r.stderr and "transformers>=5.24" in r.stderr and "Traceback" not in r.stderr
+    # the CPU build: PyPI's torch is the multi-GB CUDA one on Linux
+    assert "pip install 'torch>=2.6' --index-url https://download.pytorch.org/whl/cpu" in r.stderr
 
 
 def test_text_prompt_without_tokens(mixtral, tmp_path, capsys):
@@ -267,4 +341,5 @@ def test_bf16_folder_lacking_an_expert_tensor(mixtral, tmp_path, capsys):
     del tensors["model.layers.1.block_sparse_moe.experts.3.w1.weight"]
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     assert main(["--model", str(folder), "--prompt-ids", "1"]) == 1
-    assert f"ktfp8.generate: error: {folder}: cannot load the model: " in capsys.readouterr().err.splitlines()[-1]
+    last_line = capsys.readouterr().err.splitlines()[-1]
+    assert f"python -m ktfp8.generate: error: {folder}: cannot load the model: " in last_line

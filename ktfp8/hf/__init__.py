@@ -16,7 +16,9 @@ import re
 # python -m ktfp8.generate; HunYuan's per-layer top_k); 5.24.0 and 5.25.0 pass.  transformers 5 itself
 # disables torch older than 2.6.
 MIN_VERSIONS = {"torch": (2, 6), "transformers": (5, 24)}
-_INSTALL = "pip install 'torch>=2.6' 'transformers>=5.24'"
+# PyPI's torch is the multi-GB CUDA build on Linux; these kernels run on CPUs, and so can the rest of the model
+_INSTALL = ("pip install 'torch>=2.6' --index-url https://download.pytorch.org/whl/cpu && "
+            "pip install 'transformers>=5.24'")
 try:
     import torch
     import transformers
