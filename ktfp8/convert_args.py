@@ -34,43 +34,44 @@ def _unique_keys(pairs):
 
 
 def parse_quant_config(text):
-    """--quant-config JSON -> QuantSpec.  Keys: method ("FP8"), per_channel (bool; default true, false where
+    """--quant-config JSON -> QuantSpec (a ValueError's message is what follows argparse's "argument
+    --quant-config: ").  Keys: method ("FP8"), per_channel (bool; default true, false where
     a group_size other than 0 is given), group_size (per-channel: 0 or absent; block-wise: the block edge,
     default 128)."""
     try:
         raw = json.loads(text, object_pairs_hook=_unique_keys)
     except _DuplicateKey as e:
-        raise ValueError(f"--quant-config: duplicate key {e.args[0]!r}; give each key once: {text!r}") from None
+        raise ValueError(f"duplicate key {e.args[0]!r}; give each key once: {text!r}") from None
     except (ValueError, RecursionError) as e:      # RecursionError: nested thousands deep
-        raise ValueError(f"--quant-config is not valid JSON ({e}): {text!r}") from None
+        raise ValueError(f"not valid JSON ({e}): {text!r}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"--quant-config must be a JSON object, got {text!r}")
+        raise ValueError(f"must be a JSON object, got {text!r}")
     unknown = set(raw) - {"method", "per_channel", "group_size"}
     if unknown:
-        raise ValueError(f"--quant-config: unknown keys {sorted(unknown)}; allowed: method, per_channel, "
+        raise ValueError(f"unknown keys {sorted(unknown)}; allowed: method, per_channel, "
                          f"group_size")
     if raw.get("method", "FP8") != "FP8":
-        raise ValueError(f"--quant-config: method must be \"FP8\", got {raw.get('method')!r}")
+        raise ValueError(f"method must be \"FP8\", got {raw.get('method')!r}")
     group = raw.get("group_size")
     if "group_size" in raw and (isinstance(group, bool) or not isinstance(group, int)):
-        raise ValueError(f"--quant-config: group_size must be an integer, got {group!r}")
+        raise ValueError(f"group_size must be an integer, got {group!r}")
     # a key left out follows the one given, as in ktfp8.QuantConfig: group_size 64 alone is block-wise
     per_channel = raw.get("per_channel", not group)
     if not isinstance(per_channel, bool):
-        raise ValueError(f"--quant-config: per_channel must be true or false, got {per_channel!r}")
+        raise ValueError(f"per_channel must be true or false, got {per_channel!r}")
     if group is None:
         group = 0 if per_channel else 128
     if per_channel:
         if group != 0:
-            raise ValueError(f"--quant-config: per_channel needs group_size 0 (one scale per row), got {group}")
+            raise ValueError(f"per_channel needs group_size 0 (one scale per row), got {group}")
         return QuantSpec(True)
     if group <= 0:
-        raise ValueError(f"--quant-config: block-wise (per_channel false) needs group_size > 0, got {group}")
+        raise ValueError(f"block-wise (per_channel false) needs group_size > 0, got {group}")
     if group > MAX_BLOCK_EDGE:
-        raise ValueError(f"--quant-config: group_size must be at most {MAX_BLOCK_EDGE} (the kernels' block edges "
+        raise ValueError(f"group_size must be at most {MAX_BLOCK_EDGE} (the kernels' block edges "
                          f"are 32-bit), got {group}")
     if group % 2:
-        raise ValueError(f"--quant-config: group_size must be even, got {group}: {ODD_BLOCK_EDGE}")
+        raise ValueError(f"group_size must be even, got {group}: {ODD_BLOCK_EDGE}")
     return QuantSpec(False, (group, group))
 
 

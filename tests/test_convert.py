@@ -365,9 +365,10 @@ def test_overwrite_never_replaces_a_folder_of_other_files_filled_meanwhile(qwen,
     ('{"per_channel":false,"group_size":15}', "group_size must be even, got 15"),  # no MoE could run it
     ('{"method":"FP8","bits":8}', "unknown keys"),
     # json.loads keeps the last of two values: per-channel asked for first, block-wise written
-    ('{"method":"FP8","per_channel":true,"per_channel":false}', "--quant-config: duplicate key 'per_channel'"),
+    ('{"method":"FP8","per_channel":true,"per_channel":false}', "argument --quant-config: duplicate key 'per_channel'"),
     ('{"per_channel":false,"group_size":2147483648}',          # failed later, after the plan was logged
-     "--quant-config: group_size must be at most 2147483647 (the kernels' block edges are 32-bit), got 2147483648"),
+     "argument --quant-config: group_size must be at most 2147483647 (the kernels' block edges are 32-bit), "
+     "got 2147483648"),
 ])
 def test_malformed_quant_config(qwen, tmp_path, capsys, bad, message):
     with pytest.raises(SystemExit) as exit_info:
