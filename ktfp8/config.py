@@ -479,14 +479,15 @@ _NOT_READ["hy_v3"] += ("routed_scaling_factor", "n_group", "topk_group")    # it
 # Other names a family's config.json gives a field under, read for that family only (another family's router
 # does not read them: a stray route_scale scaled a Qwen3-MoE's weights, a stray expert_selection_fn made a
 # Mixtral's softmax sigmoid, a helper's audit): Cohere2-MoE's expert_selection_fn ("softmax", the default, or
-# "sigmoid"), Inkling-2's and AFMoE's route_scale, HY-V3's router_scaling_factor, Kimi Linear's moe_renormalize
-# and num_expert_group; and for any family, Gemma's name of the activation.  A family's own name wins over the
+# "sigmoid"), Inkling-2's and AFMoE's route_scale, HY-V3's router_scaling_factor, Kimi Linear's moe_renormalize,
+# num_expert_group and num_experts_per_token; and for any family, Gemma's name of the activation.  A family's own name wins over the
 # common one where a config.json holds both, as transformers' attribute_map makes it (Inkling-2, Kimi Linear).
 _FAMILY_KEY_ALIASES = {"cohere2_moe": {"scoring_func": ("expert_selection_fn",)},
                        "inkling2_text": {"routed_scaling_factor": ("route_scale",)},
                        "afmoe": {"routed_scaling_factor": ("route_scale",)},
                        "hy_v3": {"routed_scaling_factor": ("router_scaling_factor",)},
-                       "kimi_linear": {"norm_topk_prob": ("moe_renormalize",), "n_group": ("num_expert_group",)}}
+                       "kimi_linear": {"norm_topk_prob": ("moe_renormalize",), "n_group": ("num_expert_group",),
+                                       "num_experts_per_tok": ("num_experts_per_token",)}}
 _KEY_ALIASES = {"hidden_act": ("hidden_activation",)}
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 # Families whose experts clamp their SwiGLU as MoeConfig.swiglu_limit does (gate at most L before silu, up
@@ -636,7 +637,8 @@ def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=Fa
     norm_topk_prob = True if renormalised else get("norm_topk_prob", renormalises_by_default)
     return dict(
         expert_num=need("expert_num", _EXPERT_COUNT_KEYS),
-        num_experts_per_tok=need("num_experts_per_tok", _TOP_K_KEYS),
+        num_experts_per_tok=need("num_experts_per_tok",
+                                 (*_FAMILY_KEY_ALIASES.get(family, {}).get("num_experts_per_tok", ()), *_TOP_K_KEYS)),
         hidden_size=need("hidden_size", _EXPERT_HIDDEN_KEYS),
         intermediate_size=need("intermediate_size", _EXPERT_INTERMEDIATE_KEYS),
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,

@@ -297,13 +297,15 @@ def test_afmoe_scales_by_route_scale_only():
 
 
 def test_kimi_linear_reads_its_own_names_first():
-    """Kimi Linear's config class keeps norm_topk_prob and n_group as moe_renormalize and num_expert_group
-    (attribute_map): a config.json holding both names routes by those, as transformers reads it."""
+    """Kimi Linear's config class keeps norm_topk_prob, n_group and num_experts_per_tok as moe_renormalize,
+    num_expert_group and num_experts_per_token (attribute_map): a config.json holding both names routes by
+    those, as transformers reads it."""
     _, t = _torch_transformers()
     if not hasattr(t, "KimiLinearConfig"):
         pytest.skip("no Kimi Linear in this transformers")
-    fields = dict(num_experts=16, num_experts_per_token=4, hidden_size=32, moe_intermediate_size=8,
-                  norm_topk_prob=True, moe_renormalize=False, n_group=2, num_expert_group=4, topk_group=2)
+    fields = dict(num_experts=16, num_experts_per_token=4, num_experts_per_tok=2, hidden_size=32,
+                  moe_intermediate_size=8, norm_topk_prob=True, moe_renormalize=False, n_group=2, num_expert_group=4,
+                  topk_group=2)
     hf = t.KimiLinearConfig(**fields)
     cfg = MoeConfig.from_hf_config(dict(fields, model_type="kimi_linear"))
     assert (cfg.norm_topk_prob, cfg.n_group, cfg.num_experts_per_tok) == \
