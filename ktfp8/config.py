@@ -287,8 +287,7 @@ class MoeConfig:
         Note: transformers' DeepseekV2 ignores norm_topk_prob while DeepSeek's own code honours it; every
         released V2 checkpoint sets it to false, where both agree.
         """
-        fields = _fields_from_hf(_read_hf_config(path_or_dict), routing_given="scoring_func" in overrides,
-                                 limit_given="swiglu_limit" in overrides, act_given="hidden_act" in overrides)
+        fields = _fields_from_hf(_read_hf_config(path_or_dict), given=frozenset(overrides))
         fields.update(overrides)
         return cls(**fields)
 
@@ -577,9 +576,10 @@ def _swiglu_limit(config, family):
     return None
 
 
-def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=False):
-    """MoeConfig fields of a config.json dict.  routing_given / limit_given / act_given: the caller passes
-    scoring_func / swiglu_limit / hidden_act itself."""
+def _fields_from_hf(config, given=frozenset()):
+    """MoeConfig fields of a config.json dict, but for those in `given` (the caller passes them itself:
+    config.json's value is not read, nor refused; scoring_func given stands for the whole routing)."""
+    routing_given = "scoring_func" in given
     family = config.get("model_type")
     if family is not None and not isinstance(family, str):
         raise ValueError(f"Hugging Face config: model_type must be a string, got {type(family).__name__} {family!r}")
@@ -606,9 +606,15 @@ def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=Fa
 
     def need(field, keys):
         """The first of `keys` config.json sets; a per-layer list (Hunyuan-A13B's moe_topk) must hold one
-        value, as MoeConfig describes one layer."""
+        value, as MoeConfig describes one layer (or the caller gives the field)."""
+        if field in given:
+            return None
         for key in keys:
             value = _one_value(config.get(key))
+            if isinstance(value, (list, tuple)) and family == "ernie4_5_vl_moe_text" and len(value) == 2:
+                raise ValueError(f"Hugging Face config (model_type {family!r}): {key} is {value}, its text "
+                                 f"experts' and its vision experts' widths; a MoeConfig is one set of experts: pass "
+                                 f"{field}={value[0]} (text) or {field}={value[1]} (vision)")
             if isinstance(value, (list, tuple)):
                 raise ValueError(f"Hugging Face config (model_type {family!r}): {key} is {value}, not one value "
                                  f"for every layer; a MoeConfig is one layer: pass that layer's {field}=...")
@@ -644,5 +650,5 @@ def _fields_from_hf(config, routing_given=False, limit_given=False, act_given=Fa
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
         group_score=defaults.get("group_score"),
         routed_scaling_factor=get("routed_scaling_factor", 1.0) * _routed_sum_scale(config, family),
-        hidden_act=None if act_given else _hidden_act(get("hidden_act", "silu")),
-        swiglu_limit=None if limit_given else _swiglu_limit(config, family))
+        hidden_act=None if "hidden_act" in given else _hidden_act(get("hidden_act", "silu")),
+        swiglu_limit=None if "swiglu_limit" in given else _swiglu_limit(config, family))

@@ -322,6 +322,18 @@ def test_from_hf_config_per_layer_lists_of_one_value():
     assert (cfg.scoring_func, cfg.norm_topk_prob) == ("softmax", True)
 
 
+def test_from_hf_config_per_layer_list_of_several_values_takes_the_layer_given():
+    """Lists that differ are refused, telling to pass that layer's value, which then stands (it was refused
+    all the same)."""
+    hunyuan = dict(model_type="hunyuan_v1_moe", num_experts=64, moe_topk=[8] * 31 + [6], hidden_size=4096,
+                   moe_intermediate_size=[3072] * 31 + [1024])
+    with pytest.raises(ValueError, match=r"moe_topk is \[8, .*, 6\], not one value .* pass that layer's "
+                                         r"num_experts_per_tok=\.\.\."):
+        MoeConfig.from_hf_config(hunyuan)
+    cfg = MoeConfig.from_hf_config(hunyuan, num_experts_per_tok=6, intermediate_size=1024)
+    assert (cfg.num_experts_per_tok, cfg.intermediate_size) == (6, 1024)
+
+
 def test_from_hf_config_nested_text_config():
     t = pytest.importorskip("transformers")
     text = dict(num_experts=16, num_experts_per_tok=4, hidden_size=32, moe_intermediate_size=24)
@@ -421,3 +433,14 @@ def test_from_hf_config_bad_values_and_sources(tmp_path):
         MoeConfig.from_hf_config(tmp_path / "list.json")
     with pytest.raises(TypeError, match="path_or_dict"):
         MoeConfig.from_hf_config(42)
+
+
+def test_from_hf_config_ernie_vl_widths_are_named_per_modality():
+    """Ernie 4.5 VL's moe_intermediate_size holds its text experts' width and its vision experts' (not one per
+    layer, as the general refusal of a list said): the refusal names both, and either can be given."""
+    fields = dict(model_type="ernie4_5_vl_moe_text", moe_num_experts=64, moe_k=6, hidden_size=2560,
+                  moe_intermediate_size=[1536, 512])
+    with pytest.raises(ValueError, match=r"is \[1536, 512\], its text experts' and its vision experts' widths; .* "
+                                         r"pass intermediate_size=1536 \(text\) or intermediate_size=512 \(vision\)"):
+        MoeConfig.from_hf_config(fields)
+    assert MoeConfig.from_hf_config(fields, intermediate_size=512).intermediate_size == 512
