@@ -287,7 +287,9 @@ class MoeConfig:
         Note: transformers' DeepseekV2 ignores norm_topk_prob while DeepSeek's own code honours it; every
         released V2 checkpoint sets it to false, where both agree.
         """
-        fields = _fields_from_hf(_read_hf_config(path_or_dict), given=frozenset(overrides))
+        # (KTransformers' name of the top-k stands for num_experts_per_tok)
+        given = {"num_experts_per_tok" if name == "routed_expert_num" else name for name in overrides}
+        fields = _fields_from_hf(_read_hf_config(path_or_dict), given=frozenset(given))
         fields.update(overrides)
         return cls(**fields)
 
@@ -477,16 +479,17 @@ for _family in ("deepseek_ocr2_text", "unlimited_ocr_text", "jamba"):     # thei
 _NOT_READ["hy_v3"] += ("routed_scaling_factor", "n_group", "topk_group")    # its router_scaling_factor is read
 # Other names a family's config.json gives a field under, read for that family only (another family's router
 # does not read them: a stray route_scale scaled a Qwen3-MoE's weights, a stray expert_selection_fn made a
-# Mixtral's softmax sigmoid, a helper's audit): Cohere2-MoE's expert_selection_fn ("softmax", the default, or
-# "sigmoid"), Inkling-2's and AFMoE's route_scale, HY-V3's router_scaling_factor, Kimi Linear's moe_renormalize,
-# num_expert_group and num_experts_per_token; and for any family, Gemma's name of the activation.  A family's own name wins over the
-# common one where a config.json holds both, as transformers' attribute_map makes it (Inkling-2, Kimi Linear).
-_FAMILY_KEY_ALIASES = {"cohere2_moe": {"scoring_func": ("expert_selection_fn",)},
-                       "inkling2_text": {"routed_scaling_factor": ("route_scale",)},
+# Mixtral's softmax sigmoid, a helper's audit) -> the names read, first found wins.  Where both names are
+# read, the one its transformers config class keeps comes first: the attribute_map alias, applied after the
+# dataclass field (Inkling-2's routed_scaling_factor over its route_scale, Kimi Linear's own names over the
+# common ones).  And for any family, Gemma's name of the activation.
+_FAMILY_KEY_ALIASES = {"cohere2_moe": {"scoring_func": ("expert_selection_fn",)},   # "softmax" (default), "sigmoid"
+                       "inkling2_text": {"routed_scaling_factor": ("routed_scaling_factor", "route_scale")},
                        "afmoe": {"routed_scaling_factor": ("route_scale",)},
                        "hy_v3": {"routed_scaling_factor": ("router_scaling_factor",)},
-                       "kimi_linear": {"norm_topk_prob": ("moe_renormalize",), "n_group": ("num_expert_group",),
-                                       "num_experts_per_tok": ("num_experts_per_token",)}}
+                       "kimi_linear": {"norm_topk_prob": ("moe_renormalize", "norm_topk_prob"),
+                                       "n_group": ("num_expert_group", "n_group"),
+                                       "num_experts_per_tok": ("num_experts_per_token", "num_experts_per_tok")}}
 _KEY_ALIASES = {"hidden_act": ("hidden_activation",)}
 _TOPK_METHOD_SCORING = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 # Families whose experts clamp their SwiGLU as MoeConfig.swiglu_limit does (gate at most L before silu, up
@@ -599,8 +602,8 @@ def _fields_from_hf(config, given=frozenset()):
                          f"n_group=..., topk_group=..., routed_scaling_factor=...)")
 
     def get(key, default=None):
-        keys = [*_FAMILY_KEY_ALIASES.get(family, {}).get(key, ()), *([] if key in _NOT_READ.get(family, ()) else [key]),
-                *_KEY_ALIASES.get(key, ())]
+        names = _FAMILY_KEY_ALIASES.get(family, {}).get(key) or (() if key in _NOT_READ.get(family, ()) else (key,))
+        keys = (*names, *_KEY_ALIASES.get(key, ()))
         value = next((config[k] for k in keys if config.get(k) is not None), None)
         return defaults.get(key, default) if value is None else value
 
@@ -611,7 +614,7 @@ def _fields_from_hf(config, given=frozenset()):
             return None
         for key in keys:
             value = _one_value(config.get(key))
-            if isinstance(value, (list, tuple)) and family == "ernie4_5_vl_moe_text" and len(value) == 2:
+            if isinstance(value, (list, tuple)) and family == "ernie4_5_vl_moe_text" and key == "moe_intermediate_size":
                 raise ValueError(f"Hugging Face config (model_type {family!r}): {key} is {value}, its text "
                                  f"experts' and its vision experts' widths; a MoeConfig is one set of experts: pass "
                                  f"{field}={value[0]} (text) or {field}={value[1]} (vision)")
@@ -649,6 +652,7 @@ def _fields_from_hf(config, given=frozenset()):
         intermediate_size=need("intermediate_size", _EXPERT_INTERMEDIATE_KEYS),
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
         group_score=defaults.get("group_score"),
-        routed_scaling_factor=get("routed_scaling_factor", 1.0) * _routed_sum_scale(config, family),
+        routed_scaling_factor=None if "routed_scaling_factor" in given else
+        get("routed_scaling_factor", 1.0) * _routed_sum_scale(config, family),
         hidden_act=None if "hidden_act" in given else _hidden_act(get("hidden_act", "silu")),
         swiglu_limit=None if "swiglu_limit" in given else _swiglu_limit(config, family))

@@ -11,8 +11,10 @@ rank 0 prints.
 Ctrl-C prints the tokens generated so far, then exits.
 Exit status: 0 done, 1 the folder cannot be loaded, 2 bad arguments, 130 interrupted."""
 import argparse
+import errno
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -144,10 +146,10 @@ def load_tokenizer(folder, needed):
 
 def _unreadable_bin(error):
     """The name of the file torch.load was reading when it raised `error` (its frame's argument: transformers
-    does not say which shard), or None for an error from elsewhere, or one that is not the file's content.
-    Its own message would advise weights_only=False ("arbitrary code execution"), wrong for a damaged file."""
+    does not say which shard), or None for an error from elsewhere, or one that is not the file's content
+    (an I/O error other than EINVAL, which a zip cut short gives)."""
     import torch
-    if isinstance(error, (PermissionError, MemoryError)):
+    if isinstance(error, MemoryError) or (isinstance(error, OSError) and error.errno != errno.EINVAL):
         return None
     tb = error.__traceback__
     while tb is not None:
@@ -156,6 +158,18 @@ def _unreadable_bin(error):
             return Path(path).name
         tb = tb.tb_next
     return None
+
+
+def _bin_refusal(bad_bin, error):
+    """Why torch.load refused `bad_bin`, in one line.  Its own message advises weights_only=False
+    ("arbitrary code execution"): wrong for a damaged file, and for a valid one holding other objects than
+    tensors (which its "Unsupported global" names) a risk ktfp8 does not take for the user."""
+    other = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    if other:
+        return (f"{bad_bin} holds a {other[1]} beside its tensors, which torch.load(weights_only=True) does not "
+                f"unpickle; save the weights as tensors only, or as safetensors")
+    return (f"{bad_bin} is not a valid PyTorch checkpoint (torch.load, which transformers reads .bin weights with, "
+            f"raised {type(error).__name__})")
 
 
 def load(folder, threads):
@@ -178,9 +192,7 @@ def load(folder, threads):
         except Exception as e:  # noqa: BLE001
             bad_bin = _unreadable_bin(e)
             if bad_bin is not None:
-                raise _Failure(f"{folder}: cannot load the model: {bad_bin} is not a valid PyTorch checkpoint "
-                               f"(torch.load, which transformers reads .bin weights with, raised "
-                               f"{type(e).__name__})", 1) from None
+                raise _Failure(f"{folder}: cannot load the model: {_bin_refusal(bad_bin, e)}", 1) from None
             if isinstance(e, RuntimeError):     # its weight conversion failed (e.g. an expert tensor is missing)
                 raise _cannot_load(folder, e) from None
             raise

@@ -468,10 +468,10 @@ class FP8SafeTensorLoader:
         names = self._names(layer, role, kind, experts)
         files = {self.checkpoint.weight_map[n] for n in names}
         infos = [self.checkpoint.info(n) for n in names]
-        odd = next((i for i in infos if i.shape != infos[0].shape or i.dtype != infos[0].dtype), None)
-        if odd is not None:
+        other = next((i for i in infos if i.shape != infos[0].shape or i.dtype != infos[0].dtype), None)
+        if other is not None:
             raise SafetensorsError(f"{self.path}: layer {layer} {role} {kind}: experts differ in shape or dtype "
-                                   f"({odd.name}: {odd.dtype} {list(odd.shape)}, but {infos[0].name}: "
+                                   f"({other.name}: {other.dtype} {list(other.shape)}, but {infos[0].name}: "
                                    f"{infos[0].dtype} {list(infos[0].shape)})")
         if len(files) == 1:
             view = self.checkpoint.file_of(names[0]).stacked_memmap(names)

@@ -1171,10 +1171,10 @@ CASES = [
          lambda c: _generate(c, "--model", str(_whole_bf16(c, "garbage_bin", _garbage_bin)), "--prompt-ids", "1"),
          1, "garbage_bin: cannot load the model: pytorch_model.bin is not a valid PyTorch checkpoint (torch.load, "
          "which transformers reads .bin weights with, raised UnpicklingError)"),
-    Case("python -m ktfp8.generate", "--prompt text in a folder without a tokenizer (was found after loading)",
+    Case("python -m ktfp8.generate", "--prompt text in a folder without a tokenizer",
          lambda c: _generate(c, "--model", str(c.ckpt), "--prompt", "hello"), 2,
          "has no tokenizer: give the prompt as --prompt-ids"),
-    Case("python -m ktfp8.generate", "--prompt-ids past config.json's vocab_size (was found after loading)",
+    Case("python -m ktfp8.generate", "--prompt-ids past config.json's vocab_size",
          lambda c: _generate(c, "--model", str(_with_config(c, "vocab_16", vocab_size=16)), "--prompt-ids", "1,16"),
          2, "--prompt-ids: token id 16 is outside the vocabulary (size 16)"),
     Case("python -m ktfp8.generate", "WORLD_SIZE=x in the environment",

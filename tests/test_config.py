@@ -332,6 +332,12 @@ def test_from_hf_config_per_layer_list_of_several_values_takes_the_layer_given()
         MoeConfig.from_hf_config(hunyuan)
     cfg = MoeConfig.from_hf_config(hunyuan, num_experts_per_tok=6, intermediate_size=1024)
     assert (cfg.num_experts_per_tok, cfg.intermediate_size) == (6, 1024)
+    # KTransformers' name of the top-k is the same override
+    assert MoeConfig.from_hf_config(hunyuan, routed_expert_num=6, intermediate_size=1024).num_experts_per_tok == 6
+    # a given scale is not read (a string there raised TypeError from its product with Cohere2's halving)
+    glm = dict(model_type="glm4_moe", n_routed_experts=8, num_experts_per_tok=2, hidden_size=8, moe_intermediate_size=8,
+               routed_scaling_factor="2.5")
+    assert MoeConfig.from_hf_config(glm, routed_scaling_factor=2.5).routed_scaling_factor == 2.5
 
 
 def test_from_hf_config_nested_text_config():

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -251,6 +252,21 @@ def test_a_damaged_bin_shard_is_named_in_one_line(mixtral, tmp_path, capsys, con
                                   f"valid PyTorch checkpoint (torch.load, which transformers reads .bin weights "
                                   f"with, raised ") + r"\w+\)", err.splitlines()[-1])
     assert "weights_only" not in err and "Traceback" not in err
+
+
+def test_a_bin_holding_other_objects_than_tensors_is_named_so(mixtral, tmp_path, capsys):
+    """A valid .bin holding a NumPy scalar beside its tensors is refused by torch.load(weights_only=True):
+    named as such, not as a damaged file (a helper's review), nor with torch's advice to load it unsafely."""
+    folder = shutil.copytree(mixtral["bf16"], tmp_path / "bin")
+    bad = _sharded_bin(folder)[1]
+    torch.save({**torch.load(folder / bad), "step": np.float64(3)}, folder / bad)
+    assert main(["--model", str(folder), "--prompt-ids", "1"]) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(re.escape(f"python -m ktfp8.generate: error: {folder}: cannot load the model: {bad} holds a ")
+                        + r"numpy\S+scalar" + re.escape(" beside its tensors, which torch.load(weights_only=True) does "
+                                                       "not unpickle; save the weights as tensors only, or as "
+                                                       "safetensors"), err.splitlines()[-1])
+    assert "Traceback" not in err and "arbitrary code" not in err
 
 
 @pytest.mark.parametrize("folder", ["fp8", "bf16"])

@@ -312,6 +312,19 @@ def test_kimi_linear_reads_its_own_names_first():
         (hf.norm_topk_prob, hf.n_group, hf.num_experts_per_tok) == (False, 4, 4)
 
 
+def test_inkling2_reads_routed_scaling_factor_over_route_scale():
+    """Inkling-2's config class keeps route_scale as a field and routed_scaling_factor as its attribute_map
+    alias, applied last: a config.json holding both scales by routed_scaling_factor (a helper's review: the
+    family's own name had been put first for every family, as Kimi Linear's are)."""
+    _, t = _torch_transformers()
+    if not hasattr(t, "Inkling2TextConfig"):
+        pytest.skip("no Inkling-2 in this transformers")
+    fields = dict(num_experts=8, num_experts_per_tok=2, hidden_size=8, moe_intermediate_size=8, scoring_func="sigmoid",
+                  route_scale=3.0, routed_scaling_factor=5.0)
+    cfg = MoeConfig.from_hf_config(dict(fields, model_type="inkling2_text"))
+    assert cfg.routed_scaling_factor == t.Inkling2TextConfig.from_dict(fields).route_scale == 5.0
+
+
 @pytest.mark.parametrize("family", sorted(f for f, (key, _, _) in config_module._UNDESCRIBED_ROUTERS.items()
                                           if key is None))
 def test_routers_no_moeconfig_describes_are_refused(family):
