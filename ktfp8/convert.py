@@ -45,8 +45,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".gguf", ".h5", ".msg
 _SKIP_FILES = ("config.json", INDEX_NAME, "pytorch_model.bin.index.json")
 _SKIP_DIRS = (".git", ".cache")
 VERIFY_WORST = 10
-
-
 DEFAULT_MIN_SQNR_DB = 20.0     # --verify's threshold: FP8 E4M3 of well-scaled weights reads about 31 dB
 
 

@@ -34,10 +34,9 @@ def _unique_keys(pairs):
 
 
 def parse_quant_config(text):
-    """--quant-config JSON -> QuantSpec (a ValueError's message is what follows argparse's "argument
-    --quant-config: ").  Keys: method ("FP8"), per_channel (bool; default true, false where
+    """--quant-config JSON -> QuantSpec.  Keys: method ("FP8"), per_channel (bool; default true, false where
     a group_size other than 0 is given), group_size (per-channel: 0 or absent; block-wise: the block edge,
-    default 128)."""
+    default 128).  A ValueError's message follows argparse's "argument --quant-config: "."""
     try:
         raw = json.loads(text, object_pairs_hook=_unique_keys)
     except _DuplicateKey as e:
@@ -48,8 +47,7 @@ def parse_quant_config(text):
         raise ValueError(f"must be a JSON object, got {text!r}")
     unknown = set(raw) - {"method", "per_channel", "group_size"}
     if unknown:
-        raise ValueError(f"unknown keys {sorted(unknown)}; allowed: method, per_channel, "
-                         f"group_size")
+        raise ValueError(f"unknown keys {sorted(unknown)}; allowed: method, per_channel, group_size")
     if raw.get("method", "FP8") != "FP8":
         raise ValueError(f"method must be \"FP8\", got {raw.get('method')!r}")
     group = raw.get("group_size")
@@ -68,8 +66,8 @@ def parse_quant_config(text):
     if group <= 0:
         raise ValueError(f"block-wise (per_channel false) needs group_size > 0, got {group}")
     if group > MAX_BLOCK_EDGE:
-        raise ValueError(f"group_size must be at most {MAX_BLOCK_EDGE} (the kernels' block edges "
-                         f"are 32-bit), got {group}")
+        raise ValueError(f"group_size must be at most {MAX_BLOCK_EDGE} (the kernels' block edges are 32-bit), "
+                         f"got {group}")
     if group % 2:
         raise ValueError(f"group_size must be even, got {group}: {ODD_BLOCK_EDGE}")
     return QuantSpec(False, (group, group))

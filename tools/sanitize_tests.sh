@@ -13,9 +13,11 @@ if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=$root/.venv/bin/python; else PYTHON=python3; fi
 fi
 tests=("$@")
+# (-k "not family": test_routing's checks against each model family's transformers block, 222 of its 280
+# tests, call route()'s C code as its oracle tests do; Zen 3 VM: 725 tests in 185 s, 947 in 208 s with them)
 [ ${#tests[@]} -gt 0 ] || tests=(tests/test_fp8_codec.py tests/test_moe.py tests/test_moe_errors.py
                                  tests/test_properties.py tests/test_concurrency.py tests/test_routing.py
-                                 tests/test_kernels.py)
+                                 tests/test_kernels.py -k "not family")
 
 if [ -n "${KTFP8_SANITIZE_DIR:-}" ]; then
     mkdir -p "$KTFP8_SANITIZE_DIR" && work=$(cd "$KTFP8_SANITIZE_DIR" && pwd)
