@@ -300,7 +300,7 @@ MOEConfig = MoeConfig  # KTransformers' spelling
 def _positive_float32(name, value, also=""):
     """MoeConfig.<name> as a float: a number (not a bool) that is finite and > 0 as a float32 too; `also`
     names what else the field takes ("None or "), in the messages."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if not _is_number(value):
         raise TypeError(f"MoeConfig.{name} must be {also}a number, got {type(value).__name__} {value!r}")
     try:
         with np.errstate(over="ignore"):
@@ -537,7 +537,7 @@ def _one_value(value):
 
 
 def _is_number(value):
-    """A config.json number (JSON true is a Python bool: not one)."""
+    """A real number that is not a bool (JSON true is a Python bool; NumPy's bool_ is no numbers.Real)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
