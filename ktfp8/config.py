@@ -608,10 +608,12 @@ def _fields_from_hf(config, given=frozenset()):
         return defaults.get(key, default) if value is None else value
 
     def need(field, keys):
-        """The first of `keys` config.json sets; a per-layer list (Hunyuan-A13B's moe_topk) must hold one
-        value, as MoeConfig describes one layer (or the caller gives the field)."""
+        """The first of the family's own names of `field` (_FAMILY_KEY_ALIASES) and `keys` that config.json
+        sets; a per-layer list (Hunyuan-A13B's moe_topk) must hold one value, as MoeConfig describes one
+        layer (or the caller gives the field)."""
         if field in given:
             return None
+        keys = tuple(dict.fromkeys((*_FAMILY_KEY_ALIASES.get(family, {}).get(field, ()), *keys)))
         for key in keys:
             value = _one_value(config.get(key))
             if isinstance(value, (list, tuple)) and family == "ernie4_5_vl_moe_text" and key == "moe_intermediate_size":
@@ -646,8 +648,7 @@ def _fields_from_hf(config, given=frozenset()):
     norm_topk_prob = True if renormalised else get("norm_topk_prob", renormalises_by_default)
     return dict(
         expert_num=need("expert_num", _EXPERT_COUNT_KEYS),
-        num_experts_per_tok=need("num_experts_per_tok",
-                                 (*_FAMILY_KEY_ALIASES.get(family, {}).get("num_experts_per_tok", ()), *_TOP_K_KEYS)),
+        num_experts_per_tok=need("num_experts_per_tok", _TOP_K_KEYS),
         hidden_size=need("hidden_size", _EXPERT_HIDDEN_KEYS),
         intermediate_size=need("intermediate_size", _EXPERT_INTERMEDIATE_KEYS),
         scoring_func=scoring_func, norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,

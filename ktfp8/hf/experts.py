@@ -344,8 +344,7 @@ def prepare(model, quant_config=None, *, threads=None):
             # config.per_layer_config[i], copied when the model was made) keeps its old implementation,
             # which would index its released weights
             for _, m, _ in modules:
-                if m.config._experts_implementation != name:
-                    m.config._experts_implementation = name
+                m.config._experts_implementation = name
     return model
 
 
