@@ -42,7 +42,9 @@ INCLUDE = ["include", np.get_include()]
 # builds that took 1.07x-1.11x the time at T = 1 on 1 thread with the same avx2 source
 # (docs/tuning-notes.md).
 BASE_CFLAGS = ["-O3", "-falign-functions=64", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wall"]
-EMULATION_FLAGS = ["-DKTFP8_EMULATE_SIMD", "-DKTFP8_EMULATE_AMX", "-Wno-psabi"]
+# -g1 (line tables: a failing test's backtrace still names file and line): full -g on SIMDe's inlined
+# emulation took 35-40 % of these test-only units' compile time (Zen 3 VM: moe_avx512bf16 29 s -> 19 s)
+EMULATION_FLAGS = ["-DKTFP8_EMULATE_SIMD", "-DKTFP8_EMULATE_AMX", "-Wno-psabi", "-g1"]
 TWIN_BASES = ("fp8_codec", "moe")  # kernels worth checking under emulation (not the speed probes)
 
 
@@ -90,8 +92,10 @@ def sanitize_flags():
     wanted = os.environ.get("KTFP8_SANITIZE", "").strip()
     if not wanted:
         return []
-    # no recovery: a UBSan finding aborts the process (a failed test run), as ASan's do
-    return [f"-fsanitize={wanted}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1"]
+    # no recovery: a UBSan finding aborts the process (a failed test run), as ASan's do.  -g1: the line
+    # tables a report's stack trace needs; full -g doubled the sanitized SIMDe units' compile time
+    # (Zen 3 VM: the emulated moe_avx512bf16, 111 s -> 56 s)
+    return [f"-fsanitize={wanted}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g1", "-O1"]
 
 
 def unit_sources(level, bases=None):
@@ -156,6 +160,16 @@ class BuildNative(build_ext):
             for stale in folder.glob("_testing*.so"):
                 stale.unlink()
 
+    def build_extensions(self):
+        # The extensions build side by side, the ISA units of both on one pool of the cores this process
+        # may use: the serial part of each (its Cython module and baseline C, then the link) overlaps the
+        # other's units instead of following them (Zen 3 VM, a full build: 87 s -> 71 s).
+        self.plan()  # decided and announced once, before the threads
+        self.parallel = len(self.extensions)
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as self.unit_pool:
+            super().build_extensions()
+
     def build_extension(self, ext):
         units = self.plan()[ext.name]
         common = BASE_CFLAGS + sanitize_flags()
@@ -171,10 +185,8 @@ class BuildNative(build_ext):
                 include_dirs=INCLUDE, macros=[("KTFP8_VARIANT", variant)], extra_postargs=common + flags)
 
         # The ISA units are independent and dominate the build time (SIMDe-emulated ones above all,
-        # sanitized builds even more): compile them on every core this process may use.
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            ext.extra_objects = [obj for objs in pool.map(compile_unit, units) for obj in objs]
+        # sanitized builds even more): compiled on build_extensions' pool.
+        ext.extra_objects = [obj for objs in self.unit_pool.map(compile_unit, units) for obj in objs]
         ext.extra_compile_args = common
         ext.extra_link_args = ["-fopenmp"] + sanitize_flags()
         # Always relink: the .so depends on which ISA objects were chosen, which setuptools'
@@ -196,6 +208,9 @@ def extension(name, sources):
                      define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
 
 
+# every build option read once up front: a misspelt value stops the build before Cython runs, not after
+for name in sorted({o for _, options, _ in ISA.values() for o in options}) + ["EMULATED"]:
+    option(name)
 extensions = [extension("ktfp8._native._ext", baseline_sources("_ext.pyx", (ROOT / NATIVE).glob("*.c")))]
 if option("EMULATED") != "OFF":
     extensions.append(extension("ktfp8._native._testing",
