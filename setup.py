@@ -98,6 +98,10 @@ def sanitize_flags():
     return [f"-fsanitize={wanted}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g1", "-O1"]
 
 
+def usable_cores():
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
 def unit_sources(level, bases=None):
     """The level's sources <base>_<level>.c, optionally only those of the given bases."""
     return [src for src in sorted((ROOT / NATIVE).glob(f"*_{level}.c"))
@@ -124,20 +128,25 @@ class BuildNative(build_ext):
             return self._plan
         refuse_other_compilers(self.compiler.compiler_type)
         units = {"ktfp8._native._ext": [], "ktfp8._native._testing": []}
-        for level, (flags, options, _) in ISA.items():
-            modes = [option(o) for o in options]
-            if "OFF" in modes:
-                continue
-            if self.compiles("#include <immintrin.h>\nint f(void) { return 0; }", flags):
+        levels = [(level, flags, [option(o) for o in options]) for level, (flags, options, _) in ISA.items()]
+        levels = [(level, flags, modes) for level, flags, modes in levels if "OFF" not in modes]
+        emulated = option("EMULATED")
+        twins = [(level, ISA[twin][0] + EMULATION_FLAGS) for level, (_, _, twin) in ISA.items()
+                 if twin != "none" and emulated != "OFF"]
+        # the compiler checks side by side: one after the other they took 6 s of a build
+        with ThreadPoolExecutor(max_workers=usable_cores()) as pool:
+            level_checks = [pool.submit(self.compiles, "#include <immintrin.h>\nint f(void) { return 0; }", flags)
+                            for _, flags, _ in levels]
+            twin_checks = [pool.submit(self.compiles, "#include <simde/x86/avx512.h>\nint f(void) { return 0; }",
+                                       flags) for _, flags in twins]
+        for (level, flags, modes), check in zip(levels, level_checks):
+            if check.result():
                 units["ktfp8._native._ext"] += [(src, level, flags) for src in unit_sources(level)]
             elif "ON" in modes:
                 sys.exit(f"ktfp8 build: {level} was requested (ON) but this compiler does not accept "
                          f"{' '.join(flags)} with its intrinsics; upgrade the compiler or set it to OFF/AUTO")
-        emulated = option("EMULATED")
         if emulated != "OFF":
-            twins = [(level, ISA[twin][0] + EMULATION_FLAGS) for level, (_, _, twin) in ISA.items() if twin != "none"]
-            if all(self.compiles("#include <simde/x86/avx512.h>\nint f(void) { return 0; }", flags)
-                   for _, flags in twins):
+            if all(check.result() for check in twin_checks):
                 units["ktfp8._native._testing"] += [(src, level + "_emulated", flags) for level, flags in twins
                                                      for src in unit_sources(level, TWIN_BASES)]
             elif emulated == "ON":
@@ -161,33 +170,39 @@ class BuildNative(build_ext):
                 stale.unlink()
 
     def build_extensions(self):
-        # The extensions build side by side, the ISA units of both on one pool of the cores this process
-        # may use: the serial part of each (its Cython module and baseline C, then the link) overlaps the
-        # other's units instead of following them (Zen 3 VM, a full build: 87 s -> 71 s).
-        self.plan()  # decided and announced once, before the threads
-        self.parallel = len(self.extensions)
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as self.unit_pool:
+        # Every extension's ISA units go on one pool of the cores this process may use, the SIMDe twins
+        # first (the longest compiles: 20-30 s each on the Zen 3 VM, a native unit 5-12 s), and the
+        # extensions build side by side: the serial part of each (its Cython module and baseline C, then
+        # the link) overlaps the other's units instead of following them.  Zen 3 VM, a full build from
+        # clean: 87-92 s -> 69-74 s, with plan()'s compiler checks side by side too.
+        plan = self.plan()
+        queue = sorted(((name, unit) for name, units in plan.items() for unit in units),
+                       key=lambda job: not job[1][1].endswith("_emulated"))
+        with ThreadPoolExecutor(max_workers=usable_cores()) as pool:
+            self.unit_jobs = {name: [] for name in plan}
+            for name, unit in queue:
+                self.unit_jobs[name].append(pool.submit(self.compile_unit, name, unit))
+            self.parallel = len(self.extensions)
             super().build_extensions()
 
-    def build_extension(self, ext):
-        units = self.plan()[ext.name]
+    def common_flags(self, ext_name):
         common = BASE_CFLAGS + sanitize_flags()
         # not in the emulated twins: with the CPU's own instructions enabled, SIMDe would hand every
         # intrinsic to the hardware, and the twins' tests would test no emulation
-        if os.environ.get("KTFP8_NATIVE") == "1" and ext.name == "ktfp8._native._ext":
+        if os.environ.get("KTFP8_NATIVE") == "1" and ext_name == "ktfp8._native._ext":
             common = common + ["-march=native"]
+        return common
 
-        def compile_unit(unit):
-            src, variant, flags = unit
-            return self.compiler.compile(
-                [str(src.relative_to(ROOT))], output_dir=os.path.join(self.build_temp, "isa", variant),
-                include_dirs=INCLUDE, macros=[("KTFP8_VARIANT", variant)], extra_postargs=common + flags)
+    def compile_unit(self, ext_name, unit):
+        src, variant, flags = unit
+        return self.compiler.compile(
+            [str(src.relative_to(ROOT))], output_dir=os.path.join(self.build_temp, "isa", variant),
+            include_dirs=INCLUDE, macros=[("KTFP8_VARIANT", variant)],
+            extra_postargs=self.common_flags(ext_name) + flags)
 
-        # The ISA units are independent and dominate the build time (SIMDe-emulated ones above all,
-        # sanitized builds even more): compiled on build_extensions' pool.
-        ext.extra_objects = [obj for objs in self.unit_pool.map(compile_unit, units) for obj in objs]
-        ext.extra_compile_args = common
+    def build_extension(self, ext):
+        ext.extra_objects = [obj for job in self.unit_jobs[ext.name] for obj in job.result()]
+        ext.extra_compile_args = self.common_flags(ext.name)
         ext.extra_link_args = ["-fopenmp"] + sanitize_flags()
         # Always relink: the .so depends on which ISA objects were chosen, which setuptools'
         # timestamp check does not see.

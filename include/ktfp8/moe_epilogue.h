@@ -145,7 +145,8 @@ static inline void ktfp8_epilogue_glu_store(float *g, const float *u, int64_t m,
 static inline void ktfp8_epilogue_scatter_add(float *acc, int64_t acc_stride, const int64_t *token, int64_t token0,
                                               const float *weight, const float *z, int64_t z_stride, int64_t m,
                                               int64_t cols) {
-    for (int64_t i = 0; i < m; i++) ktfp8_axpy(acc + (token[i] - token0) * acc_stride, weight[i], z + i * z_stride, cols);
+    for (int64_t i = 0; i < m; i++)
+        ktfp8_axpy(acc + (token[i] - token0) * acc_stride, weight[i], z + i * z_stride, cols);
 }
 
 #define KTFP8_EPILOGUE_OPS(name)                                 \

@@ -12,8 +12,8 @@ extern "C" {
 
 #define KTFP8_PROBE_MAX_STREAMS 64
 /* Reads bytes (a multiple of 128) of buf once, spread over threads, each thread's share as `streams`
- * (1 .. KTFP8_PROBE_MAX_STREAMS) runs read side by side (a 128-byte step of each in turn); returns the sum of its 64-bit words
- * (modulo 2^64), so that a test can see every step read once. */
+ * (1 .. KTFP8_PROBE_MAX_STREAMS) runs read side by side (a 128-byte step of each in turn); returns the
+ * sum of its 64-bit words (modulo 2^64), so that a test can see every step read once. */
 uint64_t ktfp8_probe_read(const void *buf, size_t bytes, int threads, int streams);
 /* Runs iters rounds of independent FP32 FMAs (AVX2, ymm) per thread; returns the flops done (0: no AVX2). */
 double ktfp8_probe_fma(int64_t iters, int threads);
