@@ -127,9 +127,9 @@ def main(argv=None):
     if args.verify_min_sqnr is None:
         args.verify_min_sqnr = DEFAULT_MIN_SQNR_DB
     _setup_logging()
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)   # clean up on kill -TERM too
+    previous = {}
+    if threading.current_thread() is threading.main_thread():   # clean up on kill -TERM too
+        previous = {s: signal.signal(s, _SIGNALS.handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         convert(args)
         return 0
@@ -147,8 +147,8 @@ def main(argv=None):
         log.error("error: %s", e)
         return 1
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -164,8 +164,47 @@ class _InterruptedWhenPublished(KeyboardInterrupt):
         super().__init__(self.signum)
 
 
-def _raise_interrupt(signum, frame):
-    raise _Terminated
+def _interrupt(signum):
+    return _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+class _SignalGate:
+    """main()'s handler of SIGINT and SIGTERM: raises KeyboardInterrupt or _Terminated in the main thread,
+    unwound by the same cleanup, except while that thread waits for the workers.  An exception that a
+    handler raises inside threading.Condition.wait can land after the wait has released the condition's
+    lock and before it takes it again; the `with` around it then ends in "RuntimeError: release unlocked
+    lock" instead (CPython issue 118433; seen in CI: kill -TERM left a traceback and status 1, not 143).
+    A signal that comes during the wait is held and raised once the wait returns, which it does every
+    POLL_S seconds."""
+
+    POLL_S = 0.1
+
+    def __init__(self):
+        self.waiting = False
+        self.held = None
+
+    def handler(self, signum, frame):
+        if self.waiting:
+            self.held = signum
+        else:
+            raise _interrupt(signum)
+
+    def wait(self, futures):
+        """The futures of `futures` that are done, once one is; raises a signal held meanwhile."""
+        self.waiting = True
+        try:
+            done = set()
+            while not done and self.held is None:
+                done, _ = cf.wait(futures, timeout=self.POLL_S, return_when=cf.FIRST_COMPLETED)
+        finally:
+            self.waiting = False
+        if self.held is not None:
+            signum, self.held = self.held, None
+            raise _interrupt(signum)
+        return done
+
+
+_SIGNALS = _SignalGate()
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -426,7 +465,7 @@ def _run_pool(threads, work, fn, done):
                     pending[pool.submit(fn, unit)] = unit
                 if not pending:
                     return
-                finished, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                finished = _SIGNALS.wait(pending)
                 for future in finished:
                     done(pending.pop(future), future.result())
         except BaseException:

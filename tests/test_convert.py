@@ -1,6 +1,7 @@
 """python -m ktfp8.convert: output layout (shards, index, config.json for other engines, copied files),
 determinism, --verify, and every safety rule (input untouched, output refused / replaced, malformed
 inputs, interrupted runs)."""
+import concurrent.futures
 import fcntl
 import json
 import os
@@ -12,6 +13,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import pytest
 
 from hf_models import (EXPERTS, HIDDEN, MODELS, MOE_INTER, build_model, expert_name, folder_digest, fuse_experts,
                        moe_layers, save_model)
+from ktfp8 import convert as convert_module
 from ktfp8 import fp8
 from ktfp8.convert import main as convert
 from ktfp8.loader import FP8SafeTensorLoader
@@ -601,6 +604,31 @@ def test_interrupted_conversion_cleans_up(big_input, tmp_path, sig, code):
     assert proc.returncode == code, err
     assert "interrupted" in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sig, raised", [(signal.SIGINT, KeyboardInterrupt),
+                                         (signal.SIGTERM, convert_module._Terminated)])
+def test_a_signal_while_waiting_for_the_workers_is_raised_when_the_wait_returns(sig, raised):
+    """Raised inside threading.Condition.wait, the interrupt could leave its lock released and end in
+    "RuntimeError: release unlocked lock" (CPython issue 118433; once in CI, status 1 and a traceback
+    instead of 143): the gate holds it and raises it within a poll, long before the work is done."""
+    gate = convert_module._SignalGate()
+    previous = signal.signal(sig, gate.handler)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            release = threading.Event()
+            slow = pool.submit(release.wait, 30)
+            threading.Timer(0.2, os.kill, (os.getpid(), sig)).start()
+            started = time.monotonic()
+            with pytest.raises(raised) as caught:
+                gate.wait({slow})
+            assert time.monotonic() - started < 0.2 + 5 * gate.POLL_S and not slow.done()
+            assert type(caught.value) is raised and gate.held is None and not gate.waiting
+            release.set()
+        with pytest.raises(raised):    # outside the wait, at once
+            gate.handler(sig, None)
+    finally:
+        signal.signal(sig, previous)
 
 
 def test_progress_bar_on_a_terminal(qwen, tmp_path):
