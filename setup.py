@@ -123,16 +123,14 @@ class BuildNative(build_ext):
 
     def plan(self):
         """{extension name: [(source, variant dir, flags)]}: the ISA units (and emulated twins) this
-        build compiles, decided once and announced in one line."""
-        if hasattr(self, "_plan"):
-            return self._plan
+        build compiles, announced in one line."""
         refuse_other_compilers(self.compiler.compiler_type)
         units = {"ktfp8._native._ext": [], "ktfp8._native._testing": []}
         levels = [(level, flags, [option(o) for o in options]) for level, (flags, options, _) in ISA.items()]
         levels = [(level, flags, modes) for level, flags, modes in levels if "OFF" not in modes]
         emulated = option("EMULATED")
-        twins = [(level, ISA[twin][0] + EMULATION_FLAGS) for level, (_, _, twin) in ISA.items()
-                 if twin != "none" and emulated != "OFF"]
+        twins = [] if emulated == "OFF" else [(level, ISA[twin][0] + EMULATION_FLAGS)
+                                              for level, (_, _, twin) in ISA.items() if twin != "none"]
         # the compiler checks side by side: one after the other they took 6 s of a build
         with ThreadPoolExecutor(max_workers=usable_cores()) as pool:
             level_checks = [pool.submit(self.compiles, "#include <immintrin.h>\nint f(void) { return 0; }", flags)
@@ -145,16 +143,14 @@ class BuildNative(build_ext):
             elif "ON" in modes:
                 sys.exit(f"ktfp8 build: {level} was requested (ON) but this compiler does not accept "
                          f"{' '.join(flags)} with its intrinsics; upgrade the compiler or set it to OFF/AUTO")
-        if emulated != "OFF":
-            if all(check.result() for check in twin_checks):
-                units["ktfp8._native._testing"] += [(src, level + "_emulated", flags) for level, flags in twins
-                                                     for src in unit_sources(level, TWIN_BASES)]
-            elif emulated == "ON":
-                sys.exit("ktfp8 build: emulated variants requested (ON) but SIMDe headers were not found "
-                         "(Debian/Ubuntu: apt-get install libsimde-dev)")
+        if all(check.result() for check in twin_checks):   # (none where EMULATED is OFF)
+            units["ktfp8._native._testing"] += [(src, level + "_emulated", flags) for level, flags in twins
+                                                 for src in unit_sources(level, TWIN_BASES)]
+        elif emulated == "ON":
+            sys.exit("ktfp8 build: emulated variants requested (ON) but SIMDe headers were not found "
+                     "(Debian/Ubuntu: apt-get install libsimde-dev)")
         compiled = sorted({variant for unit_list in units.values() for _, variant, _ in unit_list})
         print(f"ktfp8 build: ISA units compiled: {', '.join(compiled) or 'none (portable C only)'}")
-        self._plan = units
         return units
 
     def run(self):
